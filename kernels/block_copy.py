@@ -1,0 +1,108 @@
+"""Reference copy path between engine KV blocks and host pool pages (torch).
+
+Contract:
+- Engine side: one ``(num_blocks, block_bytes)`` uint8 tensor per layer, on
+  CPU or GPU, where row ``b`` is the raw bytes of block ``b`` in that layer
+  (see ``block_byte_view``). Blocks are copied as opaque bytes, so the
+  attention backend's K/V arrangement inside a block does not matter.
+- Host side: a ``(num_slots, num_layers, blocks_per_page, block_bytes)``
+  uint8 pool (``page_first`` layout).
+- A transfer is three equal-length int64 index tensors: engine block ids,
+  pool slots and block offsets within the page.
+- ``save_blocks`` copies engine -> pool, ``load_blocks`` pool -> engine; both
+  are complete when they return (device work is synchronised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Which engine blocks move to/from which (slot, block-in-page) places."""
+
+    block_ids: torch.Tensor  # int64, engine block ids
+    slots: torch.Tensor  # int64, pool slots
+    offsets: torch.Tensor  # int64, block index within the page
+
+    @classmethod
+    def from_lists(
+        cls, block_ids: Sequence[int], slots: Sequence[int], offsets: Sequence[int]
+    ) -> BlockTransfer:
+        if not len(block_ids) == len(slots) == len(offsets):
+            raise ValueError("block_ids, slots and offsets must have equal lengths")
+        as_t = lambda xs: torch.tensor(list(xs), dtype=torch.int64)  # noqa: E731
+        return cls(as_t(block_ids), as_t(slots), as_t(offsets))
+
+    def __len__(self) -> int:
+        return int(self.block_ids.numel())
+
+
+def block_byte_view(layer_kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """View one layer's KV tensor as ``(num_blocks, block_bytes)`` uint8, sharing memory.
+
+    Works for any tensor whose dim 0 is the block and whose remaining dims
+    cover one dense range per block, whatever their order (vLLM's LB** and
+    BL** layouts). When the backend split manager blocks into smaller kernel
+    blocks, dim 0 has a multiple of ``num_blocks`` rows that must be adjacent.
+    Raises ValueError for anything else.
+    """
+    t = layer_kv
+    rows = t.shape[0]
+    if rows % num_blocks:
+        raise ValueError(f"KV tensor has {rows} rows on dim 0, not a multiple of {num_blocks}")
+    split = rows // num_blocks
+    row_elems = 1
+    dims = zip(t.stride()[1:], t.shape[1:], strict=True)
+    for stride, size in sorted((s, n) for s, n in dims if n > 1):
+        if stride != row_elems:
+            raise ValueError(
+                f"KV block is not one dense range (shape {tuple(t.shape)}, "
+                f"stride {tuple(t.stride())})"
+            )
+        row_elems *= size
+    if split > 1 and t.stride(0) != row_elems:
+        raise ValueError("kernel blocks of one manager block are not adjacent in memory")
+    item = t.element_size()
+    as_bytes = t.view(torch.uint8) if t.stride(-1) == 1 else None
+    if as_bytes is None:
+        raise ValueError("KV tensor's innermost dim must be contiguous")
+    return as_bytes.as_strided(
+        (num_blocks, row_elems * split * item),
+        (t.stride(0) * split * item, 1),
+        t.storage_offset() * item,
+    )
+
+
+def save_blocks(
+    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer
+) -> None:
+    """Copy engine blocks into pool pages, every layer."""
+    if not len(transfer):
+        return
+    device = layers[0].device
+    block_ids = transfer.block_ids.to(device)
+    for layer_idx, layer in enumerate(layers):
+        data = layer.index_select(0, block_ids)
+        pool[transfer.slots, layer_idx, transfer.offsets] = data.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def load_blocks(
+    pool: torch.Tensor, layers: Sequence[torch.Tensor], transfer: BlockTransfer
+) -> None:
+    """Copy pool pages into engine blocks, every layer."""
+    if not len(transfer):
+        return
+    device = layers[0].device
+    block_ids = transfer.block_ids.to(device)
+    for layer_idx, layer in enumerate(layers):
+        data = pool[transfer.slots, layer_idx, transfer.offsets]
+        layer.index_copy_(0, block_ids, data.to(device, non_blocking=True))
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
