@@ -190,16 +190,20 @@ class HiRadixTree:
     # ------------------------------------------------------------------ eviction
 
     def evict(self, num_pages: int) -> list[int]:
-        """Free at least ``num_pages`` pages if possible: unlocked leaves, LRU first.
+        """Free exactly ``num_pages`` pages if possible: unlocked leaves, LRU first.
 
-        Whole leaves go, so more may be freed; fewer only when nothing
-        unlocked is left. Returns the freed host slots.
+        A leaf longer than what is still needed loses only its tail pages, so
+        the reusable head of a long history survives. Fewer are freed only
+        when nothing unlocked is left. Returns the freed host slots.
         """
         heap = [(n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
+            still_needed = num_pages - len(freed)
+            if len(leaf.keys) > still_needed:
+                self._split(leaf, len(leaf.keys) - still_needed)  # leaf keeps the tail
             assert leaf.host_slots is not None
             freed.extend(leaf.host_slots)
             parent = self._remove_leaf(leaf)

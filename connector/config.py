@@ -1,0 +1,123 @@
+"""HiCache configuration: parse and validate ``kv_connector_extra_config``.
+
+Contract: ``HiCacheConfig.from_extra_config(dict)`` either returns a frozen,
+fully validated config or raises ``HiCacheConfigError`` whose message names
+the offending key and its allowed values. Names follow SGLang's server flags
+where the concept is shared (``--hicache-ratio`` -> ``hicache_ratio``).
+Keys of features that are not implemented yet are rejected as unknown rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+WRITE_POLICIES = ("write_through",)
+MEM_LAYOUTS = ("page_first",)
+IO_BACKENDS = ("direct",)
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+class HiCacheConfigError(ValueError):
+    """A ``kv_connector_extra_config`` entry is unknown or has a bad value."""
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """Effective HiCache settings; one field per accepted extra-config key."""
+
+    # Tokens per cached page; a multiple of vLLM's block size. None = block size.
+    page_size: int | None = None
+    # L2 host pool size as a multiple of the L1 (vLLM KV cache) size; used
+    # when hicache_size is 0.
+    hicache_ratio: float = 2.0
+    # L2 host pool size in GB (1e9 bytes) per TP rank; 0 = use hicache_ratio.
+    hicache_size: float = 0.0
+    # When pages are copied L1 -> L2: write_through copies every full page as
+    # soon as its KV is computed.
+    hicache_write_policy: str = "write_through"
+    # Byte layout of the L2 host pool: page_first keeps all layers of one page
+    # contiguous (one slot = one page).
+    hicache_mem_layout: str = "page_first"
+    # How bytes move between L1 and L2: direct = torch indexed copies.
+    hicache_io_backend: str = "direct"
+    # What vLLM does when a load fails: recompute the affected tokens
+    # (default; a cache miss costs time, never correctness) or fail the request.
+    # Sets vLLM's kv_transfer_config.kv_load_failure_policy.
+    hicache_load_failure_policy: str = "recompute"
+
+    @classmethod
+    def allowed_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> HiCacheConfig:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(cls.allowed_keys()))
+        if unknown:
+            raise HiCacheConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown} for HiCacheConnector; "
+                f"allowed keys: {sorted(cls.allowed_keys())}"
+            )
+        values: dict[str, Any] = {}
+        if extra.get("page_size") is not None:
+            values["page_size"] = _positive_int(extra, "page_size")
+        for key in ("hicache_ratio", "hicache_size"):
+            if key in extra:
+                values[key] = _number(extra, key)
+        if values.get("hicache_ratio", 1.0) <= 0:
+            raise HiCacheConfigError(
+                f"hicache_ratio must be > 0 (got {values['hicache_ratio']!r})"
+            )
+        if values.get("hicache_size", 0.0) < 0:
+            raise HiCacheConfigError(
+                f"hicache_size must be >= 0 GB; 0 means 'use hicache_ratio' "
+                f"(got {values['hicache_size']!r})"
+            )
+        for key, allowed in (
+            ("hicache_write_policy", WRITE_POLICIES),
+            ("hicache_mem_layout", MEM_LAYOUTS),
+            ("hicache_io_backend", IO_BACKENDS),
+            ("hicache_load_failure_policy", LOAD_FAILURE_POLICIES),
+        ):
+            if key in extra:
+                values[key] = _choice(extra, key, allowed)
+        return cls(**values)
+
+    def resolved_page_size(self, block_size: int) -> int:
+        """Page size in tokens for an engine whose KV block holds ``block_size`` tokens."""
+        page_size = self.page_size or block_size
+        if page_size % block_size:
+            raise HiCacheConfigError(
+                f"page_size must be a multiple of vLLM's block size {block_size} "
+                f"(got page_size={page_size}); allowed: {block_size}, {2 * block_size}, "
+                f"{4 * block_size}, ..."
+            )
+        return page_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _positive_int(extra: dict[str, Any], key: str) -> int:
+    value = extra[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise HiCacheConfigError(f"{key} must be a positive integer (got {value!r})")
+    return value
+
+
+def _number(extra: dict[str, Any], key: str) -> float:
+    value = extra[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HiCacheConfigError(f"{key} must be a number (got {value!r})")
+    return float(value)
+
+
+def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
+    value = extra[key]
+    if value not in allowed:
+        raise HiCacheConfigError(
+            f"{key}={value!r} is not supported; allowed values: {list(allowed)}"
+        )
+    return value

@@ -1,0 +1,219 @@
+"""``HiCacheConnector``: the vLLM KV connector class, translating vLLM's API to our halves.
+
+vLLM builds it twice: with role SCHEDULER in the engine-core process (owns
+``HiCacheScheduler``: tree, slots, plans) and with role WORKER in each worker
+process (owns ``HiCacheWorker``: host pool bytes, copies). This module only
+translates; decisions live in scheduler.py, data movement in worker.py.
+
+Supported: one KV-cache group (full attention, MHA/GQA), synchronous L2
+loads, write-through stores. The class is not ``SupportsHMA``: vLLM turns its
+hybrid KV-cache manager off when this connector is configured, so hybrid
+(sliding-window / Mamba) models run with every layer treated as full
+attention. Pipeline parallelism is not supported.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache.connector.config import HiCacheConfig, HiCacheConfigError
+from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
+from hicache.connector.scheduler import HiCacheScheduler
+from hicache.connector.worker import HiCacheWorker
+from hicache.tiers.host_pool import PoolGeometry
+from hicache.tiers.page_keys import KeyNamespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    """Hierarchical KV cache for vLLM: L1 = vLLM's KV cache, L2 = host DRAM pool."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise HiCacheConfigError("HiCacheConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        self.config = HiCacheConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        block_size = vllm_config.cache_config.block_size
+        page_size = self.config.resolved_page_size(block_size)
+        geometry = pool_geometry(kv_cache_config, self.config, page_size // block_size)
+        self._scheduler: HiCacheScheduler | None = None
+        self._worker: HiCacheWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM reads the policy right after building the scheduler-side connector.
+            self._kv_transfer_config.kv_load_failure_policy = (
+                self.config.hicache_load_failure_policy
+            )
+            self._scheduler = HiCacheScheduler(
+                geometry=geometry,
+                namespace=key_namespace(vllm_config, kv_cache_config, page_size),
+                page_size=page_size,
+                block_size=block_size,
+                block_ids_of=self._block_ids_of,
+            )
+            logger.info(
+                "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
+                "config %s", page_size, geometry.num_slots, geometry.buffer_bytes / 2**30,
+                self.config.to_dict(),
+            )
+        else:
+            self._worker = HiCacheWorker(geometry, kv_cache_config.num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a preempted request simply recomputes.
+        return False
+
+    # ---- scheduler side -----------------------------------------------------
+
+    @property
+    def hicache_scheduler(self) -> HiCacheScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.hicache_scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self.hicache_scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.hicache_scheduler.build_connector_meta(scheduler_output.num_scheduled_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, HiCacheWorkerReport):
+            self.hicache_scheduler.on_worker_report(report)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.hicache_scheduler.request_finished(request, block_ids), None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_stores()
+
+    def reset_cache(self) -> bool | None:
+        return self.hicache_scheduler.reset()
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "vLLM did not bind its KVCacheManager"
+        return self._kv_cache_manager.get_block_ids(req_id)[0]
+
+    # ---- worker side --------------------------------------------------------
+
+    @property
+    def hicache_worker(self) -> HiCacheWorker:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.hicache_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheStepMetadata)
+        if meta.loads:
+            self.hicache_worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # L2 loads complete inside start_load_kv, before the forward pass.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Stores copy whole pages once the step's forward pass is done.
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheStepMetadata)
+        self.hicache_worker.save(meta)
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        released = self.hicache_worker.take_released()
+        return (released or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.hicache_worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> HiCacheWorkerReport | None:
+        return self.hicache_worker.take_report()
+
+
+def pool_geometry(
+    kv_cache_config: KVCacheConfig, config: HiCacheConfig, blocks_per_page: int
+) -> PoolGeometry:
+    """L2 geometry from the engine's KV-cache config; the same on scheduler and workers."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise HiCacheConfigError(
+            f"HiCacheConnector supports models with exactly one KV-cache group; this engine "
+            f"has {len(groups)} ({[type(g.kv_cache_spec).__name__ for g in groups]}). "
+            "Run with --disable-hybrid-kv-cache-manager."
+        )
+    spec = groups[0].kv_cache_spec
+    return PoolGeometry.for_budget(
+        num_layers=len(groups[0].layer_names),
+        blocks_per_page=blocks_per_page,
+        block_bytes=spec.page_size_bytes,
+        l1_num_blocks=kv_cache_config.num_blocks,
+        hicache_size_gb=config.hicache_size,
+        hicache_ratio=config.hicache_ratio,
+    )
+
+
+def key_namespace(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, page_size: int
+) -> KeyNamespace:
+    """Everything that changes the meaning of a page's bytes goes into its keys."""
+    from vllm.platforms import current_platform
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layout = kv_cache_config.kv_cache_layout or "default"
+    return KeyNamespace(
+        model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",
+        kv_dtype=str(spec.dtype),
+        layout=(
+            f"{current_platform.device_type}:{layout}:{type(spec).__name__}:"
+            f"bs{spec.block_size}:h{getattr(spec, 'num_kv_heads', 0)}:"
+            f"d{getattr(spec, 'head_size', 0)}"
+        ),
+        page_size=page_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+    )

@@ -1,0 +1,68 @@
+"""What travels between the two halves of the connector each engine step.
+
+Scheduler -> workers: ``HiCacheStepMetadata`` (loads to perform before the
+forward pass, stores to perform after it). Every TP rank applies the same
+plan to its own KV shard, so plans name slots and block ids, never bytes.
+
+Workers -> scheduler: ``HiCacheWorkerReport`` (slots found unusable), merged
+over ranks by vLLM with ``aggregate``.
+
+Ordering contract: a worker executes steps in order, loads of a step before
+its stores, and every copy is complete before the step's ``wait_for_save``
+returns. The scheduler relies on this to publish a page in the tree as soon
+as its store is planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """One page's worth of blocks moving between L1 and an L2 slot."""
+
+    # L2 host pool slot holding the page.
+    slot: int
+    # Page key; the worker checks (load) or records (store) it per slot.
+    key: bytes
+    # Index within the page of the first block in block_ids (loads may start
+    # mid-page when vLLM's own prefix cache already holds the page's head).
+    first_offset: int
+    # vLLM KV block ids for consecutive blocks of the page.
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequestLoad:
+    """L2 -> L1 copies that make up one request's external prefix hit."""
+
+    req_id: str
+    pages: tuple[PagePlan, ...]
+
+
+@dataclass
+class HiCacheStepMetadata(KVConnectorMetadata):
+    """The plan of one engine step."""
+
+    loads: list[RequestLoad] = field(default_factory=list)
+    stores: list[PagePlan] = field(default_factory=list)
+    # Finished requests whose blocks vLLM keeps until these stores are done;
+    # the worker reports them in finished_sending after this step's saves.
+    release_after_store: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HiCacheWorkerReport(KVConnectorWorkerMetadata):
+    """Slots a worker found unusable this step (failed store or key mismatch)."""
+
+    bad_slots: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, HiCacheWorkerReport)
+        return HiCacheWorkerReport(self.bad_slots | other.bad_slots)

@@ -1,0 +1,52 @@
+"""``make serve``: run vLLM's OpenAI-compatible server with the HiCache connector.
+
+Environment knobs (all optional):
+  MODEL         model path or id (default: the built-in tiny Llama, built on first use)
+  HOST, PORT    bind address (default 127.0.0.1:8000)
+  EXTRA_CONFIG  JSON object merged into kv_connector_extra_config
+  SERVE_ARGS    extra arguments appended to ``vllm serve`` (split like a shell)
+
+It prints the exact ``vllm serve`` command and then replaces itself with it,
+so signals and exit codes are vLLM's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+
+
+def build_command(env: dict[str, str]) -> list[str]:
+    model = env.get("MODEL")
+    if not model:
+        from hicache.integration.tiny_model import ensure_tiny_model
+
+        model = str(ensure_tiny_model("test"))
+    extra = json.loads(env.get("EXTRA_CONFIG") or "{}")
+    if not isinstance(extra, dict):
+        raise SystemExit("EXTRA_CONFIG must be a JSON object")
+    kv_config = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both"}
+    if extra:
+        kv_config["kv_connector_extra_config"] = extra
+    vllm = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
+    cmd = [
+        vllm, "serve", model,
+        "--host", env.get("HOST", "127.0.0.1"),
+        "--port", env.get("PORT", "8000"),
+        "--max-model-len", env.get("MAX_MODEL_LEN", "4096"),
+        "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
+    ]
+    return cmd + shlex.split(env.get("SERVE_ARGS", ""))
+
+
+def main() -> None:
+    cmd = build_command(dict(os.environ))
+    print("+ " + shlex.join(cmd), flush=True)
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()

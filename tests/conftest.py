@@ -1,0 +1,81 @@
+"""Shared fixtures: the tiny model and the no-connector baseline of the multi-turn workload.
+
+Engines are expensive (10-45 s to start), so every engine fixture is module-
+or session-scoped, and the baseline workload runs once per session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from hicache.integration.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.tiny_model import ensure_tiny_model
+from hicache.integration.workload import (
+    MultiTurnSpec,
+    TurnResult,
+    first_turn_prompts,
+    next_turn_prompts,
+    run_turns,
+)
+
+# 8 conversations x >= 1,500-token histories, a 160-token system prompt shared
+# by all (not page-aligned, so vLLM's own prefix hits end mid-page), 3 turns.
+WORKLOAD = MultiTurnSpec(
+    conversations=8,
+    history_tokens=1536,
+    shared_prefix_tokens=160,
+    question_tokens=64,
+    answer_tokens=16,
+    seed=7,
+)
+NUM_TURNS = 3
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+# L1 holds one conversation at a time (72 blocks x 32 tokens = 2,304 tokens):
+# far too small to keep 8 histories, so returning turns miss in vLLM's cache.
+SMALL_L1_BLOCKS = 72
+
+
+@dataclass
+class WorkloadRun:
+    turns: list[TurnResult]
+
+
+def run_workload(llm, prompts_from: list[TurnResult] | None = None) -> WorkloadRun:
+    """Run every turn; with ``prompts_from``, reuse that run's prompts (same inputs)."""
+    turns: list[TurnResult] = []
+    for i in range(NUM_TURNS):
+        if prompts_from is not None:
+            prompts = prompts_from[i].prompts
+        elif i == 0:
+            prompts = first_turn_prompts(WORKLOAD)
+        else:
+            prompts = next_turn_prompts(WORKLOAD, turns[-1], i)
+        turns.append(run_turns(llm, prompts, WORKLOAD.answer_tokens))
+    return WorkloadRun(turns)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return str(ensure_tiny_model("test"))
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model) -> WorkloadRun:
+    """The workload on vLLM without any connector (prefix caching on, small L1)."""
+    llm = open_llm(
+        EngineSpec(model=tiny_model, block_size=BLOCK_SIZE, num_blocks=SMALL_L1_BLOCKS,
+                   max_model_len=MAX_MODEL_LEN)
+    )
+    try:
+        return run_workload(llm)
+    finally:
+        close_llm(llm)
+
+
+def history_lengths(run: WorkloadRun, turn: int) -> list[int]:
+    """Tokens of each conversation's history when it returns for ``turn``."""
+    prev = run.turns[turn - 1]
+    return [len(p) + len(o) for p, o in zip(prev.prompts, prev.outputs, strict=True)]

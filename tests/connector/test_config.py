@@ -1,0 +1,48 @@
+"""Config parsing: every bad key or value names the key and what is allowed."""
+
+import pytest
+
+from hicache.connector.config import HiCacheConfig, HiCacheConfigError
+
+
+def test_defaults_need_no_keys():
+    cfg = HiCacheConfig.from_extra_config({})
+    assert cfg == HiCacheConfig.from_extra_config(None)
+    assert cfg.hicache_ratio == 2.0 and cfg.hicache_size == 0.0
+    assert cfg.hicache_write_policy == "write_through"
+    assert cfg.resolved_page_size(128) == 128
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(HiCacheConfigError) as err:
+        HiCacheConfig.from_extra_config({"hicache_ratoi": 3})
+    msg = str(err.value)
+    assert "hicache_ratoi" in msg and "hicache_ratio" in msg and "page_size" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expect"),
+    [
+        ("hicache_write_policy", "write_sideways", "['write_through']"),
+        ("hicache_mem_layout", "layer_first", "['page_first']"),
+        ("hicache_io_backend", "kernel", "['direct']"),
+        ("hicache_load_failure_policy", "ignore", "['recompute', 'fail']"),
+        ("page_size", 0, "positive integer"),
+        ("page_size", True, "positive integer"),
+        ("page_size", "64", "positive integer"),
+        ("hicache_ratio", -1, "> 0"),
+        ("hicache_ratio", "2", "number"),
+        ("hicache_size", -0.5, ">= 0"),
+    ],
+)
+def test_bad_values_name_key_and_allowed(key, value, expect):
+    with pytest.raises(HiCacheConfigError) as err:
+        HiCacheConfig.from_extra_config({key: value})
+    assert key in str(err.value) and expect in str(err.value)
+
+
+def test_page_size_must_be_block_multiple():
+    cfg = HiCacheConfig.from_extra_config({"page_size": 96})
+    assert cfg.resolved_page_size(32) == 96
+    with pytest.raises(HiCacheConfigError, match="multiple of vLLM's block size 64"):
+        cfg.resolved_page_size(64)
