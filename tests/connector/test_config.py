@@ -46,3 +46,14 @@ def test_page_size_must_be_block_multiple():
     assert cfg.resolved_page_size(32) == 96
     with pytest.raises(HiCacheConfigError, match="multiple of vLLM's block size 64"):
         cfg.resolved_page_size(64)
+
+
+@pytest.mark.engine
+def test_bad_config_fails_engine_start_naming_the_key(tiny_model):
+    """On a real (in-process) engine, the error reaches the caller as ours."""
+    from hicache.integration.engine import EngineSpec, open_llm
+
+    with pytest.raises(HiCacheConfigError, match=r"hicache_write_policy='write_sideways'.*"
+                       r"allowed values: \['write_through'\]"):
+        open_llm(EngineSpec(model=tiny_model, hicache={"hicache_write_policy": "write_sideways"},
+                            num_blocks=80, max_model_len=2048, in_process=True))

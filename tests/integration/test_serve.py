@@ -1,0 +1,105 @@
+"""`make serve`'s launcher: the real `vllm serve` CLI finds HiCacheConnector through the
+plugin entry point, serves HTTP on loopback with the default config, and refuses a bad config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.engine
+
+SMALL_ENGINE = "--block-size 32 --num-gpu-blocks-override 80 --dtype float32 --enforce-eager"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tiny_model: str, log: Path, **env: str) -> subprocess.Popen:
+    full_env = dict(os.environ, MODEL=tiny_model, MAX_MODEL_LEN="2048",
+                    SERVE_ARGS=SMALL_ENGINE, VLLM_CPU_KVCACHE_SPACE="1", **env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hicache.integration.serve"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = launch(tiny_model, log, PORT=str(port))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"server not ready in 240 s:\n{log.read_text()[-3000:]}")
+        yield base, log
+    finally:
+        stop(proc)
+
+
+def test_prints_the_exact_vllm_serve_command(server):
+    _, log = server
+    first = next(line for line in log.read_text().splitlines() if line.startswith("+ "))
+    assert " serve " in first
+    assert '"kv_connector":"HiCacheConnector"' in first and "kv_connector_module_path" not in first
+
+
+def test_serves_completions_and_chat_with_connector_active(server, tiny_model):
+    base, log = server
+    prompt = list(range(100, 400))
+    body = {"model": tiny_model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    first = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+    again = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+    assert first["usage"]["prompt_tokens"] == len(prompt)
+    chat = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": tiny_model, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "hello there, tiny model"}],
+    })
+    assert chat.status_code == 200, chat.text
+    assert "HiCache scheduler: page_size=32" in log.read_text()
+
+
+def test_bad_config_stops_the_server_with_a_message_naming_the_key(tiny_model, tmp_path):
+    log = tmp_path / "bad.log"
+    proc = launch(tiny_model, log, PORT=str(free_port()),
+                  EXTRA_CONFIG=json.dumps({"hicache_ratoi": 4}))
+    try:
+        code = proc.wait(240)
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert code != 0
+    assert "unknown kv_connector_extra_config key(s) ['hicache_ratoi']" in text
+    assert "allowed keys:" in text and "'hicache_ratio'" in text
