@@ -55,8 +55,13 @@ def vllm_cli() -> list[str]:
 
 
 def main() -> None:
+    # The CPU backend otherwise reserves 92% of a NUMA node's memory for KV
+    # (--gpu-memory-utilization) and refuses to start when that much is not
+    # free; 2 GiB is ample for the tiny model. GPU builds ignore the variable.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     cmd = build_command(dict(os.environ))
-    print("+ " + shlex.join(cmd), flush=True)
+    env_note = f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} "
+    print("+ " + env_note + shlex.join(cmd), flush=True)
     os.execv(cmd[0], cmd)
 
 

@@ -1,0 +1,173 @@
+"""Benchmark: time-to-first-token of returning conversations, three ways, in one run.
+
+  recompute  vLLM without a connector; L1 holds about one conversation, so a
+             returning history is recomputed.
+  hicache    the same small L1 plus HiCache; the history comes back from L2.
+  floor      vLLM without a connector and an L1 big enough to keep every
+             conversation: nothing is recomputed or copied (the lower bound).
+
+Each system runs the same seeded workload: every conversation's first turn,
+then each returning turn alone (one request at a time, ``max_tokens=1``), so
+the time of that request is its TTFT. It prints a table and both ratios
+(recompute / hicache, hicache / floor) and writes JSON.
+
+    python -m hicache.integration.bench_l2 [--conversations 8] [--history 1536] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from hicache.integration.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.tiny_model import ensure_tiny_model
+from hicache.integration.workload import MultiTurnSpec, first_turn_prompts, next_turn_prompts
+
+
+@dataclass
+class SystemResult:
+    name: str
+    ttft_s: list[float]
+    cached_tokens: list[int]
+    first_tokens: list[int]
+    start_s: float
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ttft_s)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.ttft_s)
+
+
+def _run_system(
+    name: str, spec: EngineSpec, workload: MultiTurnSpec, warmup_prompt: list[int]
+) -> SystemResult:
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = open_llm(spec)
+    start_s = time.perf_counter() - t0
+    try:
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        # One throw-away request so first-call costs are not charged to turn 2.
+        llm.generate([{"prompt_token_ids": warmup_prompt}], SamplingParams(max_tokens=2, **greedy),
+                     use_tqdm=False)
+        first = first_turn_prompts(workload)
+        answers = []
+        for prompt in tqdm(first, desc=f"{name}: first turns", leave=False):
+            out = llm.generate([{"prompt_token_ids": prompt}],
+                               SamplingParams(max_tokens=workload.answer_tokens, **greedy),
+                               use_tqdm=False)
+            answers.append(list(out[0].outputs[0].token_ids))
+        from hicache.integration.workload import TurnResult
+
+        returning = next_turn_prompts(workload, TurnResult(first, answers, [], 0.0), 1)
+        ttfts, cached, tokens = [], [], []
+        for prompt in tqdm(returning, desc=f"{name}: returning turns", leave=False):
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompt}],
+                               SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+            ttfts.append(time.perf_counter() - t)
+            cached.append(int(out[0].num_cached_tokens or 0))
+            tokens.append(out[0].outputs[0].token_ids[0])
+        return SystemResult(name, ttfts, cached, tokens, start_s)
+    finally:
+        close_llm(llm)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = args.model or str(ensure_tiny_model(args.preset))
+    workload = MultiTurnSpec(
+        conversations=args.conversations, history_tokens=args.history,
+        question_tokens=args.question, answer_tokens=args.answer, seed=args.seed,
+    )
+    longest = args.history + args.answer + args.question + 1
+    max_model_len = -(-longest // args.block_size) * args.block_size
+    blocks_per_conv = max_model_len // args.block_size
+    small_l1 = blocks_per_conv + 2  # about one conversation
+    big_l1 = (blocks_per_conv + 1) * (args.conversations + 1)
+    base = dict(model=model, block_size=args.block_size, max_model_len=max_model_len,
+                dtype=args.dtype, max_num_seqs=4)
+    systems = [
+        ("recompute", EngineSpec(num_blocks=small_l1, **base)),
+        ("hicache", EngineSpec(num_blocks=small_l1, hicache={"hicache_size": args.l2_gb},
+                               **base)),
+        ("floor", EngineSpec(num_blocks=big_l1, **base)),
+    ]
+    warmup = list(range(10, 10 + args.question))
+    results = [_run_system(name, spec, workload, warmup) for name, spec in systems]
+    by_name = {r.name: r for r in results}
+    report = {
+        "workload": asdict(workload),
+        "model": model,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "l1_blocks": {"small": small_l1, "big": big_l1},
+        "systems": {r.name: {**asdict(r), "median_s": r.median, "mean_s": r.mean}
+                    for r in results},
+        "speedup_vs_recompute": by_name["recompute"].median / by_name["hicache"].median,
+        "overhead_vs_floor": by_name["hicache"].median / by_name["floor"].median,
+        # hicache and floor reuse the same KV bytes (computed in turn 1), so their
+        # tokens must agree exactly; against recompute, bf16 rounding may flip ties.
+        "first_token_mismatches": {
+            other: sum(a != b for a, b in zip(by_name["hicache"].first_tokens,
+                                              by_name[other].first_tokens, strict=True))
+            for other in ("floor", "recompute")
+        },
+    }
+    _print(report, results)
+    return report
+
+
+def _print(report: dict[str, Any], results: list[SystemResult]) -> None:
+    w = report["workload"]
+    print(f"\nReturning-turn TTFT: {w['conversations']} conversations, "
+          f"{w['history_tokens']}-token histories + {w['answer_tokens']}-token answers, "
+          f"{w['question_tokens']}-token new messages; model {Path(report['model']).name}, "
+          f"{report['dtype']}, block {report['block_size']}")
+    print(f"{'system':<10} {'median ms':>10} {'mean ms':>10} {'cached tok (mean)':>18} "
+          f"{'engine start s':>15}")
+    for r in results:
+        print(f"{r.name:<10} {r.median * 1e3:>10.1f} {r.mean * 1e3:>10.1f} "
+              f"{statistics.fmean(r.cached_tokens):>18.0f} {r.start_s:>15.1f}")
+    print(f"speedup vs recompute (recompute / hicache): {report['speedup_vs_recompute']:.2f}x "
+          f"(goal >= 10x)")
+    print(f"overhead vs floor (hicache / floor):        {report['overhead_vs_floor']:.3f}x "
+          f"(goal <= 1.1x)")
+    mm = report["first_token_mismatches"]
+    print(f"first-token mismatches of hicache: vs floor {mm['floor']} (same KV bytes: must be 0), "
+          f"vs recompute {mm['recompute']} (bf16 recompute rounds differently)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model path (default: the built-in tiny model preset)")
+    p.add_argument("--preset", default="bench", help="built-in model preset: test or bench")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--history", type=int, default=1536, help="first-turn prompt tokens")
+    p.add_argument("--question", type=int, default=64, help="new message tokens")
+    p.add_argument("--answer", type=int, default=16, help="first-turn answer tokens")
+    p.add_argument("--block-size", type=int, default=128, help="vLLM block size (CPU: 128)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--l2-gb", type=float, default=1.0, help="HiCache L2 size (GB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_results/l2_ttft.json")
+    args = p.parse_args(argv)
+    report = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
