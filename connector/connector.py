@@ -86,6 +86,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         else:
             self._worker = HiCacheWorker(geometry, kv_cache_config.num_blocks)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM >= 0.33 asks; untested with our raw views of vLLM's KV tensors,
+        # so vLLM refuses --enable-sleep-mode with HiCache rather than risk it.
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A cache, not a hand-off: a preempted request simply recomputes.
@@ -166,6 +172,9 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
+        # With speculative decoding vLLM may call this before wait_for_save
+        # (defer_finalize); the release then reaches vLLM one step later, and
+        # vLLM keeps stepping while it holds a finished request's blocks.
         released = self.hicache_worker.take_released()
         return (released or None), None
 

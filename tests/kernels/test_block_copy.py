@@ -73,3 +73,19 @@ def test_byte_view_rejects_non_dense_blocks():
 def test_transfer_lengths_must_match():
     with pytest.raises(ValueError):
         BlockTransfer.from_lists([1, 2], [0], [0, 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on CI machines)")
+def test_round_trip_with_kv_on_gpu_and_pinned_pool():
+    _, views = vllm_like_kv(2, 16, 2, 32, 64, torch.bfloat16)
+    views = [v.cuda() for v in views]
+    layers = [block_byte_view(v, 16) for v in views]
+    pool = torch.zeros(4, 2, 2, layers[0].shape[1], dtype=torch.uint8).pin_memory()
+    before = [v.clone() for v in views]
+    save_blocks(layers, pool, BlockTransfer.from_lists([3, 5, 9], [0, 0, 2], [0, 1, 1]))
+    for v in views:
+        v.zero_()
+    load_blocks(pool, layers, BlockTransfer.from_lists([1, 2, 3], [0, 0, 2], [0, 1, 1]))
+    for layer in range(2):
+        for s, d in [(3, 1), (5, 2), (9, 3)]:
+            assert torch.equal(views[layer][d], before[layer][s])
