@@ -4,12 +4,15 @@
              returning history is recomputed.
   hicache    the same small L1 plus HiCache; the history comes back from L2.
   floor      vLLM without a connector and an L1 big enough to keep every
-             conversation: nothing is recomputed or copied (the lower bound).
+             conversation: nothing is recomputed or copied.
+  floor+conn the same big L1 with HiCache configured: nothing is copied
+             either (all hits are vLLM's own), and it runs vLLM's connector
+             code path, so it is the like-for-like lower bound.
 
 Each system runs the same seeded workload: every conversation's first turn,
 then each returning turn alone (one request at a time, ``max_tokens=1``), so
-the time of that request is its TTFT. It prints a table and both ratios
-(recompute / hicache, hicache / floor) and writes JSON.
+the time of that request is its TTFT. It prints a table and the ratios
+(recompute / hicache, hicache / each floor) and writes JSON.
 
     python -m hicache.integration.bench_l2 [--conversations 8] [--history 1536] ...
 """
@@ -97,16 +100,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     big_l1 = (blocks_per_conv + 1) * (args.conversations + 1)
     base = dict(model=model, block_size=args.block_size, max_model_len=max_model_len,
                 dtype=args.dtype, max_num_seqs=4)
-    systems = [
-        ("recompute", EngineSpec(num_blocks=small_l1, **base)),
-        ("hicache", EngineSpec(num_blocks=small_l1, hicache={"hicache_size": args.l2_gb},
-                               **base)),
-        ("floor", EngineSpec(num_blocks=big_l1, **base)),
-    ]
+    hicache = {"hicache_size": args.l2_gb}
+    systems = {
+        "recompute": EngineSpec(num_blocks=small_l1, **base),
+        "hicache": EngineSpec(num_blocks=small_l1, hicache=hicache, **base),
+        "floor": EngineSpec(num_blocks=big_l1, **base),
+        # The same floor with HiCache configured: nothing is transferred either.
+        # vLLM 0.32 (CPU) serves long prefix-cache hits faster when any KV
+        # connector is configured, so this is the like-for-like lower bound.
+        "floor+conn": EngineSpec(num_blocks=big_l1, hicache=hicache, **base),
+    }
     warmup = list(range(10, 10 + args.question))
-    results = [_run_system(name, spec, workload, warmup) for name, spec in systems]
+    results = [_run_system(name, systems[name], workload, warmup)
+               for name in args.systems.split(",")]
     by_name = {r.name: r for r in results}
-    report = {
+    report: dict[str, Any] = {
         "workload": asdict(workload),
         "model": model,
         "dtype": args.dtype,
@@ -114,16 +122,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "l1_blocks": {"small": small_l1, "big": big_l1},
         "systems": {r.name: {**asdict(r), "median_s": r.median, "mean_s": r.mean}
                     for r in results},
-        "speedup_vs_recompute": by_name["recompute"].median / by_name["hicache"].median,
-        "overhead_vs_floor": by_name["hicache"].median / by_name["floor"].median,
-        # hicache and floor reuse the same KV bytes (computed in turn 1), so their
-        # tokens must agree exactly; against recompute, bf16 rounding may flip ties.
-        "first_token_mismatches": {
-            other: sum(a != b for a, b in zip(by_name["hicache"].first_tokens,
-                                              by_name[other].first_tokens, strict=True))
-            for other in ("floor", "recompute")
-        },
+        "ratios": {},
+        "first_token_mismatches": {},
     }
+    if "hicache" in by_name:
+        hc = by_name["hicache"]
+        if "recompute" in by_name:
+            report["ratios"]["recompute/hicache"] = by_name["recompute"].median / hc.median
+        for floor in ("floor", "floor+conn"):
+            if floor in by_name:
+                report["ratios"][f"hicache/{floor}"] = hc.median / by_name[floor].median
+        for other in ("floor", "recompute"):
+            if other in by_name:
+                report["first_token_mismatches"][other] = sum(
+                    a != b for a, b in zip(hc.first_tokens, by_name[other].first_tokens,
+                                           strict=True))
     _print(report, results)
     return report
 
@@ -139,13 +152,17 @@ def _print(report: dict[str, Any], results: list[SystemResult]) -> None:
     for r in results:
         print(f"{r.name:<10} {r.median * 1e3:>10.1f} {r.mean * 1e3:>10.1f} "
               f"{statistics.fmean(r.cached_tokens):>18.0f} {r.start_s:>15.1f}")
-    print(f"speedup vs recompute (recompute / hicache): {report['speedup_vs_recompute']:.2f}x "
-          f"(goal >= 10x)")
-    print(f"overhead vs floor (hicache / floor):        {report['overhead_vs_floor']:.3f}x "
-          f"(goal <= 1.1x)")
-    mm = report["first_token_mismatches"]
-    print(f"first-token mismatches of hicache: vs floor {mm['floor']} (same KV bytes: must be 0), "
-          f"vs recompute {mm['recompute']} (bf16 recompute rounds differently)")
+    goals = {"recompute/hicache": "speedup vs recompute, goal >= 10x",
+             "hicache/floor": "vs the floor without a connector",
+             "hicache/floor+conn": "overhead vs the like-for-like floor, goal <= 1.1x"}
+    for name, value in report["ratios"].items():
+        print(f"{name:<18} {value:6.2f}x   ({goals[name]})")
+    for other, n in report["first_token_mismatches"].items():
+        print(f"first tokens of hicache that differ from {other}: {n} of "
+              f"{report['workload']['conversations']}")
+    if report["dtype"] != "float32" and any(report["first_token_mismatches"].values()):
+        print("  (in bf16, KV computed in separate engine runs may differ in the last bits and flip "
+              "near-tied tokens; token identity is asserted in float32 by the tests)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--l2-gb", type=float, default=1.0, help="HiCache L2 size (GB)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default="recompute,hicache,floor,floor+conn",
+                   help="comma-separated subset of recompute,hicache,floor,floor+conn, in run order")
     p.add_argument("--out", default="bench_results/l2_ttft.json")
     args = p.parse_args(argv)
     report = run(args)

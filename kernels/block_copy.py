@@ -7,8 +7,10 @@ Contract:
   attention backend's K/V arrangement inside a block does not matter.
 - Host side: a ``(num_slots, num_layers, blocks_per_page, block_bytes)``
   uint8 pool (``page_first`` layout).
-- A transfer is three equal-length int64 index tensors: engine block ids,
-  pool slots and block offsets within the page.
+- A transfer lists (engine block, pool slot, block offset in the page)
+  triples, merged into runs that are contiguous on both sides; each run is
+  one slice copy per layer. Indexed gathers (``index_select``/advanced
+  indexing) copied ~10x slower than slice copies for KV-sized rows on CPU.
 - ``save_blocks`` copies engine -> pool, ``load_blocks`` pool -> engine; both
   are complete when they return (device work is synchronised).
 """
@@ -22,12 +24,20 @@ import torch
 
 
 @dataclass(frozen=True)
-class BlockTransfer:
-    """Which engine blocks move to/from which (slot, block-in-page) places."""
+class CopyRun:
+    """``length`` consecutive engine blocks <-> consecutive block offsets of one slot."""
 
-    block_ids: torch.Tensor  # int64, engine block ids
-    slots: torch.Tensor  # int64, pool slots
-    offsets: torch.Tensor  # int64, block index within the page
+    block_start: int
+    slot: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Which engine blocks move to/from which (slot, block-in-page) places, as merged runs."""
+
+    runs: tuple[CopyRun, ...]
 
     @classmethod
     def from_lists(
@@ -35,11 +45,22 @@ class BlockTransfer:
     ) -> BlockTransfer:
         if not len(block_ids) == len(slots) == len(offsets):
             raise ValueError("block_ids, slots and offsets must have equal lengths")
-        as_t = lambda xs: torch.tensor(list(xs), dtype=torch.int64)  # noqa: E731
-        return cls(as_t(block_ids), as_t(slots), as_t(offsets))
+        runs: list[CopyRun] = []
+        for block, slot, offset in zip(block_ids, slots, offsets, strict=True):
+            last = runs[-1] if runs else None
+            if (
+                last is not None
+                and last.slot == slot
+                and last.block_start + last.length == block
+                and last.offset + last.length == offset
+            ):
+                runs[-1] = CopyRun(last.block_start, slot, last.offset, last.length + 1)
+            else:
+                runs.append(CopyRun(block, slot, offset, 1))
+        return cls(tuple(runs))
 
     def __len__(self) -> int:
-        return int(self.block_ids.numel())
+        return sum(run.length for run in self.runs)
 
 
 def block_byte_view(layer_kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -82,27 +103,31 @@ def save_blocks(
     layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer
 ) -> None:
     """Copy engine blocks into pool pages, every layer."""
-    if not len(transfer):
-        return
-    device = layers[0].device
-    block_ids = transfer.block_ids.to(device)
     for layer_idx, layer in enumerate(layers):
-        data = layer.index_select(0, block_ids)
-        pool[transfer.slots, layer_idx, transfer.offsets] = data.to("cpu")
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        for run in transfer.runs:
+            end = run.block_start + run.length
+            pool[run.slot, layer_idx, run.offset : run.offset + run.length].copy_(
+                layer[run.block_start : end], non_blocking=True
+            )
+    _wait(layers)
 
 
 def load_blocks(
     pool: torch.Tensor, layers: Sequence[torch.Tensor], transfer: BlockTransfer
 ) -> None:
     """Copy pool pages into engine blocks, every layer."""
-    if not len(transfer):
-        return
-    device = layers[0].device
-    block_ids = transfer.block_ids.to(device)
     for layer_idx, layer in enumerate(layers):
-        data = pool[transfer.slots, layer_idx, transfer.offsets]
-        layer.index_copy_(0, block_ids, data.to(device, non_blocking=True))
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        for run in transfer.runs:
+            end = run.block_start + run.length
+            layer[run.block_start : end].copy_(
+                pool[run.slot, layer_idx, run.offset : run.offset + run.length],
+                non_blocking=True,
+            )
+    _wait(layers)
+
+
+def _wait(layers: Sequence[torch.Tensor]) -> None:
+    # Slice copies to/from a GPU are async (cudaMemcpyAsync); the contract is
+    # that a transfer is complete on return.
+    if layers and layers[0].device.type == "cuda":
+        torch.cuda.current_stream(layers[0].device).synchronize()

@@ -89,3 +89,13 @@ def test_round_trip_with_kv_on_gpu_and_pinned_pool():
     for layer in range(2):
         for s, d in [(3, 1), (5, 2), (9, 3)]:
             assert torch.equal(views[layer][d], before[layer][s])
+
+
+def test_runs_merge_only_when_both_sides_are_contiguous():
+    transfer = BlockTransfer.from_lists(
+        block_ids=[4, 5, 6, 9, 10, 3], slots=[0, 0, 1, 1, 1, 2], offsets=[0, 1, 0, 1, 2, 0]
+    )
+    runs = [(r.block_start, r.slot, r.offset, r.length) for r in transfer.runs]
+    # 4,5 -> slot 0; 6 starts a new slot; 9,10 -> slot 1 offsets 1-2; 3 is alone.
+    assert runs == [(4, 0, 0, 2), (6, 1, 0, 1), (9, 1, 1, 2), (3, 2, 0, 1)]
+    assert len(transfer) == 6
