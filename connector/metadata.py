@@ -44,6 +44,8 @@ class RequestLoad:
 
     req_id: str
     pages: tuple[PagePlan, ...]
+    # Blocks vLLM expects loaded that no page covers: reported as load errors.
+    unloadable_block_ids: tuple[int, ...] = ()
 
 
 @dataclass

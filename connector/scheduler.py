@@ -131,27 +131,36 @@ class HiCacheScheduler:
             return
         start = state.local_tokens
         end = start + num_external_tokens
-        if end != match.num_pages * self.page_size:
-            raise AssertionError(
-                f"vLLM allocated {num_external_tokens} external tokens after a local hit "
-                f"of {start}, but HiCache matched {match.num_pages} pages"
-            )
+        matched_tokens = match.num_pages * self.page_size
+        first_block = start // self.block_size
+        end_block = -(-min(end, matched_tokens) // self.block_size)
         pages = []
         keys = state.chain.keys
         for page in range(start // self.page_size, match.num_pages):
-            first_block = max(start // self.block_size, page * self.blocks_per_page)
-            last_block = (page + 1) * self.blocks_per_page
+            lo = max(first_block, page * self.blocks_per_page)
+            hi = min(end_block, (page + 1) * self.blocks_per_page)
+            if lo >= hi:
+                break
             pages.append(
                 PagePlan(
                     slot=match.host_slots[page],
                     key=keys[page],
-                    first_offset=first_block - page * self.blocks_per_page,
-                    block_ids=tuple(block_ids[first_block:last_block]),
+                    first_offset=lo - page * self.blocks_per_page,
+                    block_ids=tuple(block_ids[lo:hi]),
                 )
+            )
+        # vLLM allocated more external tokens than were offered (never seen):
+        # those blocks are reported as failed loads, so vLLM recomputes them.
+        unloadable = tuple(block_ids[end_block : -(-end // self.block_size)])
+        if unloadable:
+            logger.error(
+                "HiCache: request %s got %d external tokens after a local hit of %d, but "
+                "only %d tokens matched; recomputing the rest",
+                request.request_id, num_external_tokens, start, matched_tokens,
             )
         self.tree.lock(match.node)
         self._load_locks.append(match.node)
-        self._loads.append(RequestLoad(request.request_id, tuple(pages)))
+        self._loads.append(RequestLoad(request.request_id, tuple(pages), unloadable))
         state.stored_pages = max(state.stored_pages, match.num_pages)
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_pages += len(pages)

@@ -91,6 +91,7 @@ class HiCacheWorker:
         slots: list[int] = []
         offsets: list[int] = []
         for load in meta.loads:
+            self._load_errors.update(load.unloadable_block_ids)
             failed = False
             for page in load.pages:
                 if failed or not pool.holds(page.slot, page.key):
