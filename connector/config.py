@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-WRITE_POLICIES = ("write_through",)
-MEM_LAYOUTS = ("page_first",)
-IO_BACKENDS = ("direct",)
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+IO_BACKENDS = ("kernel", "direct")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -35,12 +35,19 @@ class HiCacheConfig:
     # L2 host pool size in GB (1e9 bytes) per TP rank; 0 = use hicache_ratio.
     hicache_size: float = 0.0
     # When pages are copied L1 -> L2: write_through copies every full page as
-    # soon as its KV is computed.
+    # soon as its KV is computed; write_through_selective once
+    # hicache_write_through_threshold requests have computed it; write_back
+    # when its request finishes (its blocks become evictable in vLLM's cache).
     hicache_write_policy: str = "write_through"
-    # Byte layout of the L2 host pool: page_first keeps all layers of one page
-    # contiguous (one slot = one page).
+    # Requests that must compute a page before write_through_selective keeps it.
+    hicache_write_through_threshold: int = 2
+    # Byte layout of the L2 host pool (see tiers/host_pool.py): layer_first,
+    # page_first or page_first_direct; SGLang's current default is page_first.
     hicache_mem_layout: str = "page_first"
-    # How bytes move between L1 and L2: direct = torch indexed copies.
+    # How bytes move between L1 and L2: kernel = one GPU copy kernel over many
+    # pages and layers; direct = one slice copy per contiguous run and layer.
+    # On CPU both resolve to the direct path. Default direct until the GPU
+    # kernel ships (SGLang's default is kernel).
     hicache_io_backend: str = "direct"
     # What vLLM does when a load fails: recompute the affected tokens
     # (default; a cache miss costs time, never correctness) or fail the request.
@@ -63,6 +70,10 @@ class HiCacheConfig:
         values: dict[str, Any] = {}
         if extra.get("page_size") is not None:
             values["page_size"] = _positive_int(extra, "page_size")
+        if "hicache_write_through_threshold" in extra:
+            values["hicache_write_through_threshold"] = _positive_int(
+                extra, "hicache_write_through_threshold"
+            )
         for key in ("hicache_ratio", "hicache_size"):
             if key in extra:
                 values[key] = _number(extra, key)
@@ -95,6 +106,28 @@ class HiCacheConfig:
                 f"{4 * block_size}, ..."
             )
         return page_size
+
+    def resolved_data_plane(self, *, cuda: bool) -> tuple[str, str, list[str]]:
+        """(layout, io backend, notes) after SGLang's compatibility rules.
+
+        - kernel IO needs a GPU: on CPU it becomes direct (same best CPU path).
+        - page_first + direct on a GPU -> page_first_direct (SGLang's rule: a
+          page_first page is one tiny fragment per block and layer for
+          cudaMemcpyAsync). On CPU, page_first stays: slice copies handle its
+          strides as well as anything would.
+        - page_first_direct + kernel -> direct (SGLang v0.5.12's rule).
+        """
+        layout, io, notes = self.hicache_mem_layout, self.hicache_io_backend, []
+        if io == "kernel" and not cuda:
+            io = "direct"
+            notes.append("hicache_io_backend=kernel needs CUDA; using direct copies on CPU")
+        if layout == "page_first" and io == "direct" and cuda:
+            layout = "page_first_direct"
+            notes.append("hicache_mem_layout=page_first with direct IO -> page_first_direct")
+        if layout == "page_first_direct" and io == "kernel":
+            io = "direct"
+            notes.append("hicache_mem_layout=page_first_direct -> hicache_io_backend=direct")
+        return layout, io, notes
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -77,6 +77,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                 page_size=page_size,
                 block_size=block_size,
                 block_ids_of=self._block_ids_of,
+                write_policy=self.config.hicache_write_policy,
+                write_threshold=self.config.hicache_write_through_threshold,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -84,7 +86,15 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.config.to_dict(),
             )
         else:
-            self._worker = HiCacheWorker(geometry, kv_cache_config.num_blocks)
+            layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
+            for note in notes:
+                logger.info("HiCache: %s", note)
+            if io_backend == "kernel":
+                raise HiCacheConfigError(
+                    "hicache_io_backend='kernel': the GPU copy kernel is not part of this "
+                    "build yet; allowed values here: ['direct']"
+                )
+            self._worker = HiCacheWorker(geometry, kv_cache_config.num_blocks, layout=layout)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -183,6 +193,12 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> HiCacheWorkerReport | None:
         return self.hicache_worker.take_report()
+
+
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "cuda"
 
 
 def pool_geometry(

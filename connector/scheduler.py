@@ -18,6 +18,7 @@ Contract with vLLM's scheduler (see DESIGN.md "Data flow of one request"):
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from hicache.connector.metadata import (
     RequestLoad,
 )
 from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace, PageKeyChain
+from hicache.tiers.page_keys import KeyNamespace, PageKey, PageKeyChain
 from hicache.tiers.radix_tree import HiRadixTree, MatchResult, TreeNode
 from hicache.tiers.slot_allocator import SlotAllocator
 
@@ -47,6 +48,8 @@ class _RequestState:
     chain: PageKeyChain
     # Leading pages of this request known to be in L2 (planned or matched).
     stored_pages: int = 0
+    # Leading pages this request has counted towards write_through_selective.
+    counted_pages: int = 0
     # Match found by the last get_num_new_matched_tokens, for the allocation
     # that follows it, with the local (vLLM prefix cache) hit it was measured against.
     pending_match: MatchResult | None = None
@@ -84,8 +87,15 @@ class HiCacheScheduler:
         page_size: int,
         block_size: int,
         block_ids_of: Any,
+        write_policy: str = "write_through",
+        write_threshold: int = 2,
     ) -> None:
         self.geometry = geometry
+        self.write_policy = write_policy
+        self.write_threshold = write_threshold
+        # write_through_selective: requests that computed each page (bounded LRU).
+        self._page_hits: OrderedDict[PageKey, int] = OrderedDict()
+        self._page_hits_cap = max(4096, 8 * geometry.num_slots)
         self.namespace = namespace
         self.page_size = page_size
         self.block_size = block_size
@@ -171,7 +181,9 @@ class HiCacheScheduler:
     def build_connector_meta(self, num_scheduled_tokens: dict[str, int]) -> HiCacheStepMetadata:
         self._drop_bad_slots()
         stores = self._deferred_stores
-        for req_id, n in num_scheduled_tokens.items():
+        # write_back copies nothing while a request runs (see request_finished).
+        scheduled = {} if self.write_policy == "write_back" else num_scheduled_tokens
+        for req_id, n in scheduled.items():
             state = self._requests.get(req_id)
             if state is None:
                 continue
@@ -190,7 +202,13 @@ class HiCacheScheduler:
         return meta
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
-        """Plan the request's remaining stores; True = keep its blocks until done."""
+        """Plan the request's remaining stores; True = keep its blocks until done.
+
+        For write_back this is where every page of the request is copied: its
+        blocks are about to become evictable in vLLM's prefix cache. vLLM does
+        not tell a connector when it actually evicts a cached block, so this
+        approximates "copy on L1 eviction" by "copy when L1 may evict".
+        """
         state = self._requests.pop(request.request_id, None)
         self.stats.per_request_hits.pop(request.request_id, None)
         if state is None or not block_ids:
@@ -244,11 +262,13 @@ class HiCacheScheduler:
         """Reserve slots for the request's pages in [in-tree prefix, ready_pages)."""
         state.chain.extend(state.request.all_token_ids)
         keys = state.chain.keys[:ready_pages]
+        if self.write_policy == "write_through_selective":
+            keys = keys[: self._popular_prefix(state, keys)]
         match = self.tree.match_prefix(keys)
-        if match.num_pages >= ready_pages:
+        if match.num_pages >= len(keys):
             state.stored_pages = ready_pages
             return []
-        need = ready_pages - match.num_pages
+        need = len(keys) - match.num_pages
         # The prefix we extend must survive the eviction that makes room for it.
         self.tree.lock(match.node)
         try:
@@ -275,6 +295,24 @@ class HiCacheScheduler:
         self.stats.stored_pages += len(plans)
         self.stats.max_used_slots = max(self.stats.max_used_slots, self.slots.num_used)
         return plans
+
+    def _popular_prefix(self, state: _RequestState, keys: list[PageKey]) -> int:
+        """Count this request's new pages; how many leading pages reached the threshold.
+
+        Every request that computes page i also computed pages < i, so counts
+        never grow along a prefix chain and the cut keeps L2 prefix-closed.
+        """
+        hits = self._page_hits
+        for key in keys[state.counted_pages :]:
+            hits[key] = hits.get(key, 0) + 1
+            hits.move_to_end(key)
+        state.counted_pages = max(state.counted_pages, len(keys))
+        while len(hits) > self._page_hits_cap:
+            hits.popitem(last=False)
+        for i, key in enumerate(keys):
+            if hits.get(key, 0) < self.write_threshold:
+                return i
+        return len(keys)
 
     def _allocate(self, n: int) -> list[int] | None:
         short = n - self.slots.num_free

@@ -43,9 +43,12 @@ class WorkerStats:
 class HiCacheWorker:
     """Copies between vLLM's KV blocks and the L2 host pool of this rank."""
 
-    def __init__(self, geometry: PoolGeometry, l1_num_blocks: int) -> None:
+    def __init__(
+        self, geometry: PoolGeometry, l1_num_blocks: int, *, layout: str = "page_first_direct"
+    ) -> None:
         self.geometry = geometry
         self.l1_num_blocks = l1_num_blocks
+        self.layout = layout
         self.pool: HostPagePool | None = None
         self.layers: list[torch.Tensor] = []
         self.stats = WorkerStats()
@@ -74,12 +77,13 @@ class HiCacheWorker:
         geometry = PoolGeometry(
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
-        self.pool = HostPagePool(geometry)
+        self.pool = HostPagePool(geometry, layout=self.layout)
         logger.info(
-            "HiCache L2 pool: %d pages x %.2f MiB = %.2f GiB (%s)",
+            "HiCache L2 pool: %d pages x %.2f MiB = %.2f GiB, %s, %s",
             geometry.num_slots,
             geometry.page_bytes / 2**20,
             geometry.buffer_bytes / 2**30,
+            self.layout,
             "pinned" if self.pool.buffer.is_pinned() else "pageable",
         )
 
@@ -109,7 +113,7 @@ class HiCacheWorker:
             return
         transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
         try:
-            load_blocks(pool.buffer, self.layers, transfer)
+            load_blocks(pool.canonical, self.layers, transfer)
         except Exception:  # a cache failure must cost a recompute, not the engine
             logger.exception("HiCache: L2 -> L1 copy failed; recomputing those blocks")
             self._load_errors.update(block_ids)
@@ -135,7 +139,7 @@ class HiCacheWorker:
                 pool.set_key(page.slot, None)  # invalid until the bytes are in
                 _append_page(page, block_ids, slots, offsets)
             try:
-                save_blocks(self.layers, pool.buffer, BlockTransfer.from_lists(
+                save_blocks(self.layers, pool.canonical, BlockTransfer.from_lists(
                     block_ids, slots, offsets))
             except Exception:
                 logger.exception("HiCache: L1 -> L2 copy failed; dropping those pages")

@@ -5,8 +5,9 @@ Contract:
   CPU or GPU, where row ``b`` is the raw bytes of block ``b`` in that layer
   (see ``block_byte_view``). Blocks are copied as opaque bytes, so the
   attention backend's K/V arrangement inside a block does not matter.
-- Host side: a ``(num_slots, num_layers, blocks_per_page, block_bytes)``
-  uint8 pool (``page_first`` layout).
+- Host side: the pool's canonical ``(num_slots, num_layers, blocks_per_page,
+  block_bytes)`` uint8 view, whatever its layout (``HostPagePool.canonical``):
+  slices of it are contiguous or strided as the layout makes them.
 - A transfer lists (engine block, pool slot, block offset in the page)
   triples, merged into runs that are contiguous on both sides; each run is
   one slice copy per layer. Indexed gathers (``index_select``/advanced

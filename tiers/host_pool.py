@@ -6,9 +6,20 @@ Contract:
   numbers chosen by the scheduler are valid on every rank.
 - ``HostPagePool`` allocates exactly ``geometry.buffer_bytes`` once (pinned
   when CUDA is available) and never grows: host memory stays within budget.
-- Layout ``page_first``: ``buffer[slot, layer, block_in_page, byte]``. All
-  layers of one page are contiguous, so a page moves to and from L3 as one
-  buffer and a page's layer is a run of whole engine blocks.
+- Layouts order (slot, layer, block-in-page) units of one engine block's
+  bytes, as SGLang's host layouts order (page, layer, token) units. The
+  block is the finest unit here because its inner bytes mean different
+  things per attention backend (CPU: a head's K rows then its V rows;
+  FlashAttention: K||V per token); MLA blocks hold one latent per token and
+  need nothing different.
+    ``layer_first``        [layer, slot, block, byte]: per layer, slots are
+                           contiguous (as vLLM's own cache); a page is L pieces.
+    ``page_first``         [slot, block, layer, byte]: a page is contiguous,
+                           block-major then layer (SGLang: token then layer).
+    ``page_first_direct``  [slot, layer, block, byte]: a page is contiguous and
+                           so is each (page, layer): one copy per page and layer.
+  ``canonical`` is the same memory viewed as [slot, layer, block, byte] for
+  every layout, which is what the copy paths index.
 - Each slot remembers the page key written into it; a load names the key it
   expects and the pool refuses a mismatch (slot reused, store failed), so a
   bookkeeping bug costs a recompute, never wrong KV.
@@ -21,6 +32,13 @@ from dataclasses import dataclass
 import torch
 
 GB = 1_000_000_000  # SGLang's hicache_size unit
+
+# layout -> buffer dim order, in canonical dims (0 slot, 1 layer, 2 block, 3 byte)
+LAYOUT_DIMS: dict[str, tuple[int, int, int, int]] = {
+    "layer_first": (1, 0, 2, 3),
+    "page_first": (0, 2, 1, 3),
+    "page_first_direct": (0, 1, 2, 3),
+}
 
 
 @dataclass(frozen=True)
@@ -75,16 +93,27 @@ class PoolGeometry:
 class HostPagePool:
     """Fixed-size host buffer of page slots plus the page key held by each slot."""
 
-    def __init__(self, geometry: PoolGeometry, *, pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        geometry: PoolGeometry,
+        *,
+        layout: str = "page_first_direct",
+        pin_memory: bool | None = None,
+    ) -> None:
+        if layout not in LAYOUT_DIMS:
+            raise ValueError(f"unknown host layout {layout!r}; allowed: {sorted(LAYOUT_DIMS)}")
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.geometry = geometry
+        self.layout = layout
+        canonical_shape = (geometry.num_slots, geometry.num_layers, geometry.blocks_per_page,
+                           geometry.block_bytes)
+        order = LAYOUT_DIMS[layout]
         self.buffer = torch.empty(
-            (geometry.num_slots, geometry.num_layers, geometry.blocks_per_page,
-             geometry.block_bytes),
-            dtype=torch.uint8,
-            pin_memory=pin_memory,
+            tuple(canonical_shape[d] for d in order), dtype=torch.uint8, pin_memory=pin_memory
         )
+        # Inverse permutation: canonical dim i is buffer dim order.index(i).
+        self.canonical = self.buffer.permute(*(order.index(i) for i in range(4)))
         self._slot_keys: list[bytes | None] = [None] * geometry.num_slots
 
     @property

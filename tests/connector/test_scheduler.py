@@ -22,16 +22,20 @@ def request(rid, tokens, computed=0):
                            num_computed_tokens=computed, cache_salt=None, lora_request=None)
 
 
-@pytest.fixture
-def sched():
+def make_scheduler(**policy):
     tables: dict[str, list[int]] = {}
     s = HiCacheScheduler(
         geometry=PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=64),
         namespace=KeyNamespace("m", "f32", "cpu", PAGE, 1), page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: tables[rid],
+        block_ids_of=lambda rid: tables[rid], **policy,
     )
     s.tables = tables
     return s
+
+
+@pytest.fixture
+def sched():
+    return make_scheduler()
 
 
 def prefill(sched, req, block_ids):
@@ -117,3 +121,24 @@ def test_full_l2_evicts_least_recent_pages_first(sched):
     assert sched.stats.evicted_pages == 1
     # The oldest request lost its tail page, keeping its head.
     assert sched.get_num_new_matched_tokens(request("x", list(range(0, 16)) + [1]), 0) == PAGE
+
+
+def test_selective_stores_a_page_once_enough_requests_computed_it():
+    sched = make_scheduler(write_policy="write_through_selective", write_threshold=2)
+    first = prefill(sched, request("a", range(100, 124)), [1, 2, 3, 4, 5, 6])  # 3 pages
+    assert first.stores == [] and sched.tree.total_pages() == 0
+    # A second request shares the first 2 pages only: those reach 2 hits.
+    second = prefill(sched, request("b", list(range(100, 116)) + list(range(7, 15))),
+                     [7, 8, 9, 10, 11, 12])
+    assert [p.block_ids for p in second.stores] == [(7, 8), (9, 10)]
+    assert sched.tree.total_pages() == 2
+
+
+def test_write_back_copies_only_when_the_request_finishes():
+    sched = make_scheduler(write_policy="write_back")
+    req = request("a", range(100, 124))
+    assert prefill(sched, req, [1, 2, 3, 4, 5, 6]).stores == []
+    assert sched.request_finished(req, [1, 2, 3, 4, 5, 6]) is True
+    meta = sched.build_connector_meta({})
+    assert [p.block_ids for p in meta.stores] == [(1, 2), (3, 4), (5, 6)]
+    assert meta.release_after_store == ["a"]

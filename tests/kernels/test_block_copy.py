@@ -6,12 +6,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view, load_blocks, save_blocks
+from hicache.tiers.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
 
 
 def vllm_like_kv(num_layers, num_blocks, heads, tokens, content, dtype, layout="LBHNC"):
-    """Per-layer [B, H, N, C] views over ONE allocation, as vLLM 0.32 hands them out."""
+    """Per-layer [B, H, N, C] views over ONE allocation, as vLLM 0.32 hands them out.
+    Filled with random bytes (every bit pattern, including NaN/Inf encodings)."""
     per_layer = num_blocks * heads * tokens * content
-    backing = torch.empty(num_layers * per_layer, dtype=torch.float32).uniform_(-4, 4).to(dtype)
+    nbytes = num_layers * per_layer * torch.empty(0, dtype=dtype).element_size()
+    backing = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).view(dtype)
     views = []
     for layer in range(num_layers):
         flat = backing[layer * per_layer:(layer + 1) * per_layer]
@@ -22,46 +25,52 @@ def vllm_like_kv(num_layers, num_blocks, heads, tokens, content, dtype, layout="
     return backing, views
 
 
-@settings(max_examples=40, deadline=None)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+# (heads, content) per block row: MHA/GQA heads with K||V content, and MLA's
+# single latent (DeepSeek: 512 + 64 rope dims) per token.
+SHAPES = {"mha": [(2, 64), (4, 128)], "mla": [(1, 576)]}
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     num_layers=st.integers(1, 3),
     num_blocks=st.integers(4, 12),
-    heads=st.sampled_from([1, 2, 4]),
+    attn=st.sampled_from(sorted(SHAPES)),
     tokens=st.sampled_from([16, 32]),
-    content=st.sampled_from([8, 64]),
-    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-    layout=st.sampled_from(["LBHNC", "LBNHC"]),
+    dtype=st.sampled_from(DTYPES),
+    kv_layout=st.sampled_from(["LBHNC", "LBNHC"]),
+    host_layout=st.sampled_from(sorted(LAYOUT_DIMS)),
     blocks_per_page=st.integers(1, 3),
     data=st.data(),
 )
 def test_round_trip_is_bit_exact(
-    num_layers, num_blocks, heads, tokens, content, dtype, layout, blocks_per_page, data
+    num_layers, num_blocks, attn, tokens, dtype, kv_layout, host_layout, blocks_per_page, data
 ):
-    _, views = vllm_like_kv(num_layers, num_blocks, heads, tokens, content, dtype, layout)
+    heads, content = data.draw(st.sampled_from(SHAPES[attn]))
+    _, views = vllm_like_kv(num_layers, num_blocks, heads, tokens, content, dtype, kv_layout)
     layers = [block_byte_view(v, num_blocks) for v in views]
     block_bytes = layers[0].shape[1]
     assert block_bytes == heads * tokens * content * views[0].element_size()
     num_slots = 4
-    pool = torch.zeros(num_slots, num_layers, blocks_per_page, block_bytes, dtype=torch.uint8)
+    pool = HostPagePool(PoolGeometry(num_slots, num_layers, blocks_per_page, block_bytes),
+                        layout=host_layout, pin_memory=False)
     places = [(s, o) for s in range(num_slots) for o in range(blocks_per_page)]
     n = data.draw(st.integers(1, min(num_blocks, len(places))))
     src = data.draw(st.permutations(range(num_blocks)))[:n]
     dst = data.draw(st.permutations(range(num_blocks)))[:n]
     chosen = data.draw(st.permutations(places))[:n]
     slots, offsets = [p[0] for p in chosen], [p[1] for p in chosen]
-    before = [v.clone() for v in views]
-    save_blocks(layers, pool, BlockTransfer.from_lists(src, slots, offsets))
+    before = [v.view(torch.uint8).clone() for v in views]
+    save_blocks(layers, pool.canonical, BlockTransfer.from_lists(src, slots, offsets))
     for v in views:
-        v.zero_()
-    load_blocks(pool, layers, BlockTransfer.from_lists(dst, slots, offsets))
+        v.view(torch.uint8).zero_()
+    load_blocks(pool.canonical, layers, BlockTransfer.from_lists(dst, slots, offsets))
     for layer in range(num_layers):
+        got = views[layer].view(torch.uint8)
         for s, d in zip(src, dst, strict=True):
-            assert torch.equal(
-                views[layer][d].contiguous().view(torch.uint8),
-                before[layer][s].contiguous().view(torch.uint8),
-            )
+            assert torch.equal(got[d], before[layer][s])
         untouched = sorted(set(range(num_blocks)) - set(dst))
-        assert not views[layer][untouched].any()
+        assert not got[untouched].any()
 
 
 def test_byte_view_rejects_non_dense_blocks():
