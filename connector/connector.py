@@ -94,7 +94,9 @@ class HiCacheConnector(KVConnectorBase_V1):
                     "hicache_io_backend='kernel': the GPU copy kernel is not part of this "
                     "build yet; allowed values here: ['direct']"
                 )
-            self._worker = HiCacheWorker(geometry, kv_cache_config.num_blocks, layout=layout)
+            self._worker = HiCacheWorker(
+                geometry, kv_cache_config.num_blocks, layout=layout, io=io_backend
+            )
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

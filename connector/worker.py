@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport, PagePlan
-from hicache.kernels.block_copy import BlockTransfer, block_byte_view, load_blocks, save_blocks
+from hicache.kernels import io_backend
+from hicache.kernels.block_copy import BlockTransfer, block_byte_view
 from hicache.tiers.host_pool import HostPagePool, PoolGeometry
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,18 @@ class HiCacheWorker:
     """Copies between vLLM's KV blocks and the L2 host pool of this rank."""
 
     def __init__(
-        self, geometry: PoolGeometry, l1_num_blocks: int, *, layout: str = "page_first_direct"
+        self,
+        geometry: PoolGeometry,
+        l1_num_blocks: int,
+        *,
+        layout: str = "page_first_direct",
+        io: str = "direct",
     ) -> None:
         self.geometry = geometry
         self.l1_num_blocks = l1_num_blocks
         self.layout = layout
+        self.io = io
+        self.copy_path = io_backend.TORCH_SLICES
         self.pool: HostPagePool | None = None
         self.layers: list[torch.Tensor] = []
         self.stats = WorkerStats()
@@ -74,17 +82,19 @@ class HiCacheWorker:
                 f"{self.geometry.block_bytes} B/block)"
             )
         self.layers = layers
+        self.copy_path = io_backend.select(self.io, layers[0].device.type)
         geometry = PoolGeometry(
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
         self.pool = HostPagePool(geometry, layout=self.layout)
         logger.info(
-            "HiCache L2 pool: %d pages x %.2f MiB = %.2f GiB, %s, %s",
+            "HiCache L2 pool: %d pages x %.2f MiB = %.2f GiB, %s, %s, copies: %s",
             geometry.num_slots,
             geometry.page_bytes / 2**20,
             geometry.buffer_bytes / 2**30,
             self.layout,
             "pinned" if self.pool.buffer.is_pinned() else "pageable",
+            self.copy_path.name,
         )
 
     # ---- loads ----------------------------------------------------------------
@@ -113,7 +123,7 @@ class HiCacheWorker:
             return
         transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
         try:
-            load_blocks(pool.canonical, self.layers, transfer)
+            self.copy_path.load(pool.canonical, self.layers, transfer)
         except Exception:  # a cache failure must cost a recompute, not the engine
             logger.exception("HiCache: L2 -> L1 copy failed; recomputing those blocks")
             self._load_errors.update(block_ids)
@@ -139,7 +149,7 @@ class HiCacheWorker:
                 pool.set_key(page.slot, None)  # invalid until the bytes are in
                 _append_page(page, block_ids, slots, offsets)
             try:
-                save_blocks(self.layers, pool.canonical, BlockTransfer.from_lists(
+                self.copy_path.save(self.layers, pool.canonical, BlockTransfer.from_lists(
                     block_ids, slots, offsets))
             except Exception:
                 logger.exception("HiCache: L1 -> L2 copy failed; dropping those pages")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,21 @@ def open_llm(spec: EngineSpec) -> Any:
             "kv_connector_extra_config": dict(spec.hicache),
         }
     kwargs.update(spec.extra_args)
-    return LLM(**kwargs)
+    if not spec.in_process:
+        return LLM(**kwargs)
+    # vLLM 0.32's worker start scans every module in sys.modules to rebind
+    # Triton kernels and crashes on llvmlite's ffi.lib (its __getattr__ answers
+    # even __dict__). A fresh worker process has not imported numba yet; an
+    # in-process engine may have (our CPU batch copy uses it), so those modules
+    # sit out the scan. They hold no vLLM kernels to rebind.
+    hidden = {name: mod for name, mod in sys.modules.items()
+              if name.split(".")[0] in ("numba", "llvmlite")}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        return LLM(**kwargs)
+    finally:
+        sys.modules.update(hidden)
 
 
 def close_llm(llm: Any) -> None:

