@@ -167,19 +167,23 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.hicache_worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # L2 loads complete inside start_load_kv, before the forward pass.
-        return
+        self.hicache_worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        # Stores copy whole pages once the step's forward pass is done.
-        return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheStepMetadata)
+        self.hicache_worker.save_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheStepMetadata)
-        self.hicache_worker.save(meta)
+        self.hicache_worker.finish_step(meta)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
 
     def get_finished(
         self, finished_req_ids: set[str]

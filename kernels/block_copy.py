@@ -101,10 +101,14 @@ def block_byte_view(layer_kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def save_blocks(
-    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer
+    layers: Sequence[torch.Tensor],
+    pool: torch.Tensor,
+    transfer: BlockTransfer,
+    layer_indices: Sequence[int] | None = None,
 ) -> None:
-    """Copy engine blocks into pool pages, every layer."""
-    for layer_idx, layer in enumerate(layers):
+    """Copy engine blocks into pool pages, for every layer or only ``layer_indices``."""
+    for layer_idx in range(len(layers)) if layer_indices is None else layer_indices:
+        layer = layers[layer_idx]
         for run in transfer.runs:
             end = run.block_start + run.length
             pool[run.slot, layer_idx, run.offset : run.offset + run.length].copy_(
@@ -114,10 +118,14 @@ def save_blocks(
 
 
 def load_blocks(
-    pool: torch.Tensor, layers: Sequence[torch.Tensor], transfer: BlockTransfer
+    pool: torch.Tensor,
+    layers: Sequence[torch.Tensor],
+    transfer: BlockTransfer,
+    layer_indices: Sequence[int] | None = None,
 ) -> None:
-    """Copy pool pages into engine blocks, every layer."""
-    for layer_idx, layer in enumerate(layers):
+    """Copy pool pages into engine blocks, for every layer or only ``layer_indices``."""
+    for layer_idx in range(len(layers)) if layer_indices is None else layer_indices:
+        layer = layers[layer_idx]
         for run in transfer.runs:
             end = run.block_start + run.length
             layer[run.block_start : end].copy_(

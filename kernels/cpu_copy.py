@@ -80,21 +80,27 @@ def _offsets(
     return as_np(engine), as_np(host), as_np(lengths)
 
 
-def _by_storage(layers: Sequence[torch.Tensor]) -> list[list[int]]:
+def _by_storage(layers: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[int]]:
     """Layer indices grouped by the storage they view (vLLM 0.32: one group)."""
     groups: dict[int, list[int]] = {}
-    for i, layer in enumerate(layers):
-        groups.setdefault(layer.untyped_storage().data_ptr(), []).append(i)
+    for i in indices:
+        groups.setdefault(layers[i].untyped_storage().data_ptr(), []).append(i)
     return list(groups.values())
 
 
 def _copy(
-    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer, *, load: bool
+    layers: Sequence[torch.Tensor],
+    pool: torch.Tensor,
+    transfer: BlockTransfer,
+    layer_indices: Sequence[int] | None,
+    *,
+    load: bool,
 ) -> None:
     if not len(transfer):
         return
     pool_bytes = _storage_bytes(pool)
-    for group in _by_storage(layers):
+    indices = range(len(layers)) if layer_indices is None else layer_indices
+    for group in _by_storage(layers, indices):
         engine, host, lengths = _offsets(layers, pool, transfer, group)
         kv_bytes = _storage_bytes(layers[group[0]])
         kernel = _batch_copy()
@@ -105,12 +111,18 @@ def _copy(
 
 
 def save_blocks(
-    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer
+    layers: Sequence[torch.Tensor],
+    pool: torch.Tensor,
+    transfer: BlockTransfer,
+    layer_indices: Sequence[int] | None = None,
 ) -> None:
-    _copy(layers, pool, transfer, load=False)
+    _copy(layers, pool, transfer, layer_indices, load=False)
 
 
 def load_blocks(
-    pool: torch.Tensor, layers: Sequence[torch.Tensor], transfer: BlockTransfer
+    pool: torch.Tensor,
+    layers: Sequence[torch.Tensor],
+    transfer: BlockTransfer,
+    layer_indices: Sequence[int] | None = None,
 ) -> None:
-    _copy(layers, pool, transfer, load=True)
+    _copy(layers, pool, transfer, layer_indices, load=True)

@@ -16,8 +16,11 @@ import torch
 from hicache.kernels import block_copy, cpu_copy
 from hicache.kernels.block_copy import BlockTransfer
 
-CopyFn = Callable[[Sequence[torch.Tensor], torch.Tensor, BlockTransfer], None]
-LoadFn = Callable[[torch.Tensor, Sequence[torch.Tensor], BlockTransfer], None]
+# (engine layers, pool canonical view, transfer, layer indices or None = all)
+CopyFn = Callable[[Sequence[torch.Tensor], torch.Tensor, BlockTransfer, Sequence[int] | None],
+                  None]
+LoadFn = Callable[[torch.Tensor, Sequence[torch.Tensor], BlockTransfer, Sequence[int] | None],
+                  None]
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,8 @@ class TestEvictionAndFaults:
         assert stats.max_used_slots <= sched.slots.capacity
         assert sched.tree.total_pages() == sched.slots.num_used <= sched.slots.capacity
         sched.tree.check_invariants()
+        # vLLM drove save_kv_layer: stores started while later layers computed.
+        assert worker.stats.layer_saves_in_forward > 0
 
     def test_recent_histories_still_hit_after_l1_reset(self, engine, run, baseline):
         """The 8 conversations come back in a cycle longer than L2 holds, where LRU
@@ -129,6 +131,8 @@ class TestEvictionAndFaults:
         for conv, cached in zip(recent, again.num_cached_tokens, strict=True):
             page = 2 * BLOCK_SIZE
             assert cached == (len(last.prompts[conv]) - 1) // page * page, (conv, cached)
+        # The loads were awaited layer by layer (wait_for_layer_load), not up front.
+        assert worker_connector().hicache_worker.stats.layer_waits > 0
 
     def test_lost_l2_pages_are_recomputed_not_loaded(self, engine, run, baseline):
         """Forget what every L2 slot holds (as if their bytes were lost): the next
