@@ -22,7 +22,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
 	# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break transformers.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PY) -m pip install -q -e ".[test]"
+	# Mooncake's non-CUDA store links libibverbs/libnl (Debian); CI runs as root.
+	if ! ldconfig -p | grep -q libibverbs.so.1; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200; \
+	  else echo "note: libibverbs1 libnl-3-200 libnl-route-3-200 missing; Mooncake L3 tests will fail"; fi; \
+	fi
+	$(PY) -m pip install -q -e ".[test,l3]"
 	$(PY) -c "import torch, vllm, transformers, hicache.connector; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 

@@ -128,5 +128,24 @@ class HostPagePool:
         """True when ``slot`` contains the page whose key is ``key``."""
         return self._slot_keys[slot] == key
 
+    def page_view(self, slot: int) -> torch.Tensor | None:
+        """Slot ``slot`` as one contiguous 1-D uint8 view, or None (layer_first)."""
+        page = self.buffer[slot] if self.layout != "layer_first" else None
+        return None if page is None else page.view(-1)
+
+    def read_page(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s bytes in slot order: a view where contiguous, else a copy
+        in [layer, block, byte] order (the order page_first_direct stores)."""
+        view = self.page_view(slot)
+        return view if view is not None else self.canonical[slot].contiguous().view(-1)
+
+    def write_page(self, slot: int, data: torch.Tensor) -> None:
+        """Fill slot ``slot`` from ``read_page``-ordered bytes."""
+        view = self.page_view(slot)
+        if view is not None:
+            view.copy_(data)
+        else:
+            self.canonical[slot].copy_(data.view(self.canonical.shape[1:]))
+
     def invalidate_all(self) -> None:
         self._slot_keys = [None] * self.geometry.num_slots

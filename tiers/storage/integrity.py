@@ -1,0 +1,70 @@
+"""Page header and checksum shared by every L3 backend: nothing wrong is ever loaded.
+
+Contract:
+- A stored page is ``HEADER_BYTES`` of header followed by ``payload_len``
+  bytes of payload (the page as the host pool holds it). Backends may keep
+  header and payload in one object (file, NIXL) or side by side (Mooncake),
+  but they write the header this module packs and check it on every read.
+- The header holds a magic and version, the payload length, the 32-byte page
+  key, the 16-byte storage fingerprint (namespace, host byte order, page
+  bytes, TP rank: ``StorageConfig.fingerprint``) and an xxh3-64 checksum of
+  the payload.
+- ``verify`` returns None when everything matches, else a short reason; the
+  caller counts the page as a corrupt miss and never copies it into a slot
+  that is then used.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import xxhash
+
+MAGIC = b"HICACHE\x01"
+VERSION = 1
+HEADER_BYTES = 128
+_LAYOUT = struct.Struct("<8sIIQ32s16sQ")  # magic, version, reserved, len, key, fingerprint, xxh3
+
+
+def _bytes_of(payload: Any) -> memoryview:
+    """A flat byte view of a numpy array, torch CPU tensor, bytes or memoryview."""
+    if hasattr(payload, "numpy") and hasattr(payload, "untyped_storage"):  # torch tensor
+        payload = payload.contiguous().view(-1).numpy()
+    if isinstance(payload, np.ndarray):
+        return memoryview(np.ascontiguousarray(payload).view(np.uint8).reshape(-1))
+    return memoryview(payload).cast("B")
+
+
+def checksum(payload: Any) -> int:
+    return xxhash.xxh3_64_intdigest(_bytes_of(payload))
+
+
+def pack_header(page_key: bytes, fingerprint: bytes, payload: Any) -> bytes:
+    """The header for ``payload`` stored under ``page_key`` (32 bytes)."""
+    data = _bytes_of(payload)
+    if len(page_key) != 32 or len(fingerprint) != 16:
+        raise ValueError("page_key must be 32 bytes and fingerprint 16 bytes")
+    head = _LAYOUT.pack(MAGIC, VERSION, 0, len(data), page_key, fingerprint, checksum(data))
+    return head.ljust(HEADER_BYTES, b"\x00")
+
+
+def verify(header: Any, page_key: bytes, fingerprint: bytes, payload: Any) -> str | None:
+    """None when ``header`` + ``payload`` are the page ``page_key``; else why not."""
+    head = bytes(_bytes_of(header)[:HEADER_BYTES])
+    if len(head) < _LAYOUT.size:
+        return "truncated header"
+    magic, version, _, length, key, fp, digest = _LAYOUT.unpack_from(head)
+    if magic != MAGIC or version != VERSION:
+        return "bad magic/version"
+    if key != page_key:
+        return "page key mismatch"
+    if fp != fingerprint:
+        return "fingerprint mismatch (other model, dtype, layout, page size or rank)"
+    data = _bytes_of(payload)
+    if length != len(data):
+        return f"payload length {len(data)} != {length}"
+    if checksum(data) != digest:
+        return "checksum mismatch"
+    return None
