@@ -105,8 +105,12 @@ def save_blocks(
     pool: torch.Tensor,
     transfer: BlockTransfer,
     layer_indices: Sequence[int] | None = None,
+    *,
+    wait: bool = True,
 ) -> None:
-    """Copy engine blocks into pool pages, for every layer or only ``layer_indices``."""
+    """Copy engine blocks into pool pages, for every layer or only ``layer_indices``.
+
+    ``wait=False`` (CUDA) only enqueues the copies on the current stream."""
     for layer_idx in range(len(layers)) if layer_indices is None else layer_indices:
         layer = layers[layer_idx]
         for run in transfer.runs:
@@ -114,7 +118,8 @@ def save_blocks(
             pool[run.slot, layer_idx, run.offset : run.offset + run.length].copy_(
                 layer[run.block_start : end], non_blocking=True
             )
-    _wait(layers)
+    if wait:
+        _wait(layers)
 
 
 def load_blocks(
@@ -122,8 +127,12 @@ def load_blocks(
     layers: Sequence[torch.Tensor],
     transfer: BlockTransfer,
     layer_indices: Sequence[int] | None = None,
+    *,
+    wait: bool = True,
 ) -> None:
-    """Copy pool pages into engine blocks, for every layer or only ``layer_indices``."""
+    """Copy pool pages into engine blocks, for every layer or only ``layer_indices``.
+
+    ``wait=False`` (CUDA) only enqueues the copies on the current stream."""
     for layer_idx in range(len(layers)) if layer_indices is None else layer_indices:
         layer = layers[layer_idx]
         for run in transfer.runs:
@@ -132,7 +141,8 @@ def load_blocks(
                 pool[run.slot, layer_idx, run.offset : run.offset + run.length],
                 non_blocking=True,
             )
-    _wait(layers)
+    if wait:
+        _wait(layers)
 
 
 def _wait(layers: Sequence[torch.Tensor]) -> None:

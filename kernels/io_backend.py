@@ -1,19 +1,30 @@
 """Pick the copy path for an io backend and device.
 
-``direct`` and ``kernel`` are SGLang's names. On CPU both resolve to the best
-CPU path: the numba batch copy (``cpu_copy``), else torch slice copies. On
-a GPU, ``direct`` is torch slice copies (one ``cudaMemcpyAsync`` per run and
-layer); a GPU ``kernel`` path is not built yet (the config refuses it).
+``direct`` and ``kernel`` are SGLang's names.
+- CPU: both resolve to the best CPU path, the numba batch copy
+  (``cpu_copy``), else torch slice copies.
+- GPU, ``direct``: torch slice copies (one ``cudaMemcpyAsync`` per merged run
+  and layer, ``block_copy``).
+- GPU, ``kernel``: the Triton copy kernel (``gpu_copy``), one launch for all
+  pages and layers of a call, reading/writing the pinned pool directly.
+  ``select`` raises ValueError when it cannot run (no CUDA or no triton).
+
+Every path's ``save``/``load`` is complete on return. GPU paths also carry
+``save_async``/``load_async``: same arguments, but they only enqueue the copy
+on the current CUDA stream and return; the copy is complete when that stream
+reaches it (``layer_pipeline`` runs them on its side stream). They are None
+where a path has no asynchronous form (CPU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from hicache.kernels import block_copy, cpu_copy
+from hicache.kernels import block_copy, cpu_copy, gpu_copy
 from hicache.kernels.block_copy import BlockTransfer
 
 # (engine layers, pool canonical view, transfer, layer indices or None = all)
@@ -30,10 +41,17 @@ class CopyPath:
     name: str
     save: CopyFn
     load: LoadFn
+    # Enqueue-only forms on the current CUDA stream (None: no async form).
+    save_async: CopyFn | None = None
+    load_async: LoadFn | None = None
 
 
-TORCH_SLICES = CopyPath("torch-slices", block_copy.save_blocks, block_copy.load_blocks)
+TORCH_SLICES = CopyPath("torch-slices", block_copy.save_blocks, block_copy.load_blocks,
+                        partial(block_copy.save_blocks, wait=False),
+                        partial(block_copy.load_blocks, wait=False))
 CPU_BATCH = CopyPath("cpu-batch", cpu_copy.save_blocks, cpu_copy.load_blocks)
+GPU_KERNEL = CopyPath("gpu-kernel", gpu_copy.save_blocks, gpu_copy.load_blocks,
+                      gpu_copy.save_blocks_async, gpu_copy.load_blocks_async)
 
 
 def select(io_backend: str, device_type: str) -> CopyPath:
@@ -42,5 +60,12 @@ def select(io_backend: str, device_type: str) -> CopyPath:
     if device_type == "cpu" and cpu_copy.available():
         return CPU_BATCH
     if io_backend == "kernel" and device_type != "cpu":
-        raise ValueError("the GPU copy kernel is not built yet; use io backend 'direct'")
+        if device_type == "cuda" and gpu_copy.available():
+            return GPU_KERNEL
+        raise ValueError(
+            f"io backend 'kernel' on {device_type!r}: the Triton GPU copy kernel cannot run "
+            f"here (it needs CUDA and triton; CUDA usable: "
+            f"{torch.cuda.is_available()}, triton importable: {gpu_copy._triton_importable()}); "
+            "use io backend 'direct'"
+        )
     return TORCH_SLICES

@@ -1,17 +1,42 @@
-"""One background copy thread per worker: layer-by-layer loads and saves beside the forward pass.
+"""Layer-by-layer loads and saves beside the forward pass: a copy thread on CPU, a side
+CUDA stream on a GPU.
 
-Contract:
-- ``start_load(copy_layer, num_layers)`` queues a task that calls
-  ``copy_layer(i)`` for i = 0..num_layers-1 in order and marks each layer
-  done; ``wait_layer(i)`` returns once layer i is copied (or failed), so the
-  forward pass of layer i starts while later layers are still copying.
+Contract (both modes):
+- ``start_load(copy_layer, num_layers)`` queues ``copy_layer(i)`` for
+  i = 0..num_layers-1 in order; ``wait_layer(i)`` makes layer i usable by the
+  forward pass once layer i is copied (or failed), so the forward pass of
+  layer i starts while later layers are still copying.
 - ``submit(kind, fn)`` queues any other copy (saves) behind what is queued.
 - ``drain()`` waits for everything queued and returns the failures as
   ``(kind, exception)``; nothing stays in flight across a ``drain``, which is
   what keeps the step-ordering contract of connector/metadata.py.
-- Copies release the GIL (torch ``copy_``, the numba kernel), so the thread
-  runs while the forward pass computes. A failed copy never raises into the
-  caller: it is reported by ``drain`` so the caller can degrade to recompute.
+- A failed copy never raises into the caller: it is reported by ``drain`` so
+  the caller can degrade to recompute.
+
+CPU mode (``LayerPipeline()``, the default): one background thread runs the
+queued copies in order; ``wait_layer`` blocks the caller until the layer's
+copy returned. Copies release the GIL (torch ``copy_``, the numba kernel), so
+the thread runs while the forward pass computes.
+
+CUDA mode (``LayerPipeline(device)`` with a CUDA device): copies are enqueued
+on a dedicated side stream from the calling thread, and ordering is kept by
+CUDA events, never by blocking the host:
+- ``start_load`` records an event on the compute stream (the current stream
+  at the call) and makes the side stream wait on it, so loads never overwrite
+  blocks that earlier compute still reads; then, with the side stream
+  current, it calls ``copy_layer(i)`` and records one event per layer.
+- ``wait_layer(i)`` makes the current (compute) stream wait on layer i's
+  event and returns at once.
+- ``submit`` records an event on the compute stream at the call (the point
+  where that layer's KV is final), makes the side stream wait on it and calls
+  ``fn`` with the side stream current, so a save never stalls the forward.
+- ``drain`` synchronises the side stream; a CUDA error raised there is
+  reported for every kind queued since the previous drain.
+- The callables must enqueue their work on the current stream and may return
+  before it is done (``CopyPath.load_async``/``save_async``). Synchronous copy
+  functions stay correct (they wait for the side stream) but then the host
+  waits for each copy. Exceptions raised while enqueueing are reported like
+  failed copies; a failed layer still records its event.
 """
 
 from __future__ import annotations
@@ -21,20 +46,36 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
 class LayerPipeline:
-    """Runs queued copies in order on one thread; per-layer completion for loads."""
+    """Runs queued copies in order (thread or side stream); per-layer completion for loads."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-copy")
-        self._futures: list[Future[None]] = []
-        self._layer_done: list[threading.Event] = []
+    def __init__(self, device: torch.device | str | None = None) -> None:
         self._failures: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
+        dev = torch.device(device) if device is not None else None
+        self._cuda = _CudaQueue(dev, self._record) if dev is not None and dev.type == "cuda" \
+            else None
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-copy")
+            if self._cuda is None else None
+        )
+        self._futures: list[Future[None]] = []
+        self._layer_done: list[threading.Event] = []
+
+    @property
+    def on_cuda(self) -> bool:
+        """True when copies run on a side CUDA stream (else on a copy thread)."""
+        return self._cuda is not None
 
     def start_load(self, copy_layer: Callable[[int], None], num_layers: int) -> None:
+        if self._cuda is not None:
+            self._cuda.start_load(copy_layer, num_layers)
+            return
         events = [threading.Event() for _ in range(num_layers)]
         self._layer_done = events
 
@@ -47,22 +88,30 @@ class LayerPipeline:
                 finally:
                     done.set()
 
-        self._futures.append(self._executor.submit(run))
+        self._futures.append(self._submit(run))
 
     def wait_layer(self, layer: int) -> None:
-        if layer < len(self._layer_done):
+        if self._cuda is not None:
+            self._cuda.wait_layer(layer)
+        elif layer < len(self._layer_done):
             self._layer_done[layer].wait()
 
     def submit(self, kind: str, fn: Callable[[], None]) -> None:
+        if self._cuda is not None:
+            self._cuda.submit(kind, fn)
+            return
+
         def run() -> None:
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - reported by drain()
                 self._record(kind, exc)
 
-        self._futures.append(self._executor.submit(run))
+        self._futures.append(self._submit(run))
 
     def drain(self) -> list[tuple[str, BaseException]]:
+        if self._cuda is not None:
+            self._cuda.drain()
         for future in self._futures:
             future.result()
         self._futures, self._layer_done = [], []
@@ -72,9 +121,70 @@ class LayerPipeline:
 
     def shutdown(self) -> None:
         self.drain()
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    def _submit(self, run: Callable[[], None]) -> Future[None]:
+        assert self._executor is not None
+        return self._executor.submit(run)
 
     def _record(self, kind: str, exc: BaseException) -> None:
         logger.error("HiCache: %s copy failed: %r", kind, exc)
         with self._lock:
             self._failures.append((kind, exc))
+
+
+class _CudaQueue:
+    """CUDA mode of LayerPipeline: one side stream, events for every ordering."""
+
+    def __init__(
+        self, device: torch.device, record: Callable[[str, BaseException], None]
+    ) -> None:
+        self._device = device
+        self._record = record
+        self._side = torch.cuda.Stream(device=device)
+        self._layer_events: list[torch.cuda.Event] = []
+        self._pending: set[str] = set()
+
+    def _after_compute(self) -> None:
+        """Order the side stream after everything enqueued so far on the compute stream."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self._device))
+        self._side.wait_event(ready)
+
+    def start_load(self, copy_layer: Callable[[int], None], num_layers: int) -> None:
+        self._after_compute()
+        events = []
+        with torch.cuda.stream(self._side):
+            for i in range(num_layers):
+                try:
+                    copy_layer(i)
+                except Exception as exc:  # noqa: BLE001 - reported by drain()
+                    self._record("load", exc)
+                done = torch.cuda.Event()
+                done.record(self._side)
+                events.append(done)
+        self._layer_events = events
+        self._pending.add("load")
+
+    def wait_layer(self, layer: int) -> None:
+        if layer < len(self._layer_events):
+            torch.cuda.current_stream(self._device).wait_event(self._layer_events[layer])
+
+    def submit(self, kind: str, fn: Callable[[], None]) -> None:
+        self._after_compute()
+        with torch.cuda.stream(self._side):
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - reported by drain()
+                self._record(kind, exc)
+        self._pending.add(kind)
+
+    def drain(self) -> None:
+        try:
+            self._side.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a CUDA error in a queued copy
+            for kind in sorted(self._pending):
+                self._record(kind, exc)
+        self._pending = set()
+        self._layer_events = []

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.kernels import io_backend
+from hicache.kernels import gpu_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view, load_blocks, save_blocks
 from hicache.tiers.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
 
@@ -117,5 +117,8 @@ def test_cpu_resolves_both_backends_to_the_batch_copy():
     assert io_backend.select("direct", "cpu") is io_backend.CPU_BATCH
     assert io_backend.select("kernel", "cpu") is io_backend.CPU_BATCH
     assert io_backend.select("direct", "cuda") is io_backend.TORCH_SLICES
-    with pytest.raises(ValueError, match="not built yet"):
-        io_backend.select("kernel", "cuda")
+    if gpu_copy.available():
+        assert io_backend.select("kernel", "cuda") is io_backend.GPU_KERNEL
+    else:
+        with pytest.raises(ValueError, match="CUDA"):
+            io_backend.select("kernel", "cuda")

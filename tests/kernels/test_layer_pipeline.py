@@ -1,6 +1,12 @@
-"""The copy thread lets layer i be used while later layers are still copying."""
+"""The copy thread (CPU) or side stream (CUDA) lets layer i be used while later layers
+are still copying."""
 
+import contextlib
 import threading
+import time
+
+import pytest
+import torch
 
 from hicache.kernels.layer_pipeline import LayerPipeline
 
@@ -41,4 +47,159 @@ def test_failures_are_reported_not_raised_and_later_work_still_runs():
     assert [kind for kind, _ in failures] == ["load"]
     assert ran == ["load0", "load2", "save"]
     assert pipeline.drain() == []  # nothing stays in flight after a drain
+    pipeline.shutdown()
+
+
+# ---- CUDA mode -------------------------------------------------------------------
+# The ordering logic is checked on CPU with fake streams/events that log what
+# would be enqueued; the real-GPU tests below skip without CUDA.
+
+
+class _FakeCuda:
+    """Stand-ins for torch.cuda.Stream/Event/current_stream/stream that log operations."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.compute = _FakeStream("compute", self)
+        self.current = self.compute
+        self.events = 0
+
+    def install(self, monkeypatch):
+        fake = self
+
+        class Event:
+            def __init__(self):
+                fake.events += 1
+                self.id = fake.events
+
+            def record(self, stream):
+                fake.log.append((stream.name, "record", self.id))
+
+        @contextlib.contextmanager
+        def stream(s):
+            previous, fake.current = fake.current, s
+            try:
+                yield
+            finally:
+                fake.current = previous
+
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream("side", fake))
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.current)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+
+
+class _FakeStream:
+    def __init__(self, name, fake):
+        self.name, self.fake = name, fake
+        self.fail_sync: BaseException | None = None
+
+    def wait_event(self, event):
+        self.fake.log.append((self.name, "wait", event.id))
+
+    def synchronize(self):
+        self.fake.log.append((self.name, "sync"))
+        if self.fail_sync is not None:
+            raise self.fail_sync
+
+
+def test_cuda_mode_orders_by_events_never_by_host_waits(monkeypatch):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    pipeline = LayerPipeline("cuda")
+    assert pipeline.on_cuda
+
+    def copy_layer(i):
+        fake.log.append((fake.current.name, "copy", i))
+
+    pipeline.start_load(copy_layer, num_layers=3)
+    # Loads: after the compute stream's earlier work, one event per layer, on the side stream.
+    assert fake.log == [
+        ("compute", "record", 1), ("side", "wait", 1),
+        ("side", "copy", 0), ("side", "record", 2),
+        ("side", "copy", 1), ("side", "record", 3),
+        ("side", "copy", 2), ("side", "record", 4),
+    ]
+    fake.log.clear()
+    pipeline.wait_layer(1)
+    pipeline.wait_layer(7)  # a layer with nothing to load
+    assert fake.log == [("compute", "wait", 3)]  # a stream wait, not a host block
+    fake.log.clear()
+    pipeline.submit("save", lambda: fake.log.append((fake.current.name, "save")))
+    # A save runs on the side stream once the compute stream reached this point.
+    assert fake.log == [("compute", "record", 5), ("side", "wait", 5), ("side", "save")]
+    assert fake.current is fake.compute
+    fake.log.clear()
+    assert pipeline.drain() == []
+    assert fake.log == [("side", "sync")]
+    fake.log.clear()
+    pipeline.wait_layer(1)  # events are gone after a drain
+    assert fake.log == []
+    pipeline.shutdown()
+
+
+def test_cuda_mode_reports_enqueue_and_stream_failures(monkeypatch):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    pipeline = LayerPipeline(torch.device("cuda", 0))
+
+    def copy_layer(i):
+        if i == 1:
+            raise RuntimeError("bad launch")
+
+    pipeline.start_load(copy_layer, num_layers=3)
+    assert sum(1 for entry in fake.log if entry[:2] == ("side", "record")) == 3
+    failures = pipeline.drain()
+    assert [kind for kind, _ in failures] == ["load"]
+    pipeline.submit("save", lambda: None)
+    pipeline.start_load(lambda i: None, num_layers=1)
+    side = pipeline._cuda._side
+    side.fail_sync = RuntimeError("illegal memory access")
+    failures = pipeline.drain()
+    assert sorted(kind for kind, _ in failures) == ["load", "save"]
+    side.fail_sync = None
+    assert pipeline.drain() == []
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (none on CI machines)")
+
+
+@needs_cuda
+def test_cuda_loads_overlap_and_wait_layer_does_not_block_the_host():
+    pipeline = LayerPipeline(torch.device("cuda"))
+    src = [torch.full((1 << 20,), i + 1, dtype=torch.uint8).pin_memory() for i in range(3)]
+    dst = [torch.zeros(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    torch.cuda.synchronize()
+
+    def copy_layer(i):
+        if i == 1:
+            torch.cuda._sleep(100_000_000)  # a slow layer on the side stream
+        dst[i].copy_(src[i], non_blocking=True)
+
+    start = time.perf_counter()
+    pipeline.start_load(copy_layer, 3)
+    for i in range(3):
+        pipeline.wait_layer(i)
+    host_s = time.perf_counter() - start
+    sums = [d.sum() for d in dst]  # enqueued on the compute stream after the waits
+    assert [int(s) for s in sums] == [(i + 1) * (1 << 20) for i in range(3)]
+    assert host_s < 0.03, f"host blocked {host_s:.3f}s in start_load/wait_layer"
+    assert pipeline.drain() == []
+    pipeline.shutdown()
+
+
+@needs_cuda
+def test_cuda_save_waits_for_the_compute_stream_not_the_host():
+    pipeline = LayerPipeline(torch.device("cuda"))
+    kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    host = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    kv.fill_(7)  # the layer's KV becomes final only after the sleep
+    start = time.perf_counter()
+    pipeline.submit("save", lambda: host.copy_(kv, non_blocking=True))
+    assert time.perf_counter() - start < 0.03
+    assert pipeline.drain() == []
+    assert bool((host == 7).all())
     pipeline.shutdown()
