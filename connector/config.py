@@ -10,13 +10,24 @@ than silently ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("kernel", "direct")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+STORAGE_BACKENDS = ("file", "mooncake", "nixl", "dynamic")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# Keys of hicache_storage_backend_extra_config that HiCache itself consumes
+# (SGLang's names and defaults, v0.5.12); the rest goes to the backend.
+PREFETCH_KEYS: dict[str, float] = {
+    "prefetch_threshold": 256,
+    "prefetch_timeout_base": 2.0,
+    "prefetch_timeout_per_ki_token": 0.1,
+    "prefetch_timeout_max": 30.0,
+}
 
 
 class HiCacheConfigError(ValueError):
@@ -53,6 +64,15 @@ class HiCacheConfig:
     # (default; a cache miss costs time, never correctness) or fail the request.
     # Sets vLLM's kv_transfer_config.kv_load_failure_policy.
     hicache_load_failure_policy: str = "recompute"
+    # L3: file | mooncake | nixl | dynamic; None = no L3.
+    hicache_storage_backend: str | None = None
+    # Backend settings (a JSON object or its string), plus HiCache's own
+    # prefetch_threshold (tokens) and prefetch_timeout_{base,per_ki_token,max} (s).
+    hicache_storage_backend_extra_config: dict[str, Any] = field(default_factory=dict)
+    # How long a request waits for its L3 pages: best_effort = what arrived
+    # by the next engine step; wait_complete = all of them; timeout = until
+    # min(max, base + per_ki_token * tokens / 1024) seconds.
+    hicache_storage_prefetch_policy: str = "timeout"
 
     @classmethod
     def allowed_keys(cls) -> tuple[str, ...]:
@@ -91,10 +111,28 @@ class HiCacheConfig:
             ("hicache_mem_layout", MEM_LAYOUTS),
             ("hicache_io_backend", IO_BACKENDS),
             ("hicache_load_failure_policy", LOAD_FAILURE_POLICIES),
+            ("hicache_storage_prefetch_policy", PREFETCH_POLICIES),
         ):
             if key in extra:
                 values[key] = _choice(extra, key, allowed)
+        if extra.get("hicache_storage_backend") is not None:
+            values["hicache_storage_backend"] = _choice(
+                extra, "hicache_storage_backend", STORAGE_BACKENDS
+            )
+        if "hicache_storage_backend_extra_config" in extra:
+            values["hicache_storage_backend_extra_config"] = _storage_extra(
+                extra["hicache_storage_backend_extra_config"]
+            )
         return cls(**values)
+
+    def prefetch_setting(self, key: str) -> float:
+        """prefetch_threshold / prefetch_timeout_* with SGLang's defaults."""
+        return float(self.hicache_storage_backend_extra_config.get(key, PREFETCH_KEYS[key]))
+
+    def backend_extra_config(self) -> dict[str, Any]:
+        """The extra config the storage backend sees (HiCache's own keys removed)."""
+        return {k: v for k, v in self.hicache_storage_backend_extra_config.items()
+                if k not in PREFETCH_KEYS}
 
     def resolved_page_size(self, block_size: int) -> int:
         """Page size in tokens for an engine whose KV block holds ``block_size`` tokens."""
@@ -131,6 +169,25 @@ class HiCacheConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _storage_extra(value: Any) -> dict[str, Any]:
+    key = "hicache_storage_backend_extra_config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise HiCacheConfigError(f"{key} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise HiCacheConfigError(f"{key} must be a JSON object (got {value!r})")
+    for name in PREFETCH_KEYS:
+        if name in value:
+            number = value[name]
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0:
+                raise HiCacheConfigError(
+                    f"{key}.{name} must be a number >= 0 (got {number!r})"
+                )
+    return dict(value)
 
 
 def _positive_int(extra: dict[str, Any], key: str) -> int:

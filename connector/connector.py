@@ -6,7 +6,8 @@ process (owns ``HiCacheWorker``: host pool bytes, copies). This module only
 translates; decisions live in scheduler.py, data movement in worker.py.
 
 Supported: one KV-cache group (full attention, MHA/GQA), synchronous L2
-loads, write-through stores. The class is not ``SupportsHMA``: vLLM turns its
+loads, asynchronous L3 loads (``load_async``), write-through / selective /
+write-back stores, L3 backups of every page stored in L2. The class is not ``SupportsHMA``: vLLM turns its
 hybrid KV-cache manager off when this connector is configured, so hybrid
 (sliding-window / Mamba) models run with every layer treated as full
 attention. Pipeline parallelism is not supported.
@@ -25,12 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.connector.config import HiCacheConfig, HiCacheConfigError
+from hicache.connector.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
 from hicache.connector.scheduler import HiCacheScheduler
 from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.host_pool import PoolGeometry
 from hicache.tiers.page_keys import KeyNamespace
+from hicache.tiers.storage.base import StorageBackend, StorageConfig, StorageConfigError
+from hicache.tiers.storage.factory import create_backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,6 +69,20 @@ class HiCacheConnector(KVConnectorBase_V1):
         geometry = pool_geometry(kv_cache_config, self.config, page_size // block_size)
         self._scheduler: HiCacheScheduler | None = None
         self._worker: HiCacheWorker | None = None
+        namespace = key_namespace(vllm_config, kv_cache_config, page_size)
+        layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+
+        def storage_config(tp_rank: int) -> StorageConfig:
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            return StorageConfig(
+                tp_rank=tp_rank, tp_size=tp_size, namespace=namespace.fingerprint(),
+                mem_layout=layout, page_bytes=geometry.page_bytes,
+                is_mla="MLA" in type(spec).__name__,
+                model_name=str(vllm_config.model_config.model),
+                extra_config=self.config.backend_extra_config(),
+            )
+
         if role == KVConnectorRole.SCHEDULER:
             # vLLM reads the policy right after building the scheduler-side connector.
             self._kv_transfer_config.kv_load_failure_policy = (
@@ -73,12 +90,16 @@ class HiCacheConnector(KVConnectorBase_V1):
             )
             self._scheduler = HiCacheScheduler(
                 geometry=geometry,
-                namespace=key_namespace(vllm_config, kv_cache_config, page_size),
+                namespace=namespace,
                 page_size=page_size,
                 block_size=block_size,
                 block_ids_of=self._block_ids_of,
                 write_policy=self.config.hicache_write_policy,
                 write_threshold=self.config.hicache_write_through_threshold,
+                storage=self._scheduler_storage(storage_config(0)),
+                prefetch_policy=self.config.hicache_storage_prefetch_policy,
+                prefetch={k: self.config.prefetch_setting(k) for k in PREFETCH_KEYS},
+                tp_size=tp_size,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -86,17 +107,40 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.config.to_dict(),
             )
         else:
-            layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
             for note in notes:
                 logger.info("HiCache: %s", note)
-            if io_backend == "kernel":
-                raise HiCacheConfigError(
-                    "hicache_io_backend='kernel': the GPU copy kernel is not part of this "
-                    "build yet; allowed values here: ['direct']"
-                )
+            backend_name = self.config.hicache_storage_backend
+
+            def make_storage() -> StorageBackend:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                assert backend_name is not None
+                return create_backend(backend_name, storage_config(get_tensor_model_parallel_rank()))
+
             self._worker = HiCacheWorker(
-                geometry, kv_cache_config.num_blocks, layout=layout, io=io_backend
+                geometry, kv_cache_config.num_blocks, layout=layout, io=io_backend,
+                storage_factory=make_storage if backend_name else None,
             )
+
+    def _scheduler_storage(self, config: StorageConfig) -> StorageBackend | None:
+        """The scheduler's own backend instance (lookups only); None without L3.
+
+        Bad configuration stops the engine here, at start; an unreachable
+        store only turns L3 off (logged): the engine serves from L1/L2.
+        """
+        name = self.config.hicache_storage_backend
+        if name is None:
+            return None
+        try:
+            backend = create_backend(name, config)
+        except StorageConfigError as exc:
+            raise HiCacheConfigError(str(exc)) from exc
+        except Exception:  # noqa: BLE001
+            logger.exception("HiCache: L3 backend %r unavailable; serving without L3", name)
+            return None
+        logger.info("HiCache L3: %s backend, prefetch policy %s", name,
+                    self.config.hicache_storage_prefetch_policy)
+        return backend
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -119,7 +163,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.hicache_scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        return self.hicache_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -163,7 +207,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheStepMetadata)
-        if meta.loads:
+        if meta.loads or meta.fetches:
             self.hicache_worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -184,6 +228,8 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None and self._scheduler.storage is not None:
+            self._scheduler.storage.close()
 
     def get_finished(
         self, finished_req_ids: set[str]
@@ -192,7 +238,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         # (defer_finalize); the release then reaches vLLM one step later, and
         # vLLM keeps stepping while it holds a finished request's blocks.
         released = self.hicache_worker.take_released()
-        return (released or None), None
+        received = self.hicache_worker.take_received()
+        return (released or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.hicache_worker.take_load_errors()

@@ -4,8 +4,15 @@ Scheduler -> workers: ``HiCacheStepMetadata`` (loads to perform before the
 forward pass, stores to perform after it). Every TP rank applies the same
 plan to its own KV shard, so plans name slots and block ids, never bytes.
 
-Workers -> scheduler: ``HiCacheWorkerReport`` (slots found unusable), merged
-over ranks by vLLM with ``aggregate``.
+Workers -> scheduler: ``HiCacheWorkerReport`` (slots found unusable, L3
+pages fetched per request), merged over ranks by vLLM with ``aggregate``.
+
+L3 fetches (``RequestFetch``) are asynchronous: the worker reads the L3
+pages into their reserved L2 slots, copies every page of the plan into the
+request's blocks on its I/O thread, and reports the request in
+``finished_recving`` (with the blocks it could not fill as load errors) in
+some later step. vLLM does not schedule the request, so nothing else
+touches its blocks, until then.
 
 Ordering contract: a worker executes steps in order, loads of a step before
 its stores, and every copy is complete before the step's ``wait_for_save``
@@ -48,6 +55,21 @@ class RequestLoad:
     unloadable_block_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class RequestFetch:
+    """An asynchronous hit that needs L3: L3 -> L2 slots, then L2 -> L1, off the step."""
+
+    req_id: str
+    # Pages already in L2 (the request's L2 hit), in prefix order.
+    l2_pages: tuple[PagePlan, ...]
+    # Pages to read from L3 into their (reserved) slots first; they follow l2_pages.
+    l3_pages: tuple[PagePlan, ...]
+    unloadable_block_ids: tuple[int, ...] = ()
+    # Seconds the fetch may take (timeout policy); None = wait for all
+    # (wait_complete); 0 = stop at the worker's next poll (best_effort).
+    timeout_s: float | None = None
+
+
 @dataclass
 class HiCacheStepMetadata(KVConnectorMetadata):
     """The plan of one engine step."""
@@ -57,14 +79,23 @@ class HiCacheStepMetadata(KVConnectorMetadata):
     # Finished requests whose blocks vLLM keeps until these stores are done;
     # the worker reports them in finished_sending after this step's saves.
     release_after_store: list[str] = field(default_factory=list)
+    fetches: list[RequestFetch] = field(default_factory=list)
 
 
 @dataclass
 class HiCacheWorkerReport(KVConnectorWorkerMetadata):
-    """Slots a worker found unusable this step (failed store or key mismatch)."""
+    """What workers tell the scheduler after a step."""
 
+    # Slots found unusable this step (failed store or key mismatch).
     bad_slots: set[int] = field(default_factory=set)
+    # req_id -> L3 pages fetched into L2 (a prefix of its l3_pages), one
+    # entry per rank that finished that fetch this step; the scheduler waits
+    # for every rank and keeps the minimum.
+    fetched: dict[str, list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HiCacheWorkerReport)
-        return HiCacheWorkerReport(self.bad_slots | other.bad_slots)
+        fetched = {k: list(v) for k, v in self.fetched.items()}
+        for req_id, counts in other.fetched.items():
+            fetched.setdefault(req_id, []).extend(counts)
+        return HiCacheWorkerReport(self.bad_slots | other.bad_slots, fetched)

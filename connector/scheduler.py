@@ -13,6 +13,17 @@ Contract with vLLM's scheduler (see DESIGN.md "Data flow of one request"):
   the tree at once (see metadata.py for the ordering that makes this safe).
 - ``request_finished`` stores what is left of a finished request and asks
   vLLM to keep its blocks until the worker reports the store done.
+
+With an L3 backend (``storage``), the lookup continues past the L2 match:
+``batch_exists`` on the scheduler's own backend instance says how many
+further pages L3 holds (rank 0's shard; another rank's missing shard shows
+up as a load error, so vLLM recomputes). Such a hit is asynchronous: vLLM
+parks the request in WAITING_FOR_REMOTE_KVS, the L2 prefix stays locked, L2
+slots are reserved for the L3 pages, and the worker fetches and loads on
+its I/O thread. When every rank has reported, the pages that arrived are
+inserted into the tree (L2-resident), the rest of the slots are freed.
+L3 is not mirrored in the tree: it is asked on demand, as SGLang does
+(its ``batch_exists`` before every prefetch).
 """
 
 from __future__ import annotations
@@ -27,12 +38,14 @@ from hicache.connector.metadata import (
     HiCacheStepMetadata,
     HiCacheWorkerReport,
     PagePlan,
+    RequestFetch,
     RequestLoad,
 )
 from hicache.tiers.host_pool import PoolGeometry
 from hicache.tiers.page_keys import KeyNamespace, PageKey, PageKeyChain
 from hicache.tiers.radix_tree import HiRadixTree, MatchResult, TreeNode
 from hicache.tiers.slot_allocator import SlotAllocator
+from hicache.tiers.storage.base import StorageBackend
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -54,6 +67,21 @@ class _RequestState:
     # that follows it, with the local (vLLM prefix cache) hit it was measured against.
     pending_match: MatchResult | None = None
     local_tokens: int = 0
+    # L3 pages found after pending_match by the last lookup (async hit when > 0).
+    pending_l3_pages: int = 0
+    # An L3 fetch for this request is in flight (see _Fetch).
+    fetching: bool = False
+
+
+@dataclass
+class _Fetch:
+    """An L3 fetch in flight: the L2 prefix it extends is locked, its slots reserved."""
+
+    node: TreeNode
+    prefix_keys: list[PageKey]
+    keys: list[PageKey]
+    slots: list[int]
+    reports: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +95,11 @@ class SchedulerStats:
     evicted_pages: int = 0
     store_skipped_pages: int = 0
     bad_slots_reported: int = 0
+    l3_lookups: int = 0
+    l3_hit_pages: int = 0
+    l3_fetched_pages: int = 0
+    l3_failed_pages: int = 0
+    l3_lookup_errors: int = 0
     max_used_slots: int = 0
     per_request_hits: dict[str, int] = field(default_factory=dict)
 
@@ -89,6 +122,10 @@ class HiCacheScheduler:
         block_ids_of: Any,
         write_policy: str = "write_through",
         write_threshold: int = 2,
+        storage: StorageBackend | None = None,
+        prefetch_policy: str = "timeout",
+        prefetch: dict[str, float] | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.geometry = geometry
         self.write_policy = write_policy
@@ -111,10 +148,19 @@ class HiCacheScheduler:
         self._deferred_stores: list[PagePlan] = []
         self._release_after_store: list[str] = []
         self._bad_slots: set[int] = set()
+        self.storage = storage
+        self.prefetch_policy = prefetch_policy
+        self.prefetch = dict(prefetch or {})
+        self.tp_size = tp_size
+        self._fetches: list[RequestFetch] = []
+        self._inflight: dict[str, _Fetch] = {}
 
     # ---- lookup -------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(tokens HiCache can provide beyond vLLM's own hit, whether asynchronously)."""
         state = self._state(request)
         state.chain.extend(request.all_token_ids)
         keys = state.chain.keys
@@ -122,13 +168,34 @@ class HiCacheScheduler:
         max_pages = (request.num_tokens - 1) // self.page_size
         match = self.tree.match_prefix(keys[:max_pages])
         self.stats.lookups += 1
-        hit_tokens = match.num_pages * self.page_size
-        if hit_tokens <= num_computed_tokens:
-            state.pending_match = None
-            return 0
+        l3_pages = self._l3_lookup(keys[match.num_pages : max_pages])
+        hit_tokens = (match.num_pages + l3_pages) * self.page_size
+        if hit_tokens <= num_computed_tokens or state.fetching:
+            state.pending_match, state.pending_l3_pages = None, 0
+            return 0, False
         state.pending_match = match
+        state.pending_l3_pages = l3_pages
         state.local_tokens = num_computed_tokens
-        return hit_tokens - num_computed_tokens
+        return hit_tokens - num_computed_tokens, l3_pages > 0
+
+    def _l3_lookup(self, keys: Sequence[PageKey]) -> int:
+        """Pages of ``keys`` that L3 holds consecutively and that are worth fetching."""
+        if self.storage is None or not keys:
+            return 0
+        threshold_pages = -(-int(self.prefetch.get("prefetch_threshold", 256)) // self.page_size)
+        if len(keys) < max(1, threshold_pages):
+            return 0
+        self.stats.l3_lookups += 1
+        try:
+            found = self.storage.batch_exists([k.hex() for k in keys])
+        except Exception:  # noqa: BLE001 - a failing L3 is a miss, never an engine error
+            logger.exception("HiCache: L3 lookup failed; treating as a miss")
+            self.stats.l3_lookup_errors += 1
+            return 0
+        # The fetched pages need L2 slots: never promise more than L2 can hold now.
+        room = self.slots.num_free + self.tree.evictable_pages()
+        found = min(found, room)
+        return found if found >= max(1, threshold_pages) else 0
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
@@ -137,23 +204,32 @@ class HiCacheScheduler:
         if state is None:
             return
         match, state.pending_match = state.pending_match, None
+        l3_pages, state.pending_l3_pages = state.pending_l3_pages, 0
         if num_external_tokens == 0 or match is None:
             return
+        keys = state.chain.keys
+        l3_slots: list[int] = []
+        if l3_pages:
+            self.tree.lock(match.node)
+            l3_slots = self._allocate(l3_pages) or []
+            if not l3_slots:
+                logger.warning("HiCache: no L2 room for %d L3 pages of request %s; "
+                               "recomputing them", l3_pages, request.request_id)
+        slots = list(match.host_slots) + l3_slots
         start = state.local_tokens
         end = start + num_external_tokens
-        matched_tokens = match.num_pages * self.page_size
+        matched_tokens = len(slots) * self.page_size
         first_block = start // self.block_size
         end_block = -(-min(end, matched_tokens) // self.block_size)
         pages = []
-        keys = state.chain.keys
-        for page in range(start // self.page_size, match.num_pages):
+        for page in range(start // self.page_size, len(slots)):
             lo = max(first_block, page * self.blocks_per_page)
             hi = min(end_block, (page + 1) * self.blocks_per_page)
             if lo >= hi:
                 break
             pages.append(
                 PagePlan(
-                    slot=match.host_slots[page],
+                    slot=slots[page],
                     key=keys[page],
                     first_offset=lo - page * self.blocks_per_page,
                     block_ids=tuple(block_ids[lo:hi]),
@@ -168,9 +244,23 @@ class HiCacheScheduler:
                 "only %d tokens matched; recomputing the rest",
                 request.request_id, num_external_tokens, start, matched_tokens,
             )
-        self.tree.lock(match.node)
-        self._load_locks.append(match.node)
-        self._loads.append(RequestLoad(request.request_id, tuple(pages), unloadable))
+        if l3_pages:
+            # Locked above; unlocked when every rank has reported the fetch.
+            n_l2 = sum(1 for p in pages if p.slot not in set(l3_slots))
+            self._fetches.append(RequestFetch(
+                request.request_id, tuple(pages[:n_l2]), tuple(pages[n_l2:]), unloadable,
+                self._fetch_timeout(len(l3_slots)),
+            ))
+            self._inflight[request.request_id] = _Fetch(
+                match.node, keys[: match.num_pages],
+                keys[match.num_pages : match.num_pages + len(l3_slots)], l3_slots,
+            )
+            state.fetching = True
+            self.stats.l3_hit_pages += len(l3_slots)
+        else:
+            self.tree.lock(match.node)
+            self._load_locks.append(match.node)
+            self._loads.append(RequestLoad(request.request_id, tuple(pages), unloadable))
         state.stored_pages = max(state.stored_pages, match.num_pages)
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_pages += len(pages)
@@ -193,11 +283,12 @@ class HiCacheScheduler:
             if ready_pages > state.stored_pages:
                 stores.extend(self._plan_store(state, ready_pages, self._block_ids_of(req_id)))
         meta = HiCacheStepMetadata(
-            loads=self._loads, stores=stores, release_after_store=self._release_after_store
+            loads=self._loads, stores=stores, release_after_store=self._release_after_store,
+            fetches=self._fetches,
         )
         for node in self._load_locks:
             self.tree.unlock(node)
-        self._loads, self._load_locks = [], []
+        self._loads, self._load_locks, self._fetches = [], [], []
         self._deferred_stores, self._release_after_store = [], []
         return meta
 
@@ -211,7 +302,9 @@ class HiCacheScheduler:
         """
         state = self._requests.pop(request.request_id, None)
         self.stats.per_request_hits.pop(request.request_id, None)
-        if state is None or not block_ids:
+        if state is None or not block_ids or state.fetching:
+            # A request finished (aborted) while its L3 fetch runs: vLLM keeps its
+            # blocks until the worker reports the fetch; nothing to store.
             return False
         ready = min(request.num_computed_tokens, len(request.all_token_ids))
         ready_pages = min(ready // self.page_size, len(block_ids) // self.blocks_per_page)
@@ -226,13 +319,57 @@ class HiCacheScheduler:
 
     def on_worker_report(self, report: HiCacheWorkerReport) -> None:
         self._bad_slots |= report.bad_slots
+        for req_id, counts in report.fetched.items():
+            fetch = self._inflight.get(req_id)
+            if fetch is None:
+                continue
+            fetch.reports.extend(counts)
+            if len(fetch.reports) >= self.tp_size:
+                self._finish_fetch(req_id, min(fetch.reports))
+
+    def _finish_fetch(self, req_id: str, fetched: int) -> None:
+        """Every rank has its first ``fetched`` L3 pages in L2: publish them, free the rest."""
+        fetch = self._inflight.pop(req_id)
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.fetching = False
+        self.stats.l3_fetched_pages += fetched
+        self.stats.l3_failed_pages += len(fetch.slots) - fetched
+        unused = fetch.slots[fetched:]
+        attached = fetch.node is self.tree.root or fetch.node.parent is not None
+        if fetched and attached:
+            mine = set(fetch.slots)
+            inserted = self.tree.insert(fetch.prefix_keys + fetch.keys[:fetched],
+                                        self._prefix_slots(fetch) + fetch.slots[:fetched])
+            unused += [s for s in inserted.unused_slots if s in mine]
+        elif fetched:
+            unused = list(fetch.slots)
+        self.tree.unlock(fetch.node)
+        if unused:
+            self.slots.free(sorted(set(unused)))
+
+    def _prefix_slots(self, fetch: _Fetch) -> list[int]:
+        """Host slots of the locked L2 prefix a fetch extends (still resident: locked)."""
+        match = self.tree.match_prefix(fetch.prefix_keys)
+        assert match.num_pages == len(fetch.prefix_keys), "locked prefix left L2"
+        return match.host_slots
+
+    def _fetch_timeout(self, pages: int) -> float | None:
+        if self.prefetch_policy == "wait_complete":
+            return None
+        if self.prefetch_policy == "best_effort":
+            return 0.0
+        tokens = pages * self.page_size
+        base = self.prefetch.get("prefetch_timeout_base", 2.0)
+        per_ki = self.prefetch.get("prefetch_timeout_per_ki_token", 0.1)
+        return min(self.prefetch.get("prefetch_timeout_max", 30.0), base + per_ki * tokens / 1024)
 
     def has_pending_stores(self) -> bool:
         return bool(self._deferred_stores)
 
     def reset(self) -> bool:
         """Drop every L2 page (vLLM's reset_prefix_cache); False if pages are in use."""
-        if self._load_locks:
+        if self._load_locks or self._inflight:
             return False
         try:
             freed = self.tree.reset()

@@ -17,20 +17,35 @@ Contract:
   raises. Nothing is in flight between steps.
 - Nothing here raises into the engine for a cache problem: failures degrade
   to recompute.
+- With L3 (``storage_factory``), the backend is built once the pool exists
+  and gets the pool registered (zero-copy slots); fetches and backups run
+  on ``StorageIO``'s thread (storage_io.py). Every page stored into L2 is
+  then backed up to L3 (whatever the write policy chose for L2 is what
+  reaches L3). A backend that cannot start leaves this rank without L3:
+  its fetches fail and vLLM recomputes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport, PagePlan
-from hicache.kernels import io_backend
+from hicache.connector.metadata import (
+    HiCacheStepMetadata,
+    HiCacheWorkerReport,
+    PagePlan,
+    RequestFetch,
+)
+from hicache.connector.storage_io import StorageIO
+from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
 from hicache.kernels.layer_pipeline import LayerPipeline
 from hicache.tiers.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.storage.base import StorageBackend, StorageConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +76,7 @@ class HiCacheWorker:
         *,
         layout: str = "page_first_direct",
         io: str = "direct",
+        storage_factory: Callable[[], StorageBackend] | None = None,
     ) -> None:
         self.geometry = geometry
         self.l1_num_blocks = l1_num_blocks
@@ -73,12 +89,18 @@ class HiCacheWorker:
         self._load_errors: set[int] = set()
         self._bad_slots: set[int] = set()
         self._released: set[str] = set()
+        self._released_recv: set[str] = set()
         self._pipeline = LayerPipeline()
         self._layer_index: dict[str, int] = {}
         # Per-step state, reset by finish_step.
         self._loading: list[int] = []
         self._saved_layers: set[int] = set()
         self._stores_of: tuple[HiCacheStepMetadata, BlockTransfer] | None = None
+        self._storage_factory = storage_factory
+        self.storage: StorageBackend | None = None
+        self.storage_io: StorageIO | None = None
+        self._fetched: dict[str, list[int]] = {}
+        self._side_stream: torch.cuda.Stream | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         seen: dict[tuple[int, int], int] = {}
@@ -99,6 +121,10 @@ class HiCacheWorker:
             )
         self.layers = layers
         self.copy_path = io_backend.select(self.io, layers[0].device.type)
+        if layers[0].device.type == "cuda":
+            # Side stream + per-layer events; copies only enqueue (never block the host).
+            self._pipeline.shutdown()
+            self._pipeline = LayerPipeline(layers[0].device)
         geometry = PoolGeometry(
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
@@ -112,12 +138,51 @@ class HiCacheWorker:
             "pinned" if self.pool.buffer.is_pinned() else "pageable",
             self.copy_path.name,
         )
+        if self._storage_factory is not None:
+            self._start_storage()
+
+    def _start_storage(self) -> None:
+        assert self._storage_factory is not None and self.pool is not None
+        try:
+            backend = self._storage_factory()
+            backend.register_host_pool(self.pool)
+        except StorageConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - an unreachable L3 degrades to recompute
+            logger.exception("HiCache: L3 backend unavailable on this rank; continuing "
+                             "without L3 (its hits will be recomputed)")
+            return
+        if self.layers[0].device.type == "cuda":
+            self._side_stream = torch.cuda.Stream(self.layers[0].device)
+        self.storage = backend
+        self.storage_io = StorageIO(backend, self.pool, self._load_fetched_pages)
+
+    def _load_fetched_pages(self, pages: list[PagePlan]) -> None:
+        """L2 -> L1 for a fetched request, on the L3 thread (torch copies: thread-safe;
+        on CUDA a side stream, synchronised before the request is reported)."""
+        pool = self._require_pool()
+        block_ids: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []
+        for page in pages:
+            _append_page(page, block_ids, slots, offsets)
+        transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
+        stream = (torch.cuda.stream(self._side_stream) if self._side_stream is not None
+                  else contextlib.nullcontext())
+        with stream:
+            block_copy.load_blocks(pool.canonical, self.layers, transfer)
 
     # ---- loads ----------------------------------------------------------------
 
     def start_load(self, meta: HiCacheStepMetadata) -> None:
-        """Check every planned page's key, then copy layer by layer in the background."""
+        """Check every planned page's key, then copy layer by layer in the background;
+        hand this step's L3 fetches to the L3 thread."""
         pool = self._require_pool()
+        for fetch in meta.fetches:
+            if self.storage_io is None:
+                self._fail_fetch(fetch)
+            else:
+                self.storage_io.submit_fetch(fetch)
         block_ids: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []
@@ -140,9 +205,9 @@ class HiCacheWorker:
             return
         transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
         self._loading = block_ids
+        load = self._copy_fn("load")
         self._pipeline.start_load(
-            lambda layer: self.copy_path.load(pool.canonical, self.layers, transfer, [layer]),
-            len(self.layers),
+            lambda layer: load(pool.canonical, self.layers, transfer, [layer]), len(self.layers)
         )
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -151,6 +216,13 @@ class HiCacheWorker:
         if index is not None and self._loading:
             self.stats.layer_waits += 1
             self._pipeline.wait_layer(index)
+
+    def _fail_fetch(self, fetch: RequestFetch) -> None:
+        for page in (*fetch.l2_pages, *fetch.l3_pages):
+            self._load_errors.update(page.block_ids)
+        self._load_errors.update(fetch.unloadable_block_ids)
+        self._fetched[fetch.req_id] = [0]
+        self._released_recv.add(fetch.req_id)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -169,9 +241,8 @@ class HiCacheWorker:
         self._saved_layers.add(index)
         self.stats.layer_saves_in_forward += 1
         pool = self._require_pool()
-        self._pipeline.submit(
-            "save", lambda: self.copy_path.save(self.layers, pool.canonical, transfer, [index])
-        )
+        save = self._copy_fn("save")
+        self._pipeline.submit("save", lambda: save(self.layers, pool.canonical, transfer, [index]))
 
     def finish_step(self, meta: HiCacheStepMetadata) -> None:
         """End of the step: copy the layers not saved yet, wait for every copy, and
@@ -181,8 +252,9 @@ class HiCacheWorker:
             transfer = self._store_transfer(meta)
             rest = [i for i in range(len(self.layers)) if i not in self._saved_layers]
             if rest:
+                save = self._copy_fn("save")
                 self._pipeline.submit(
-                    "save", lambda: self.copy_path.save(self.layers, pool.canonical, transfer, rest)
+                    "save", lambda: save(self.layers, pool.canonical, transfer, rest)
                 )
         failures = {kind for kind, _ in self._pipeline.drain()}
         if self._loading:
@@ -200,10 +272,20 @@ class HiCacheWorker:
             else:
                 for page in meta.stores:
                     pool.set_key(page.slot, page.key)
+                if self.storage_io is not None:
+                    self.storage_io.submit_backup([(p.key, p.slot) for p in meta.stores])
                 self.stats.saved_pages += len(meta.stores)
                 self.stats.saved_bytes += len(meta.stores) * pool.geometry.page_bytes
         self._released.update(meta.release_after_store)
         self._loading, self._saved_layers, self._stores_of = [], set(), None
+
+    def _copy_fn(self, kind: str) -> Callable[..., None]:
+        """The copy function the pipeline runs: enqueue-only on a CUDA side stream."""
+        if self._pipeline.on_cuda:
+            fn = getattr(self.copy_path, f"{kind}_async")
+            if fn is not None:
+                return fn
+        return getattr(self.copy_path, kind)
 
     def _store_transfer(self, meta: HiCacheStepMetadata) -> BlockTransfer:
         """The step's store transfer, built once; slots are invalid until it lands."""
@@ -212,6 +294,8 @@ class HiCacheWorker:
             block_ids: list[int] = []
             slots: list[int] = []
             offsets: list[int] = []
+            if self.storage_io is not None:
+                self.storage_io.release_slots(p.slot for p in meta.stores)
             for page in meta.stores:
                 pool.set_key(page.slot, None)
                 _append_page(page, block_ids, slots, offsets)
@@ -220,15 +304,31 @@ class HiCacheWorker:
 
     def shutdown(self) -> None:
         self._pipeline.shutdown()
+        if self.storage_io is not None:
+            self.storage_io.shutdown()
+        if self.storage is not None:
+            self.storage.close()
 
     def take_released(self) -> set[str]:
         released, self._released = self._released, set()
         return released
 
+    def take_received(self) -> set[str]:
+        """Requests whose L3 fetch finished (for vLLM's finished_recving); their
+        unfilled blocks go to take_load_errors, their counts to take_report."""
+        if self.storage_io is not None:
+            for result in self.storage_io.poll():
+                self._released_recv.add(result.req_id)
+                self._load_errors.update(result.error_block_ids)
+                self._fetched[result.req_id] = [result.fetched_pages]
+        received, self._released_recv = self._released_recv, set()
+        return received
+
     def take_report(self) -> HiCacheWorkerReport | None:
-        if not self._bad_slots:
+        if not self._bad_slots and not self._fetched:
             return None
-        report, self._bad_slots = HiCacheWorkerReport(self._bad_slots), set()
+        report = HiCacheWorkerReport(self._bad_slots, self._fetched)
+        self._bad_slots, self._fetched = set(), {}
         return report
 
     def _require_pool(self) -> HostPagePool:

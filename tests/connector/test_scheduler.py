@@ -40,7 +40,7 @@ def sched():
 
 def prefill(sched, req, block_ids):
     """Admit ``req`` with no external hit and run its whole prompt in one step."""
-    assert sched.get_num_new_matched_tokens(req, 0) == 0
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     sched.update_state_after_alloc(req, block_ids, 0)
     sched.tables[req.request_id] = block_ids
     meta = sched.build_connector_meta({req.request_id: req.num_tokens})
@@ -59,9 +59,9 @@ def test_prefill_stores_every_full_page(sched):
 def test_returning_prompt_loads_pages_and_leaves_one_token(sched):
     prefill(sched, request("a", range(100, 116)), [1, 2, 3, 4])  # exactly 2 pages
     again = request("b", range(100, 116))  # same 16 tokens: only 1 page may be claimed
-    assert sched.get_num_new_matched_tokens(again, 0) == PAGE
+    assert sched.get_num_new_matched_tokens(again, 0) == (PAGE, False)
     longer = request("c", list(range(100, 116)) + [5])
-    assert sched.get_num_new_matched_tokens(longer, 0) == 2 * PAGE
+    assert sched.get_num_new_matched_tokens(longer, 0) == (2 * PAGE, False)
     sched.update_state_after_alloc(longer, [10, 11, 12, 13, 14], 2 * PAGE)
     meta = sched.build_connector_meta({})
     (load,) = meta.loads
@@ -73,7 +73,7 @@ def test_local_hit_ending_mid_page_loads_from_that_block(sched):
     prefill(sched, request("a", range(100, 116)), [1, 2, 3, 4])
     req = request("b", list(range(100, 116)) + [5, 6])
     # vLLM's own cache already holds the first 3 blocks (12 tokens).
-    assert sched.get_num_new_matched_tokens(req, 12) == 4
+    assert sched.get_num_new_matched_tokens(req, 12) == (4, False)
     sched.update_state_after_alloc(req, [20, 21, 22, 23, 24], 4)
     (load,) = sched.build_connector_meta({}).loads
     assert [(p.first_offset, p.block_ids) for p in load.pages] == [(1, (23,))]
@@ -82,7 +82,7 @@ def test_local_hit_ending_mid_page_loads_from_that_block(sched):
 def test_fewer_external_tokens_than_offered_loads_only_those(sched):
     prefill(sched, request("a", range(100, 124)), [1, 2, 3, 4, 5, 6])  # 3 pages
     req = request("b", list(range(100, 124)) + [9])
-    assert sched.get_num_new_matched_tokens(req, 0) == 3 * PAGE
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * PAGE, False)
     sched.update_state_after_alloc(req, [30, 31, 32, 33, 34, 35, 36], PAGE + BS)  # capped
     (load,) = sched.build_connector_meta({}).loads
     assert [p.block_ids for p in load.pages] == [(30, 31), (32,)]
@@ -92,7 +92,7 @@ def test_fewer_external_tokens_than_offered_loads_only_those(sched):
 def test_more_external_tokens_than_matched_are_reported_unloadable(sched):
     prefill(sched, request("a", range(100, 108)), [1, 2])  # 1 page
     req = request("b", list(range(100, 120)))
-    assert sched.get_num_new_matched_tokens(req, 0) == PAGE
+    assert sched.get_num_new_matched_tokens(req, 0) == (PAGE, False)
     sched.update_state_after_alloc(req, [40, 41, 42, 43, 44], 2 * PAGE)  # never offered
     (load,) = sched.build_connector_meta({}).loads
     assert [p.block_ids for p in load.pages] == [(40, 41)]
@@ -120,7 +120,7 @@ def test_full_l2_evicts_least_recent_pages_first(sched):
     prefill(sched, request("new", range(50000, 50008)), [9, 9])
     assert sched.stats.evicted_pages == 1
     # The oldest request lost its tail page, keeping its head.
-    assert sched.get_num_new_matched_tokens(request("x", list(range(0, 16)) + [1]), 0) == PAGE
+    assert sched.get_num_new_matched_tokens(request("x", list(range(0, 16)) + [1]), 0) == (PAGE, False)
 
 
 def test_selective_stores_a_page_once_enough_requests_computed_it():

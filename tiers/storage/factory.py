@@ -35,8 +35,7 @@ def create_backend(name: str, config: StorageConfig) -> StorageBackend:
         )
     module_name, class_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    rest = {k: v for k, v in extra.items() if k not in LOADER_KEYS}
-    return cls(dataclasses.replace(config, extra_config=rest))
+    return cls(config)
 
 
 def _dynamic(config: StorageConfig) -> StorageBackend:

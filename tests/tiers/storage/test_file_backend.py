@@ -157,6 +157,10 @@ def test_two_processes_share_one_directory(tmp_path):
     assert torch.equal(reader.pool.buffer[4:8], filled_pool("page_first", 9).buffer[0:4])
 
 
+def test_factory_builds_the_file_backend(tmp_path):
+    assert isinstance(create_backend("file", config(tmp_path)), FileBackend)
+
+
 def test_bad_config_names_the_key(tmp_path):
     with pytest.raises(StorageConfigError, match="capacity_gb"):
         FileBackend(config(tmp_path, capacity_gb=-1))
