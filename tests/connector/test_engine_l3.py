@@ -175,3 +175,28 @@ class TestSlowStoreUnderTimeout:
         assert stats.fetched_pages == 3 * BATCH_PAGES
         assert stats.fetch_failed_pages > 0
         assert worker.stats.load_errors > 0
+
+
+def restart_round_trip(tiny_model, baseline, backend: str, extra: dict, conversations: int = 3):
+    """Engine A serves turn 1 of a few conversations and stops; engine B (empty L2)
+    serves their turn 2. Returns B's turn."""
+    want0, want1 = baseline.turns[0], baseline.turns[1]
+    llm = engine(tiny_model, backend, extra)
+    try:
+        first = run_turns(llm, want0.prompts[:conversations], WORKLOAD.answer_tokens)
+    finally:
+        close_llm(llm)
+    assert first.outputs == want0.outputs[:conversations]
+    llm = engine(tiny_model, backend, extra, hicache_storage_prefetch_policy="wait_complete")
+    try:
+        second = run_turns(llm, want1.prompts[:conversations], WORKLOAD.answer_tokens)
+    finally:
+        close_llm(llm)
+    assert second.outputs == want1.outputs[:conversations]
+    return second
+
+
+def test_nixl_restart_serves_from_l3(tiny_model, baseline, tmp_path):
+    got = restart_round_trip(tiny_model, baseline, "nixl", {"path": str(tmp_path)})
+    assert got.num_cached_tokens == history_pages(baseline, 1)[:3]
+    assert not list((tmp_path / "quarantine").glob("*"))
