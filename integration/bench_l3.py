@@ -158,9 +158,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             res = bench_mooncake(page_bytes, pages, args.repeats)
             rows.append({
                 "backend": backend, "page_mib": mib, "pages": pages,
-                "ours_write_gbs": res["ours_put_gbs"], "ours_read_gbs": res["ours_get_gbs"],
+                "ours_write_gbs": res["ours_put_gbps"], "ours_read_gbs": res["ours_get_gbps"],
                 "raw": "MooncakeDistributedStore",
-                "raw_write_gbs": res["raw_put_gbs"], "raw_read_gbs": res["raw_get_gbs"],
+                "raw_write_gbs": res["raw_put_gbps"], "raw_read_gbs": res["raw_get_gbps"],
             })
             continue
         pool = _pool(page_bytes, pages)
