@@ -246,10 +246,18 @@ class HiCacheScheduler:
             )
         if l3_pages:
             # Locked above; unlocked when every rank has reported the fetch.
-            n_l2 = sum(1 for p in pages if p.slot not in set(l3_slots))
+            # Every L3 page after the L2 match is fetched, also those vLLM's own
+            # prefix cache covers (no blocks to fill), so what enters the tree
+            # stays a contiguous extension of the locked L2 prefix.
+            mine = set(l3_slots)
+            planned = {p.slot: p for p in pages}
+            l3_plans = tuple(
+                planned.get(slots[page], PagePlan(slots[page], keys[page], 0, ()))
+                for page in range(match.num_pages, len(slots))
+            )
             self._fetches.append(RequestFetch(
-                request.request_id, tuple(pages[:n_l2]), tuple(pages[n_l2:]), unloadable,
-                self._fetch_timeout(len(l3_slots)),
+                request.request_id, tuple(p for p in pages if p.slot not in mine), l3_plans,
+                unloadable, self._fetch_timeout(len(l3_slots)),
             ))
             self._inflight[request.request_id] = _Fetch(
                 match.node, keys[: match.num_pages],

@@ -105,3 +105,19 @@ def test_worker_reports_aggregate_per_rank():
     b = HiCacheWorkerReport({2}, {"r": [2], "s": [1]})
     merged = a.aggregate(b)
     assert merged.bad_slots == {1, 2} and merged.fetched == {"r": [3, 2], "s": [1]}
+
+
+def test_l3_pages_under_vllms_own_hit_are_fetched_into_l2_only(tmp_path):
+    """vLLM's prefix cache already holds 2.5 pages: the L3 pages it covers are still
+    fetched (into L2, no blocks), so the tree gets a contiguous prefix."""
+    tokens = list(range(400, 433))
+    store_pages(tmp_path, tokens)
+    sched = scheduler(tmp_path)
+    req = request("r", tokens)
+    assert sched.get_num_new_matched_tokens(req, 20) == (4 * PAGE - 20, True)
+    sched.update_state_after_alloc(req, list(range(10, 18)), 4 * PAGE - 20)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert [(p.first_offset, p.block_ids) for p in fetch.l3_pages] == [
+        (0, ()), (0, ()), (1, (15,)), (0, (16, 17))]
+    sched.on_worker_report(HiCacheWorkerReport(fetched={"r": [4]}))
+    assert sched.tree.match_prefix(page_keys(NS.seed(), tokens, PAGE)).num_pages == 4
