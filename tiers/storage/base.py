@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,6 +51,18 @@ class StorageConfigError(ValueError):
 
 class StorageUnavailable(RuntimeError):
     """The store could not be reached or set up."""
+
+
+def checked_extra(config: StorageConfig, allowed: Iterable[str], backend: str) -> dict[str, Any]:
+    """``config.extra_config`` as a dict, or StorageConfigError naming unknown keys."""
+    extra, allowed = dict(config.extra_config), tuple(allowed)
+    unknown = sorted(set(extra) - set(allowed))
+    if unknown:
+        raise StorageConfigError(
+            f"unknown hicache_storage_backend_extra_config key(s) {unknown} for the {backend} "
+            f"backend; allowed keys: {sorted(allowed)}"
+        )
+    return extra
 
 
 @dataclass(frozen=True)

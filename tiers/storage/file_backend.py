@@ -40,7 +40,12 @@ from pathlib import Path
 import torch
 
 from hicache.tiers.storage import integrity
-from hicache.tiers.storage.base import StorageBackend, StorageConfig, StorageConfigError
+from hicache.tiers.storage.base import (
+    StorageBackend,
+    StorageConfig,
+    StorageConfigError,
+    checked_extra,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +58,7 @@ class FileBackend(StorageBackend):
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
-        extra = dict(config.extra_config)
-        unknown = sorted(set(extra) - set(ALLOWED_KEYS))
-        if unknown:
-            raise StorageConfigError(
-                f"unknown hicache_storage_backend_extra_config key(s) {unknown} for the file "
-                f"backend; allowed keys: {list(ALLOWED_KEYS)}"
-            )
+        extra = checked_extra(config, ALLOWED_KEYS, "file")
         path = extra.get("path") or os.environ.get("HICACHE_FILE_STORAGE_DIR") or "/tmp/hicache"
         if not isinstance(path, str):
             raise StorageConfigError(f"hicache_storage_backend_extra_config.path must be a "

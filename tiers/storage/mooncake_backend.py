@@ -83,6 +83,7 @@ from hicache.tiers.storage.base import (
     StorageConfig,
     StorageConfigError,
     StorageUnavailable,
+    checked_extra,
 )
 
 logger = logging.getLogger(__name__)
@@ -148,13 +149,7 @@ class MooncakeSettings:
 
     @classmethod
     def from_config(cls, config: StorageConfig) -> MooncakeSettings:
-        extra = dict(config.extra_config)
-        unknown = sorted(set(extra) - set(CONFIG_KEYS))
-        if unknown:
-            raise StorageConfigError(
-                f"hicache_storage_backend_extra_config key(s) {unknown} are not supported by the "
-                f"mooncake backend; allowed keys: {sorted(CONFIG_KEYS)}"
-            )
+        extra = checked_extra(config, CONFIG_KEYS, "mooncake")
         raw: dict[str, Any] = {}
         for key, (env, default) in CONFIG_KEYS.items():
             if key in extra and extra[key] is not None:

@@ -52,6 +52,7 @@ from hicache.tiers.storage.base import (
     StorageConfig,
     StorageConfigError,
     StorageUnavailable,
+    checked_extra,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,13 +88,7 @@ class NixlBackend(StorageBackend):
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
-        extra = dict(config.extra_config)
-        unknown = sorted(set(extra) - set(ALLOWED_KEYS))
-        if unknown:
-            raise StorageConfigError(
-                f"hicache_storage_backend_extra_config key(s) {unknown} are not understood by "
-                f"the nixl backend; allowed keys: {list(ALLOWED_KEYS)}"
-            )
+        extra = checked_extra(config, ALLOWED_KEYS, "nixl")
         self.plugin = str(extra.get("plugin", DEFAULT_PLUGIN))
         self.path = str(extra.get("path") or os.environ.get(DIR_ENV) or DEFAULT_DIR)
         self.timeout_s = _positive(extra, "xfer_timeout_s", DEFAULT_TIMEOUT_S, float)
