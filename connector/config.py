@@ -73,6 +73,12 @@ class HiCacheConfig:
     # by the next engine step; wait_complete = all of them; timeout = until
     # min(max, base + per_ki_token * tokens / 1024) seconds.
     hicache_storage_prefetch_policy: str = "timeout"
+    # Admin HTTP endpoint in the scheduler process (0 = off). With several
+    # engine cores (data parallel) core i listens on port + i.
+    hicache_admin_host: str = "127.0.0.1"
+    hicache_admin_port: int = 8790
+    # Bearer token for the admin endpoint (else $HICACHE_ADMIN_TOKEN).
+    hicache_admin_token: str | None = None
 
     @classmethod
     def allowed_keys(cls) -> tuple[str, ...]:
@@ -119,6 +125,19 @@ class HiCacheConfig:
             values["hicache_storage_backend"] = _choice(
                 extra, "hicache_storage_backend", STORAGE_BACKENDS
             )
+        if "hicache_admin_port" in extra:
+            port = extra["hicache_admin_port"]
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise HiCacheConfigError(
+                    f"hicache_admin_port must be an integer in [0, 65535]; 0 turns the admin "
+                    f"endpoint off (got {port!r})"
+                )
+            values["hicache_admin_port"] = port
+        for key in ("hicache_admin_host", "hicache_admin_token"):
+            if extra.get(key) is not None:
+                if not isinstance(extra[key], str) or not extra[key]:
+                    raise HiCacheConfigError(f"{key} must be a non-empty string (got {extra[key]!r})")
+                values[key] = extra[key]
         if "hicache_storage_backend_extra_config" in extra:
             values["hicache_storage_backend_extra_config"] = _storage_extra(
                 extra["hicache_storage_backend_extra_config"]
@@ -168,7 +187,10 @@ class HiCacheConfig:
         return layout, io, notes
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every setting; the admin token is never included (only whether one is set)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["hicache_admin_token"] = "<set>" if self.hicache_admin_token else None
+        return d
 
 
 def _storage_extra(value: Any) -> dict[str, Any]:

@@ -210,6 +210,18 @@ class StorageBackend(ABC):
 
     # ---- maintenance ----------------------------------------------------------
 
+    def delete(self, key: str) -> bool:
+        """Remove page ``key`` (this rank's object); True if it was there.
+
+        Used to flush a prefix. Not part of SGLang's interface: a third-party
+        backend without it makes prefix flushes of L3 fail with a clear error.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot delete single pages")
+
+    def batch_delete(self, keys: list[str]) -> int:
+        """Remove these pages; returns how many were there."""
+        return sum(1 for key in keys if self.delete(key))
+
     def clear(self) -> None:
         """Remove every page this backend can see (all namespaces it owns)."""
         return None

@@ -255,6 +255,15 @@ class FileBackend(StorageBackend):
                     write_seconds=time.perf_counter() - start)
         return True
 
+    def delete(self, key: str) -> bool:
+        name = self._name(key)
+        self._forget(name)
+        try:
+            (self.pages_dir / name).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
     def clear(self) -> None:
         for entry in os.scandir(self.pages_dir):
             if entry.name.endswith(".page"):

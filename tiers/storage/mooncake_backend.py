@@ -585,6 +585,17 @@ class MooncakeBackend(StorageBackend):
 
     # ---- maintenance ---------------------------------------------------------------------
 
+    def delete(self, key: str) -> bool:
+        if not self._available():
+            return False
+        try:
+            rc = self._store.remove(self.object_key(key), True)
+        except Exception as exc:  # noqa: BLE001 - a failing store is reported, not raised
+            logger.warning("mooncake remove raised: %s", exc)
+            self._count(errors=1)
+            return False
+        return rc == 0
+
     def clear(self) -> None:
         if not self._available():
             return

@@ -463,6 +463,13 @@ class NixlBackend(StorageBackend):
 
     # ---- maintenance ------------------------------------------------------------
 
+    def delete(self, key: str) -> bool:
+        try:
+            os.unlink(self._file(key))
+        except OSError:
+            return False
+        return True
+
     def clear(self) -> None:
         """Remove every page file (and temporary and quarantined file) in the directory."""
         for folder in (self.path, self._quarantine):

@@ -182,3 +182,12 @@ def test_dynamic_backend_loads_a_third_party_class(tmp_path):
         "module_path": "hicache.tiers.storage.base", "class_name": "StorageConfig"})
     with pytest.raises(StorageConfigError, match="not a StorageBackend"):
         create_backend("dynamic", cfg2)
+
+
+def test_delete_removes_one_page(tmp_path):
+    backend = FileBackend(config(tmp_path))
+    backend.register_host_pool(filled_pool("page_first", 11))
+    ks = keys(3)
+    backend.batch_set_v1(ks, [0, 1, 2])
+    assert backend.batch_delete([ks[1], ks[1]]) == 1
+    assert [backend.exists(k) for k in ks] == [True, False, True]

@@ -430,3 +430,11 @@ def test_parse_size():
     for bad in ("", "1.5gb", "gb", True, None, -1):
         with pytest.raises(StorageConfigError):
             parse_size("k", bad)
+
+
+def test_delete_removes_one_page(shared):
+    backend = shared("a")
+    ks = keys(3, seed=9100)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.batch_delete([ks[1], ks[1]]) == 1
+    assert [backend.exists(k) for k in ks] == [True, False, True]

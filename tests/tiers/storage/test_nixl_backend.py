@@ -247,3 +247,11 @@ def test_plugin_params_pass_through(tmp_path):
     assert backend.batch_get_v1(keys_for(2), [2, 3]) == [True, True]
     assert torch.equal(pool.read_page(2), pool.read_page(0))
     backend.close()
+
+
+def test_delete_removes_one_page(store):
+    backend, pool, _ = store
+    ks = keys_for(3, salt=77)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.batch_delete([ks[1], ks[1]]) == 1
+    assert [backend.exists(k) for k in ks] == [True, False, True]
