@@ -42,7 +42,7 @@ from hicache.connector.metadata import (
     RequestLoad,
 )
 from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace, PageKey, PageKeyChain
+from hicache.tiers.page_keys import KeyNamespace, PageKey, PageKeyChain, page_keys
 from hicache.tiers.radix_tree import HiRadixTree, MatchResult, TreeNode
 from hicache.tiers.slot_allocator import SlotAllocator
 from hicache.tiers.storage.base import StorageBackend
@@ -71,6 +71,9 @@ class _RequestState:
     pending_l3_pages: int = 0
     # An L3 fetch for this request is in flight (see _Fetch).
     fetching: bool = False
+    # Last lookup, counted per tier when vLLM admits the request:
+    # (prompt pages, pages vLLM had, pages in L2, pages found in L3 after them).
+    lookup: tuple[int, int, int, int] | None = None
 
 
 @dataclass
@@ -100,6 +103,16 @@ class SchedulerStats:
     l3_fetched_pages: int = 0
     l3_failed_pages: int = 0
     l3_lookup_errors: int = 0
+    # Per tier, in pages, counted once per admitted request: a page is a hit
+    # in the first tier that held it (L1 = vLLM's own prefix cache) and a miss
+    # in every tier asked before.
+    l1_hit_pages: int = 0
+    l2_hit_pages: int = 0
+    l2_miss_pages: int = 0
+    l3_miss_pages: int = 0
+    flushed_l2_pages: int = 0
+    flushed_l3_pages: int = 0
+    flush_skipped_locked: int = 0
     max_used_slots: int = 0
     per_request_hits: dict[str, int] = field(default_factory=dict)
 
@@ -170,6 +183,8 @@ class HiCacheScheduler:
         self.stats.lookups += 1
         l3_pages = self._l3_lookup(keys[match.num_pages : max_pages])
         hit_tokens = (match.num_pages + l3_pages) * self.page_size
+        state.lookup = (max_pages, num_computed_tokens // self.page_size, match.num_pages,
+                        l3_pages)
         if hit_tokens <= num_computed_tokens or state.fetching:
             state.pending_match, state.pending_l3_pages = None, 0
             return 0, False
@@ -177,6 +192,20 @@ class HiCacheScheduler:
         state.pending_l3_pages = l3_pages
         state.local_tokens = num_computed_tokens
         return hit_tokens - num_computed_tokens, l3_pages > 0
+
+    def _count_lookup(self, state: _RequestState, granted: bool) -> None:
+        if state.lookup is None:
+            return
+        prompt, local, in_l2, in_l3 = state.lookup
+        state.lookup = None
+        local = min(local, prompt)
+        l2 = max(0, min(in_l2, prompt) - local) if granted else 0
+        l3 = max(0, min(in_l2 + in_l3, prompt) - max(local, in_l2)) if granted else 0
+        self.stats.l1_hit_pages += local
+        self.stats.l2_hit_pages += l2
+        self.stats.l2_miss_pages += prompt - local - l2
+        if self.storage is not None:
+            self.stats.l3_miss_pages += max(0, prompt - local - l2 - l3)
 
     def _l3_lookup(self, keys: Sequence[PageKey]) -> int:
         """Pages of ``keys`` that L3 holds consecutively and that are worth fetching."""
@@ -205,6 +234,7 @@ class HiCacheScheduler:
             return
         match, state.pending_match = state.pending_match, None
         l3_pages, state.pending_l3_pages = state.pending_l3_pages, 0
+        self._count_lookup(state, num_external_tokens > 0)
         if num_external_tokens == 0 or match is None:
             return
         keys = state.chain.keys
@@ -387,6 +417,72 @@ class HiCacheScheduler:
         for state in self._requests.values():
             state.stored_pages = 0
         return True
+
+    # ---- flush (admin endpoint) -------------------------------------------------
+
+    def flush(self, tiers: set[str], prefix: Sequence[int] | None,
+              cache_salt: str | None = None, lora_name: str | None = None) -> dict[str, int]:
+        """Drop cached pages from L2 and/or L3: all of them, or those below ``prefix``.
+
+        With a prefix, a page is flushed when its tokens extend the prefix:
+        when the prefix ends on a page boundary, its last page and every page
+        after it; when it ends mid-page, every page after its last full page
+        (page keys hash whole pages, so siblings that share the full pages are
+        flushed too). Pages in use by a load are skipped (counted). L3 loses
+        the flushed L2 pages and, for a page-aligned prefix, its last page
+        (which makes every later page unreachable by lookups, even ones this
+        engine never saw).
+        """
+        counts = {"l2_pages": 0, "l3_pages": 0, "skipped_locked": 0}
+        if prefix is None:
+            if "l2" in tiers:
+                slots = [s for n in self.tree.iter_nodes() for s in (n.host_slots or ())]
+                freed, kept = self.tree.remove_slots(slots)
+                self.slots.free(freed)
+                counts["l2_pages"], counts["skipped_locked"] = len(freed), len(kept)
+            if "l3" in tiers and self.storage is not None:
+                self.storage.clear()
+                counts["l3_pages"] = -1  # everything; the backend does not count
+        else:
+            seed = self.namespace.seed(cache_salt=cache_salt, lora_name=lora_name)
+            keys = page_keys(seed, list(prefix), self.page_size)
+            aligned = bool(keys) and len(prefix) % self.page_size == 0
+            full = len(keys)
+            match = self.tree.match_prefix(keys)
+            victims: list[int] = []
+            if match.num_pages == full:
+                if aligned:
+                    victims = [match.host_slots[-1]]
+                else:
+                    victims = [c.host_slots[0] for c in match.node.children.values()
+                               if c.host_slots]
+            removed_keys = self._keys_below(victims)
+            if "l2" in tiers and victims:
+                freed, kept = self.tree.remove_slots(victims)
+                self.slots.free(freed)
+                counts["l2_pages"], counts["skipped_locked"] = len(freed), len(kept)
+            if "l3" in tiers and self.storage is not None:
+                doomed = set(removed_keys) | ({keys[-1]} if aligned else set())
+                counts["l3_pages"] = self.storage.batch_delete([k.hex() for k in doomed])
+        for state in self._requests.values():
+            state.stored_pages = 0
+        self.stats.flushed_l2_pages += counts["l2_pages"]
+        self.stats.flushed_l3_pages += max(0, counts["l3_pages"])
+        self.stats.flush_skipped_locked += counts["skipped_locked"]
+        return counts
+
+    def _keys_below(self, slots: Sequence[int]) -> list[PageKey]:
+        """Keys of the pages in ``slots`` and of every page below them in the tree."""
+        wanted, keys = set(slots), []
+        stack = [(self.tree.root, False)]
+        while stack:
+            node, inside = stack.pop()
+            for i, slot in enumerate(node.host_slots or ()):
+                if inside or slot in wanted:
+                    inside = True
+                    keys.append(node.keys[i])
+            stack.extend((child, inside) for child in node.children.values())
+        return keys
 
     # ---- helpers --------------------------------------------------------------
 
