@@ -15,7 +15,9 @@ attention. Pipeline parallelism is not supported.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.connector.admin_target import SchedulerAdmin
 from hicache.connector.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
 from hicache.connector.scheduler import HiCacheScheduler
@@ -69,6 +72,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         geometry = pool_geometry(kv_cache_config, self.config, page_size // block_size)
         self._scheduler: HiCacheScheduler | None = None
         self._worker: HiCacheWorker | None = None
+        self._admin: SchedulerAdmin | None = None
+        self._admin_server: Any = None
         namespace = key_namespace(vllm_config, kv_cache_config, page_size)
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -106,21 +111,58 @@ class HiCacheConnector(KVConnectorBase_V1):
                 "config %s", page_size, geometry.num_slots, geometry.buffer_bytes / 2**30,
                 self.config.to_dict(),
             )
+
+            def scheduler_storage(name: str, extra: dict[str, Any]) -> StorageBackend:
+                return create_backend(name, dataclasses.replace(storage_config(0),
+                                                                extra_config=extra))
+
+            self._admin = SchedulerAdmin(
+                self._scheduler, self.config, build_storage=scheduler_storage,
+                l1_pages=kv_cache_config.num_blocks // (page_size // block_size),
+                engine={"model": str(vllm_config.model_config.model), "page_size": page_size,
+                        "block_size": block_size, "tp_size": tp_size,
+                        "l2_pages": geometry.num_slots, "page_bytes": geometry.page_bytes,
+                        "mem_layout": layout, "io_backend": io_backend},
+            )
+            self._start_admin(vllm_config)
         else:
             for note in notes:
                 logger.info("HiCache: %s", note)
             backend_name = self.config.hicache_storage_backend
 
-            def make_storage() -> StorageBackend:
+            def make_storage(name: str, extra: dict[str, Any]) -> StorageBackend:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-                assert backend_name is not None
-                return create_backend(backend_name, storage_config(get_tensor_model_parallel_rank()))
+                cfg = storage_config(get_tensor_model_parallel_rank())
+                return create_backend(name, dataclasses.replace(cfg, extra_config=extra))
 
             self._worker = HiCacheWorker(
                 geometry, kv_cache_config.num_blocks, layout=layout, io=io_backend,
-                storage_factory=make_storage if backend_name else None,
+                storage_builder=make_storage,
+                storage_spec=(backend_name, self.config.backend_extra_config())
+                if backend_name else None,
             )
+
+    def _start_admin(self, vllm_config: VllmConfig) -> None:
+        """The admin endpoint, in this (engine-core) process; a failure only logs."""
+        port = self.config.hicache_admin_port
+        if not port or self._admin is None:
+            return
+        from hicache.integration.admin_app import AdminServer
+
+        port += vllm_config.parallel_config.data_parallel_rank or 0
+        token = self.config.hicache_admin_token or os.environ.get("HICACHE_ADMIN_TOKEN")
+        server = AdminServer(self._admin, token)
+        try:
+            server.start(self.config.hicache_admin_host, port)
+        except Exception:  # noqa: BLE001 - the cache serves without its admin endpoint
+            logger.exception("HiCache: admin endpoint not started on %s:%d",
+                             self.config.hicache_admin_host, port)
+            return
+        self._admin_server = server
+        logger.info("HiCache admin endpoint on http://%s:%d (token %s)",
+                    self.config.hicache_admin_host, server.port,
+                    "set" if token else "not set: POST endpoints refuse")
 
     def _scheduler_storage(self, config: StorageConfig) -> StorageBackend | None:
         """The scheduler's own backend instance (lookups only); None without L3.
@@ -163,32 +205,46 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.hicache_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self.hicache_scheduler.lock:
+            return self.hicache_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self.hicache_scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+        with self.hicache_scheduler.lock:
+            self.hicache_scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.hicache_scheduler.build_connector_meta(scheduler_output.num_scheduled_tokens)
+        with self.hicache_scheduler.lock:
+            meta = self.hicache_scheduler.build_connector_meta(
+                scheduler_output.num_scheduled_tokens
+            )
+        if self._admin is not None:
+            meta.storage_commands = self._admin.take_commands()
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, HiCacheWorkerReport):
-            self.hicache_scheduler.on_worker_report(report)
+            with self.hicache_scheduler.lock:
+                self.hicache_scheduler.on_worker_report(report)
+            if self._admin is not None:
+                self._admin.record_worker_report(report)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.hicache_scheduler.request_finished(request, block_ids), None
+        with self.hicache_scheduler.lock:
+            return self.hicache_scheduler.request_finished(request, block_ids), None
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_stores()
 
     def reset_cache(self) -> bool | None:
-        return self.hicache_scheduler.reset()
+        """vLLM's reset_prefix_cache(reset_external=True): empty L2 (not the shared L3)."""
+        with self.hicache_scheduler.lock:
+            return self.hicache_scheduler.reset()
 
     def _block_ids_of(self, req_id: str) -> list[int]:
         assert self._kv_cache_manager is not None, "vLLM did not bind its KVCacheManager"
@@ -228,6 +284,9 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._admin_server is not None:
+            self._admin_server.stop()
+            self._admin_server = None
         if self._scheduler is not None and self._scheduler.storage is not None:
             self._scheduler.storage.close()
 

@@ -80,6 +80,9 @@ class HiCacheStepMetadata(KVConnectorMetadata):
     # the worker reports them in finished_sending after this step's saves.
     release_after_store: list[str] = field(default_factory=list)
     fetches: list[RequestFetch] = field(default_factory=list)
+    # Admin commands for every worker, applied before anything else of the
+    # step: ("detach",) or ("attach", backend name, backend extra config).
+    storage_commands: list[tuple] = field(default_factory=list)
 
 
 @dataclass
@@ -92,10 +95,19 @@ class HiCacheWorkerReport(KVConnectorWorkerMetadata):
     # entry per rank that finished that fetch this step; the scheduler waits
     # for every rank and keeps the minimum.
     fetched: dict[str, list[int]] = field(default_factory=dict)
+    # Counter increments since the last report (bytes, pages), summed over ranks.
+    counters: dict[str, float] = field(default_factory=dict)
+    # Current values (queue depths), summed over ranks; absent = unchanged.
+    gauges: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HiCacheWorkerReport)
         fetched = {k: list(v) for k, v in self.fetched.items()}
         for req_id, counts in other.fetched.items():
             fetched.setdefault(req_id, []).extend(counts)
-        return HiCacheWorkerReport(self.bad_slots | other.bad_slots, fetched)
+        counters, gauges = dict(self.counters), dict(self.gauges)
+        for name, value in other.counters.items():
+            counters[name] = counters.get(name, 0) + value
+        for name, value in other.gauges.items():
+            gauges[name] = gauges.get(name, 0) + value
+        return HiCacheWorkerReport(self.bad_slots | other.bad_slots, fetched, counters, gauges)

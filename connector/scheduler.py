@@ -29,6 +29,7 @@ L3 is not mirrored in the tree: it is asked on demand, as SGLang does
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,8 @@ class HiCacheScheduler:
         self.tp_size = tp_size
         self._fetches: list[RequestFetch] = []
         self._inflight: dict[str, _Fetch] = {}
+        # Held by the connector around vLLM's calls and by the admin endpoint.
+        self.lock = threading.RLock()
 
     # ---- lookup -------------------------------------------------------------
 

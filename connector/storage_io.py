@@ -130,6 +130,12 @@ class StorageIO:
                 done.append(job.result)  # type: ignore[arg-type]
         return done
 
+    def cancel_backups(self) -> None:
+        """Forget every queued backup (detaching the store)."""
+        with self._cv:
+            self.stats.backups_dropped += sum(len(b) for b in self._backup_q)
+            self._backup_q.clear()
+
     def queue_depths(self) -> tuple[int, int]:
         with self._cv:
             return len(self._fetch_q), sum(len(b) for b in self._backup_q)

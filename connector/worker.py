@@ -17,7 +17,7 @@ Contract:
   raises. Nothing is in flight between steps.
 - Nothing here raises into the engine for a cache problem: failures degrade
   to recompute.
-- With L3 (``storage_factory``), the backend is built once the pool exists
+- With L3 (``storage_spec``), the backend is built once the pool exists
   and gets the pool registered (zero-copy slots); fetches and backups run
   on ``StorageIO``'s thread (storage_io.py). Every page stored into L2 is
   then backed up to L3 (whatever the write policy chose for L2 is what
@@ -40,12 +40,12 @@ from hicache.connector.metadata import (
     PagePlan,
     RequestFetch,
 )
-from hicache.connector.storage_io import StorageIO
+from hicache.connector.storage_io import FetchResult, StorageIO
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
 from hicache.kernels.layer_pipeline import LayerPipeline
 from hicache.tiers.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.storage.base import StorageBackend, StorageConfigError
+from hicache.tiers.storage.base import StorageBackend
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class HiCacheWorker:
         *,
         layout: str = "page_first_direct",
         io: str = "direct",
-        storage_factory: Callable[[], StorageBackend] | None = None,
+        storage_builder: Callable[[str, dict], StorageBackend] | None = None,
+        storage_spec: tuple[str, dict] | None = None,
     ) -> None:
         self.geometry = geometry
         self.l1_num_blocks = l1_num_blocks
@@ -96,10 +97,16 @@ class HiCacheWorker:
         self._loading: list[int] = []
         self._saved_layers: set[int] = set()
         self._stores_of: tuple[HiCacheStepMetadata, BlockTransfer] | None = None
-        self._storage_factory = storage_factory
+        # (backend name, extra config) -> this rank's backend; spec = what to build now.
+        self._storage_builder = storage_builder
+        self._storage_spec = storage_spec
         self.storage: StorageBackend | None = None
         self.storage_io: StorageIO | None = None
         self._fetched: dict[str, list[int]] = {}
+        self._reported: dict[str, float] = {}
+        self._gauges_reported: dict[str, float] = {}
+        self._commands_applied: object = None
+        self._retired: list[FetchResult] = []
         self._side_stream: torch.cuda.Stream | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -138,16 +145,15 @@ class HiCacheWorker:
             "pinned" if self.pool.buffer.is_pinned() else "pageable",
             self.copy_path.name,
         )
-        if self._storage_factory is not None:
+        if self._storage_spec is not None:
             self._start_storage()
 
     def _start_storage(self) -> None:
-        assert self._storage_factory is not None and self.pool is not None
+        assert self._storage_builder is not None and self._storage_spec is not None
+        assert self.pool is not None
         try:
-            backend = self._storage_factory()
+            backend = self._storage_builder(*self._storage_spec)
             backend.register_host_pool(self.pool)
-        except StorageConfigError:
-            raise
         except Exception:  # noqa: BLE001 - an unreachable L3 degrades to recompute
             logger.exception("HiCache: L3 backend unavailable on this rank; continuing "
                              "without L3 (its hits will be recomputed)")
@@ -178,6 +184,7 @@ class HiCacheWorker:
         """Check every planned page's key, then copy layer by layer in the background;
         hand this step's L3 fetches to the L3 thread."""
         pool = self._require_pool()
+        self.apply_commands(meta)
         for fetch in meta.fetches:
             if self.storage_io is None:
                 self._fail_fetch(fetch)
@@ -248,6 +255,7 @@ class HiCacheWorker:
         """End of the step: copy the layers not saved yet, wait for every copy, and
         publish the outcome (slot keys, load errors, bad slots, released requests)."""
         pool = self._require_pool()
+        self.apply_commands(meta)
         if meta.stores:
             transfer = self._store_transfer(meta)
             rest = [i for i in range(len(self.layers)) if i not in self._saved_layers]
@@ -316,20 +324,77 @@ class HiCacheWorker:
     def take_received(self) -> set[str]:
         """Requests whose L3 fetch finished (for vLLM's finished_recving); their
         unfilled blocks go to take_load_errors, their counts to take_report."""
+        results, self._retired = list(self._retired), []
         if self.storage_io is not None:
-            for result in self.storage_io.poll():
-                self._released_recv.add(result.req_id)
-                self._load_errors.update(result.error_block_ids)
-                self._fetched[result.req_id] = [result.fetched_pages]
+            results.extend(self.storage_io.poll())
+        for result in results:
+            self._released_recv.add(result.req_id)
+            self._load_errors.update(result.error_block_ids)
+            self._fetched[result.req_id] = [result.fetched_pages]
         received, self._released_recv = self._released_recv, set()
         return received
 
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters of this rank (L2 copies, L3 traffic)."""
+        st = self.stats
+        out: dict[str, float] = {
+            "loaded_blocks": st.loaded_blocks, "loaded_bytes": st.loaded_bytes,
+            "saved_pages": st.saved_pages, "saved_bytes": st.saved_bytes,
+            "load_errors": st.load_errors, "save_errors": st.save_errors,
+        }
+        if self.storage_io is not None and self.storage is not None:
+            io, backend = self.storage_io.stats, self.storage.stats()
+            out.update({
+                "l3_fetched_pages": io.fetched_pages, "l3_fetch_failed_pages": io.fetch_failed_pages,
+                "l3_fetch_deadline_misses": io.fetch_deadline_misses,
+                "l3_backup_pages": io.backup_pages, "l3_backup_failed_pages": io.backup_failed_pages,
+                "l3_bytes_read": backend.bytes_read, "l3_bytes_written": backend.bytes_written,
+                "l3_corrupt_pages": backend.corrupt_pages, "l3_errors": backend.errors,
+            })
+        return out
+
+    def gauges(self) -> dict[str, float]:
+        fetches, backups = self.storage_io.queue_depths() if self.storage_io else (0, 0)
+        return {"l3_fetch_queue": fetches, "l3_backup_queue_pages": backups}
+
     def take_report(self) -> HiCacheWorkerReport | None:
-        if not self._bad_slots and not self._fetched:
+        now = self.counters()
+        deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()
+                  if v != self._reported.get(k, 0)}
+        gauges = {k: v for k, v in self.gauges().items() if self._gauges_reported.get(k) != v}
+        if not (self._bad_slots or self._fetched or deltas or gauges):
             return None
-        report = HiCacheWorkerReport(self._bad_slots, self._fetched)
+        self._reported.update(now)
+        self._gauges_reported.update(gauges)
+        report = HiCacheWorkerReport(self._bad_slots, self._fetched, deltas, gauges)
         self._bad_slots, self._fetched = set(), {}
         return report
+
+    def apply_commands(self, meta: HiCacheStepMetadata) -> None:
+        """Admin storage commands of this step, once, before its loads and fetches."""
+        if not meta.storage_commands or self._commands_applied is meta:
+            return
+        self._commands_applied = meta
+        for command in meta.storage_commands:
+            try:
+                self._detach_storage()
+                self._storage_spec = None
+                if command[0] == "attach" and self._storage_builder is not None:
+                    self._storage_spec = (command[1], dict(command[2]))
+                    self._start_storage()
+            except Exception:  # noqa: BLE001 - an admin command never kills the engine
+                logger.exception("HiCache: storage command %r failed on this rank", command[0])
+
+    def _detach_storage(self) -> None:
+        """Drop queued backups, finish the running I/O, close the backend."""
+        if self.storage_io is not None:
+            self.storage_io.cancel_backups()
+            self.storage_io.shutdown()  # queued fetches end at once (cancelled)
+            # Their requests still wait in vLLM: report them with what they got.
+            self._retired.extend(self.storage_io.poll())
+        if self.storage is not None:
+            self.storage.close()
+        self.storage, self.storage_io = None, None
 
     def _require_pool(self) -> HostPagePool:
         if self.pool is None:

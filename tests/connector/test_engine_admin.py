@@ -1,0 +1,199 @@
+"""The admin endpoint on a live CPU vLLM engine, over real HTTP: stats that match a
+scripted workload, a prefix flush that affects exactly one conversation, flush and
+storage detach/attach while loads run, auth, and vLLM's own reset_prefix_cache.
+
+One engine (multiprocess, as in production) with L2 + a file L3; vLLM's prefix
+cache is off, so every hit vLLM reports came from HiCache.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, WORKLOAD, history_lengths
+from typer.testing import CliRunner
+
+from hicache.integration.admin_cli import app as cli
+from hicache.integration.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.workload import run_turns
+
+pytestmark = pytest.mark.engine
+
+TOKEN = "s3cret-admin-token"
+CONVS = 4
+SHARED_PAGES = WORKLOAD.shared_prefix_tokens // BLOCK_SIZE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model, tmp_path_factory):
+    port = free_port()
+    llm = open_llm(EngineSpec(
+        model=tiny_model, prefix_caching=False, block_size=BLOCK_SIZE,
+        num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN,
+        hicache={"hicache_size": 0.05, "hicache_admin_port": port,
+                 "hicache_admin_token": TOKEN, "hicache_storage_backend": "file",
+                 "hicache_storage_backend_extra_config": {
+                     "path": str(tmp_path_factory.mktemp("admin-l3"))}},
+    ))
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    try:
+        yield llm, client, port
+    finally:
+        client.close()
+        close_llm(llm)
+
+
+def post(client, path, body=None):
+    return client.post(path, json=body or {}, headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def prompt_pages(prompts):
+    return [(len(p) - 1) // BLOCK_SIZE for p in prompts]
+
+
+def tiers(client):
+    r = client.get("/stats")
+    assert r.status_code == 200
+    return r.json()["tiers"]
+
+
+@pytest.fixture(scope="module")
+def turns(live, baseline):
+    """Turns 1 and 2 of 4 conversations, with /stats taken after each."""
+    llm, client, _ = live
+    seen = []
+    for t in (0, 1):
+        want = baseline.turns[t]
+        got = run_turns(llm, want.prompts[:CONVS], WORKLOAD.answer_tokens)
+        assert got.outputs == want.outputs[:CONVS], f"turn {t}"
+        seen.append(tiers(client))
+    return seen
+
+
+def test_health_and_config_hide_the_token(live):
+    _, client, _ = live
+    assert client.get("/healthz").status_code == 200
+    body = client.get("/config").text
+    assert TOKEN not in body and "hicache_size" in body
+
+
+def test_stats_agree_with_the_workload(turns, baseline):
+    first, second = turns
+    pages0 = prompt_pages(baseline.turns[0].prompts[:CONVS])
+    # Turn 1: conversation 0 computes everything; the others find the shared
+    # system prompt in L2. Nothing in L1 (prefix caching off) or L3 (empty).
+    assert first["l1"]["hits"] == 0
+    assert first["l2"]["hits"] == SHARED_PAGES * (CONVS - 1)
+    assert first["l2"]["misses"] == sum(pages0) - SHARED_PAGES * (CONVS - 1)
+    assert first["l3"]["hits"] == 0
+    # Turn 2: every returning history comes from L2, the new message is a miss.
+    pages1 = prompt_pages(baseline.turns[1].prompts[:CONVS])
+    history = [(h - 1) // BLOCK_SIZE for h in history_lengths(baseline, 1)[:CONVS]]
+    assert second["l2"]["hits"] - first["l2"]["hits"] == sum(history)
+    assert second["l2"]["misses"] - first["l2"]["misses"] == sum(pages1) - sum(history)
+    assert second["l2"]["used_pages"] > 0 and second["l2"]["bytes_loaded"] > 0
+
+
+def test_backups_reach_l3(live, turns):
+    _, client, _ = live
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = client.get("/stats").json()
+        if stats["queues"]["l3_backup_queue_pages"] == 0 and stats["tiers"]["l3"]["pages_saved"]:
+            break
+        time.sleep(0.5)
+    assert stats["tiers"]["l3"]["pages_saved"] >= stats["tiers"]["l2"]["used_pages"] * 0.9
+
+
+def test_metrics_are_prometheus_text(live, turns):
+    _, client, _ = live
+    text = client.get("/metrics").text
+    assert 'hicache_tier_hits_total{tier="l2"}' in text
+
+
+def test_mutations_need_the_token(live):
+    _, client, _ = live
+    for path in ("/flush", "/storage/detach", "/storage/attach"):
+        r = client.post(path, json={"tiers": ["l2"], "backend": "file", "extra_config": {}})
+        assert r.status_code == 401, path
+        assert TOKEN not in r.text
+
+
+def test_prefix_flush_hits_exactly_one_conversation(live, turns, baseline):
+    llm, client, _ = live
+    want = baseline.turns[2]
+    # Conversation 0's first turn up to its 7th page: the shared prompt (5
+    # pages) plus its first unique pages.
+    prefix = baseline.turns[0].prompts[0][: 7 * BLOCK_SIZE]
+    r = post(client, "/flush", {"tiers": ["all"], "prefix": prefix})
+    assert r.status_code == 200, r.text
+    counts = r.json()
+    assert counts["l2_pages"] > 0 and counts["l3_pages"] > 0
+    got = run_turns(llm, want.prompts[:2], WORKLOAD.answer_tokens, one_by_one=True)
+    assert got.outputs == want.outputs[:2]
+    # Conversation 0 stops at the flushed page in every tier; 1 is untouched.
+    assert got.num_cached_tokens[0] == 6 * BLOCK_SIZE
+    full = (history_lengths(baseline, 2)[1] - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert got.num_cached_tokens[1] == full
+
+
+def test_flush_and_detach_while_loads_run(live, baseline):
+    """Hammer the admin API while conversations return: no crash, same tokens."""
+    llm, client, _ = live
+    want = baseline.turns[2]
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def hammer() -> None:
+        i = 0
+        while not stop.is_set():
+            if i % 3 == 2:
+                codes.append(post(client, "/storage/detach").status_code)
+                codes.append(post(client, "/storage/attach", {
+                    "backend": "file",
+                    "extra_config": client.get("/config").json()["hicache"][
+                        "hicache_storage_backend_extra_config"]}).status_code)
+            else:
+                codes.append(post(client, "/flush", {"tiers": ["l2"]}).status_code)
+            i += 1
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        for _ in range(3):
+            got = run_turns(llm, want.prompts[2:CONVS], WORKLOAD.answer_tokens)
+            assert got.outputs == want.outputs[2:CONVS]
+    finally:
+        stop.set()
+        thread.join()
+    assert codes and all(c == 200 for c in codes), codes
+    assert client.get("/healthz").status_code == 200
+
+
+def test_cli_stats_against_the_engine(live):
+    _, _, port = live
+    url = f"http://127.0.0.1:{port}"
+    result = CliRunner().invoke(cli, ["admin", "stats", "--url", url, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tiers"]["l2"]["capacity_pages"] > 0
+    table = CliRunner().invoke(cli, ["admin", "stats", "--url", url], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "l2" in table.output, table.output
+
+
+def test_vllm_reset_prefix_cache_empties_l2(live, turns):
+    llm, client, _ = live
+    assert tiers(client)["l2"]["used_pages"] > 0
+    assert llm.reset_prefix_cache(reset_connector=True)
+    assert tiers(client)["l2"]["used_pages"] == 0
