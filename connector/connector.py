@@ -32,6 +32,12 @@ from hicache.connector.admin_target import SchedulerAdmin
 from hicache.connector.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
 from hicache.connector.scheduler import HiCacheScheduler
+from hicache.connector.vllm_metrics import (
+    EXPORTED,
+    HiCacheKVStats,
+    HiCachePromMetrics,
+    l3_source,
+)
 from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.host_pool import PoolGeometry
 from hicache.tiers.page_keys import KeyNamespace
@@ -73,6 +79,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._scheduler: HiCacheScheduler | None = None
         self._worker: HiCacheWorker | None = None
         self._admin: SchedulerAdmin | None = None
+        self._stats_reported: dict[str, float] = {}
         self._admin_server: Any = None
         namespace = key_namespace(vllm_config, kv_cache_config, page_size)
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
@@ -299,6 +306,37 @@ class HiCacheConnector(KVConnectorBase_V1):
         released = self.hicache_worker.take_released()
         received = self.hicache_worker.take_received()
         return (released or None), (received or None)
+
+    def get_kv_connector_stats(self) -> HiCacheKVStats | None:
+        if self._worker is None:
+            return None
+        now = self._worker.counters()
+        deltas = {k: v - self._stats_reported.get(k, 0) for k, v in now.items()
+                  if k in EXPORTED and v != self._stats_reported.get(k, 0)}
+        self._stats_reported = now
+        return HiCacheKVStats(data=deltas) if deltas else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheKVStats:
+        return HiCacheKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> HiCachePromMetrics:
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Cached tokens HiCache supplied, split by the tier that held them."""
+        if num_external_tokens == 0:
+            return {}
+        with self.hicache_scheduler.lock:
+            l3 = min(self.hicache_scheduler.l3_tokens_of(request.request_id), num_external_tokens)
+        split = {CacheHitSource.HOST: num_external_tokens - l3,
+                 l3_source(self._admin.storage_name if self._admin else None): l3}
+        return {source: n for source, n in split.items() if n}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.hicache_worker.take_load_errors()

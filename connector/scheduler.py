@@ -75,6 +75,9 @@ class _RequestState:
     # Last lookup, counted per tier when vLLM admits the request:
     # (prompt pages, pages vLLM had, pages in L2, pages found in L3 after them).
     lookup: tuple[int, int, int, int] | None = None
+    # External tokens of the last admission that come from L3 pages (for
+    # vLLM's per-source cached-token metric).
+    l3_tokens: int = 0
 
 
 @dataclass
@@ -196,6 +199,10 @@ class HiCacheScheduler:
         state.local_tokens = num_computed_tokens
         return hit_tokens - num_computed_tokens, l3_pages > 0
 
+    def l3_tokens_of(self, req_id: str) -> int:
+        state = self._requests.get(req_id)
+        return state.l3_tokens if state is not None else 0
+
     def _count_lookup(self, state: _RequestState, granted: bool) -> None:
         if state.lookup is None:
             return
@@ -238,6 +245,7 @@ class HiCacheScheduler:
         match, state.pending_match = state.pending_match, None
         l3_pages, state.pending_l3_pages = state.pending_l3_pages, 0
         self._count_lookup(state, num_external_tokens > 0)
+        state.l3_tokens = 0
         if num_external_tokens == 0 or match is None:
             return
         keys = state.chain.keys
@@ -297,6 +305,7 @@ class HiCacheScheduler:
                 keys[match.num_pages : match.num_pages + len(l3_slots)], l3_slots,
             )
             state.fetching = True
+            state.l3_tokens = sum(len(p.block_ids) for p in l3_plans) * self.block_size
             self.stats.l3_hit_pages += len(l3_slots)
         else:
             self.tree.lock(match.node)

@@ -54,6 +54,7 @@ def test_l3_hit_is_async_and_reserves_slots(tmp_path):
     assert not meta.loads and fetch.l2_pages == ()
     assert [p.block_ids for p in fetch.l3_pages] == [(10, 11), (12, 13), (14, 15), (16, 17)]
     assert fetch.timeout_s == 1.0 + 0.5 * 32 / 1024
+    assert sched.l3_tokens_of("r") == 4 * PAGE  # vLLM's cached-by-source: all from L3
     assert sched.slots.num_used == 4 and sched.tree.total_pages() == 0
     # Asked again while fetching: no second hit.
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)

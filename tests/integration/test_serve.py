@@ -45,11 +45,16 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+ADMIN_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = launch(tiny_model, log, PORT=str(port))
+    # Dev mode adds vLLM's /reset_prefix_cache endpoint.
+    proc = launch(tiny_model, log, PORT=str(port), VLLM_SERVER_DEV_MODE="1",
+                  EXTRA_CONFIG=json.dumps({"hicache_admin_port": ADMIN_PORT}))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     try:
@@ -103,3 +108,32 @@ def test_bad_config_stops_the_server_with_a_message_naming_the_key(tiny_model, t
     assert code != 0
     assert "unknown kv_connector_extra_config key(s) ['hicache_ratoi']" in text
     assert "allowed keys:" in text and "'hicache_ratio'" in text
+
+
+def test_vllm_metrics_show_hicache_counters(server, tiny_model):
+    base, _ = server
+    body = {"model": tiny_model, "prompt": list(range(500, 700)), "max_tokens": 4,
+            "temperature": 0}
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        saved = [line for line in metrics.splitlines()
+                 if line.startswith("vllm:hicache_saved_bytes_total{")]
+        if saved and float(saved[0].rsplit(" ", 1)[1]) > 0:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("vllm:hicache_saved_bytes_total never rose:\n" + metrics[-2000:])
+    assert "vllm:hicache_l3_corrupt_pages_total" in metrics
+
+
+def test_vllm_reset_prefix_cache_empties_l2(server, tiny_model):
+    base, _ = server
+    admin = f"http://127.0.0.1:{ADMIN_PORT}"
+    body = {"model": tiny_model, "prompt": list(range(800, 900)), "max_tokens": 2}
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+    assert httpx.get(f"{admin}/stats").json()["tiers"]["l2"]["used_pages"] > 0
+    r = httpx.post(f"{base}/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{admin}/stats").json()["tiers"]["l2"]["used_pages"] == 0
