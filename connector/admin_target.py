@@ -12,9 +12,11 @@ Contract:
   worker report (``record_worker_report``); per-tier fields are in pages
   and bytes per TP rank, ``recent_*_gbps`` over the last ~10 s.
 - ``flush`` and ``detach_storage`` / ``attach_storage`` change the
-  scheduler at once; storage commands reach the workers with the next
-  engine step (the response says so): until then their queued backups may
-  still land, and an idle engine applies them when it next runs.
+  scheduler (and its own L3 instance) at once; the matching commands reach
+  every worker with the next engine step, where queued backups of flushed
+  pages are dropped and each rank deletes its own shard after any backup
+  already running (an idle engine applies them when it next runs). L3
+  calls run outside the scheduler lock.
 - Client mistakes raise ``AdminError`` with a 4xx code naming the allowed
   values; a storage backend that cannot be built for ``attach`` is a 400
   with its configuration error.
@@ -161,12 +163,29 @@ class SchedulerAdmin:
         s = self.scheduler
         try:
             with s.lock:
-                return s.flush(chosen, prefix, cache_salt)
-        except NotImplementedError as exc:
-            raise AdminError(400, f"L3 backend {self.storage_name!r} cannot flush a prefix "
-                             f"({exc}); flush all of L3 instead") from exc
+                counts, l3_op = s.flush(chosen, prefix, cache_salt)
+                storage = s.storage
         except ValueError as exc:  # token ids out of range
             raise AdminError(400, f"prefix: {exc}") from exc
+        counts["l3_pages"] = 0
+        if l3_op is not None and storage is not None:
+            # The scheduler's own instance first (lookups miss from now on),
+            # outside the lock: a slow store must not stall the engine.
+            try:
+                if l3_op[0] == "clear":
+                    storage.clear()
+                    counts["l3_pages"] = -1  # all; the store does not count
+                else:
+                    counts["l3_pages"] = storage.batch_delete(l3_op[1])
+            except NotImplementedError as exc:
+                raise AdminError(400, f"L3 backend {self.storage_name!r} cannot flush a prefix "
+                                 f"({exc}); flush all of L3 instead") from exc
+            # Every worker then drops queued backups of those pages and deletes its shard.
+            with self._lock:
+                self.pending_commands.append(l3_op)
+            with s.lock:
+                s.stats.flushed_l3_pages += max(0, counts["l3_pages"])
+        return counts
 
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
         from hicache.tiers.storage.factory import STORAGE_BACKENDS

@@ -433,36 +433,39 @@ class HiCacheScheduler:
     # ---- flush (admin endpoint) -------------------------------------------------
 
     def flush(self, tiers: set[str], prefix: Sequence[int] | None,
-              cache_salt: str | None = None, lora_name: str | None = None) -> dict[str, int]:
-        """Drop cached pages from L2 and/or L3: all of them, or those below ``prefix``.
+              cache_salt: str | None = None, lora_name: str | None = None,
+              ) -> tuple[dict[str, int], tuple | None]:
+        """Drop cached pages from L2 and plan their removal from L3: all of them, or
+        those below ``prefix``. Returns (L2 counts, the L3 operation or None).
 
         With a prefix, a page is flushed when its tokens extend the prefix:
         when the prefix ends on a page boundary, its last page and every page
         after it; when it ends mid-page, every page after its last full page
         (page keys hash whole pages, so siblings that share the full pages are
-        flushed too). Pages in use by a load are skipped (counted). L3 loses
-        the flushed L2 pages and, for a page-aligned prefix, its last page
-        (which makes every later page unreachable by lookups, even ones this
-        engine never saw).
+        flushed too). Pages in use by a load stay in L2 (counted as skipped).
+        The L3 operation is ``("clear",)`` or ``("delete", [hex keys])``: the
+        flushed pages plus, for a page-aligned prefix, its last page (which
+        makes every later page unreachable by lookups, even ones this engine
+        never saw). The caller runs it outside the scheduler lock, on its own
+        storage instance and on every worker (each holds its rank's shard).
         """
-        counts = {"l2_pages": 0, "l3_pages": 0, "skipped_locked": 0}
+        counts = {"l2_pages": 0, "skipped_locked": 0}
+        l3_op: tuple | None = None
         if prefix is None:
             if "l2" in tiers:
                 slots = [s for n in self.tree.iter_nodes() for s in (n.host_slots or ())]
                 freed, kept = self.tree.remove_slots(slots)
                 self.slots.free(freed)
                 counts["l2_pages"], counts["skipped_locked"] = len(freed), len(kept)
-            if "l3" in tiers and self.storage is not None:
-                self.storage.clear()
-                counts["l3_pages"] = -1  # everything; the backend does not count
+            if "l3" in tiers:
+                l3_op = ("clear",)
         else:
             seed = self.namespace.seed(cache_salt=cache_salt, lora_name=lora_name)
             keys = page_keys(seed, list(prefix), self.page_size)
             aligned = bool(keys) and len(prefix) % self.page_size == 0
-            full = len(keys)
             match = self.tree.match_prefix(keys)
             victims: list[int] = []
-            if match.num_pages == full:
+            if match.num_pages == len(keys):
                 if aligned:
                     victims = [match.host_slots[-1]]
                 else:
@@ -473,15 +476,14 @@ class HiCacheScheduler:
                 freed, kept = self.tree.remove_slots(victims)
                 self.slots.free(freed)
                 counts["l2_pages"], counts["skipped_locked"] = len(freed), len(kept)
-            if "l3" in tiers and self.storage is not None:
-                doomed = set(removed_keys) | ({keys[-1]} if aligned else set())
-                counts["l3_pages"] = self.storage.batch_delete([k.hex() for k in doomed])
+            if "l3" in tiers:
+                doomed = dict.fromkeys(removed_keys + ([keys[-1]] if aligned else []))
+                l3_op = ("delete", [k.hex() for k in doomed])
         for state in self._requests.values():
             state.stored_pages = 0
         self.stats.flushed_l2_pages += counts["l2_pages"]
-        self.stats.flushed_l3_pages += max(0, counts["l3_pages"])
         self.stats.flush_skipped_locked += counts["skipped_locked"]
-        return counts
+        return counts, l3_op
 
     def _keys_below(self, slots: Sequence[int]) -> list[PageKey]:
         """Keys of the pages in ``slots`` and of every page below them in the tree."""

@@ -17,7 +17,11 @@ Contract:
   backups of those slots and waits for a running one (bounded by the
   backend's own timeouts). Without this a backup could store another
   page's bytes, with a valid checksum, under this page's key.
-- Fetches run before backups; a fetch never waits for the backup queue.
+- ``submit_removal(keys)`` (admin flush): drops queued backups of those
+  pages and deletes them from this rank's store after the backup already
+  running, so a flushed page is not written back later.
+- Fetches run first, then removals, then backups; a fetch never waits for
+  the backup queue.
 - Nothing raises into the engine: a backend exception fails that batch.
 """
 
@@ -57,6 +61,7 @@ class StorageIOStats:
     backup_pages: int = 0
     backup_failed_pages: int = 0
     backups_dropped: int = 0
+    deleted_pages: int = 0
     backup_queue_pages: int = 0
     fetch_queue: int = 0
 
@@ -88,6 +93,7 @@ class StorageIO:
         self._fetch_q: deque[_Job] = deque()
         self._backup_q: deque[list[tuple[bytes, int]]] = deque()
         self._running_backup: set[int] = set()
+        self._removals: deque[list[bytes] | None] = deque()
         self._jobs: list[_Job] = []  # submitted, not yet returned by poll
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
@@ -130,6 +136,21 @@ class StorageIO:
                 done.append(job.result)  # type: ignore[arg-type]
         return done
 
+    def submit_removal(self, keys: list[bytes] | None) -> None:
+        """Delete pages from L3 (None = everything) after any running backup, and
+        drop the queued backups of those pages (or all), so none lands later."""
+        with self._cv:
+            wanted = None if keys is None else set(keys)
+            kept: deque[list[tuple[bytes, int]]] = deque()
+            for batch in self._backup_q:
+                rest = [] if wanted is None else [(k, s) for k, s in batch if k not in wanted]
+                self.stats.backups_dropped += len(batch) - len(rest)
+                if rest:
+                    kept.append(rest)
+            self._backup_q = kept
+            self._removals.append(keys)
+            self._cv.notify_all()
+
     def cancel_backups(self) -> None:
         """Forget every queued backup (detaching the store)."""
         with self._cv:
@@ -167,11 +188,14 @@ class StorageIO:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._fetch_q or self._backup_q or self._stopping):
+                while not (self._fetch_q or self._backup_q or self._removals or self._stopping):
                     self._cv.wait()
+                removal: list[bytes] | None | bool = False
                 if self._fetch_q:
                     job: _Job | None = self._fetch_q.popleft()
                     backup = None
+                elif self._removals:
+                    job, backup, removal = None, None, self._removals.popleft()
                 elif self._backup_q:
                     job, backup = None, self._backup_q.popleft()
                     self._running_backup = {s for _, s in backup}
@@ -180,12 +204,23 @@ class StorageIO:
             try:
                 if job is not None:
                     self._fetch(job)
+                elif removal is not False:
+                    self._remove(removal)  # type: ignore[arg-type]
                 else:
                     self._backup(backup or [])
             finally:
                 with self._cv:
                     self._running_backup = set()
                     self._cv.notify_all()
+
+    def _remove(self, keys: list[bytes] | None) -> None:
+        try:
+            if keys is None:
+                self.backend.clear()
+            else:
+                self.stats.deleted_pages += self.backend.batch_delete([k.hex() for k in keys])
+        except Exception:  # noqa: BLE001 - reported, never raised into the engine
+            logger.exception("HiCache L3: flush on this rank failed")
 
     def _backup(self, pages: list[tuple[bytes, int]]) -> None:
         for i in range(0, len(pages), BATCH_PAGES):

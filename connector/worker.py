@@ -350,6 +350,7 @@ class HiCacheWorker:
                 "l3_backup_pages": io.backup_pages, "l3_backup_failed_pages": io.backup_failed_pages,
                 "l3_bytes_read": backend.bytes_read, "l3_bytes_written": backend.bytes_written,
                 "l3_corrupt_pages": backend.corrupt_pages, "l3_errors": backend.errors,
+                "l3_flushed_pages": io.deleted_pages,
             })
         return out
 
@@ -376,6 +377,12 @@ class HiCacheWorker:
             return
         self._commands_applied = meta
         for command in meta.storage_commands:
+            if command[0] in ("delete", "clear"):
+                if self.storage_io is not None:
+                    keys = None if command[0] == "clear" else [bytes.fromhex(k)
+                                                               for k in command[1]]
+                    self.storage_io.submit_removal(keys)
+                continue
             try:
                 self._detach_storage()
                 self._storage_spec = None

@@ -1,13 +1,11 @@
 """Scheduler flush (the admin endpoint's): all pages or exactly the pages below a prefix,
-in L2 and in a real file L3; locked pages are skipped; per-tier lookup counters."""
+in L2, and the L3 operation it plans; locked pages are skipped; per-tier lookup counters."""
 
 from types import SimpleNamespace
 
 from hicache.connector.scheduler import HiCacheScheduler
 from hicache.tiers.host_pool import PoolGeometry
 from hicache.tiers.page_keys import KeyNamespace, page_keys
-from hicache.tiers.storage.base import StorageConfig
-from hicache.tiers.storage.file_backend import FileBackend
 
 BS, PAGE = 4, 8
 GEOM = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
@@ -53,8 +51,8 @@ def test_prefix_flush_removes_one_conversation_keeps_the_shared_prompt():
     serve(sched, "a", A)
     serve(sched, "b", B)
     assert sched.tree.total_pages() == 2 + 3 + 3
-    counts = sched.flush({"l2"}, A[:24])  # page-aligned: A's 3rd page and below
-    assert counts == {"l2_pages": 3, "l3_pages": 0, "skipped_locked": 0}
+    counts, l3 = sched.flush({"l2"}, A[:24])  # page-aligned: A's 3rd page and below
+    assert counts == {"l2_pages": 3, "skipped_locked": 0} and l3 is None
     assert sched.tree.match_prefix(pages_of(A)).num_pages == 2
     assert sched.tree.match_prefix(pages_of(B)).num_pages == 5
     assert sched.slots.num_used == sched.tree.total_pages() == 5
@@ -65,7 +63,7 @@ def test_mid_page_prefix_flushes_everything_after_its_full_pages():
     sched = scheduler()
     serve(sched, "a", A)
     serve(sched, "b", B)
-    counts = sched.flush({"l2"}, SHARED + [100, 101, 102])
+    counts, _ = sched.flush({"l2"}, SHARED + [100, 101, 102])
     assert counts["l2_pages"] == 6  # both conversations share the 2 full pages
     assert sched.tree.total_pages() == 2
 
@@ -76,25 +74,22 @@ def test_flush_all_skips_locked_pages():
     again = request("a2", A + [5])
     hit, _ = sched.get_num_new_matched_tokens(again, 0)
     sched.update_state_after_alloc(again, list(range(11)), hit)  # locks A's pages
-    counts = sched.flush({"l2"}, None)
+    counts, _ = sched.flush({"l2"}, None)
     assert counts["l2_pages"] == 0 and counts["skipped_locked"] == 5
     sched.build_connector_meta({})  # the load is planned, the lock released
-    assert sched.flush({"l2"}, None)["l2_pages"] == 5
+    assert sched.flush({"l2"}, None)[0]["l2_pages"] == 5
+    assert sched.flush({"l2", "l3"}, None)[1] == ("clear",)
     assert sched.slots.num_used == 0
 
 
-def test_l3_prefix_flush_deletes_the_pages_and_cuts_lookups(tmp_path):
-    storage = FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                        extra_config={"path": str(tmp_path)}))
-    from hicache.tiers.host_pool import HostPagePool
-
-    storage.register_host_pool(HostPagePool(GEOM, layout="page_first", pin_memory=False))
-    keys = [k.hex() for k in pages_of(A)]
-    storage.batch_set_v1(keys, list(range(len(keys))))
-    sched = scheduler(storage)
-    counts = sched.flush({"l3"}, A[:24])
-    assert counts["l3_pages"] == 1  # A's 3rd page (L2 held nothing below it)
-    assert storage.batch_exists(keys) == 2
+def test_l3_prefix_flush_names_the_flushed_pages_and_the_prefix_end():
+    sched = scheduler()
+    serve(sched, "a", A)
+    _, op = sched.flush({"l2", "l3"}, A[:24])
+    keys = pages_of(A)
+    assert op == ("delete", [k.hex() for k in keys[2:]])
+    # Nothing of A's tail in L2 any more: L3 still loses the prefix's last page.
+    assert sched.flush({"l3"}, A[:24])[1] == ("delete", [keys[2].hex()])
 
 
 def test_lookup_counters_per_tier():

@@ -133,3 +133,19 @@ def test_backups_are_written_and_dropped_when_their_slot_is_reused(tmp_path):
     stored = [backend.exists(KEYS[i].hex()) for i in range(8)]
     assert stored == [True, True, True, False, False, True, True, True]
     assert io.stats.backups_dropped == 2 and io.stats.backup_pages == 6
+
+
+def test_removal_drops_queued_backups_and_deletes_after_the_running_one(tmp_path):
+    seed_l3(tmp_path, 40)
+    io, pool, backend, _ = make(tmp_path)
+    for i in range(8):
+        pool.set_key(40 + i, KEYS[30 + i] if i < 4 else KEYS[i])
+    io.backend.get_delay_s = 0.3  # keep the thread busy with a fetch first
+    io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=20), (), None))
+    io.submit_backup([(KEYS[30 + i], 40 + i) for i in range(4)])
+    io.submit_removal([KEYS[30], KEYS[31], KEYS[0]])
+    io.shutdown()
+    # The queued backups of 30/31 were dropped, 32/33 written; 0 (stored before) deleted.
+    assert [backend.exists(KEYS[k].hex()) for k in (30, 31, 32, 33, 0, 1)] == [
+        False, False, True, True, False, True]
+    assert io.stats.deleted_pages == 1 and io.stats.backups_dropped == 2
