@@ -29,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from abc import ABC, abstractmethod
@@ -81,7 +82,7 @@ class StorageConfig:
     # hicache_storage_backend_extra_config minus the keys HiCache consumes
     extra_config: dict[str, Any] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> bytes:
         """16 bytes naming everything that must match for a stored page to be usable."""
         h = hashlib.sha256(b"hicache-l3-v1")
@@ -90,7 +91,7 @@ class StorageConfig:
             h.update(len(part).to_bytes(4, "little") + part.encode())
         return h.digest()[:16]
 
-    @property
+    @functools.cached_property
     def key_suffix(self) -> str:
         return self.fingerprint.hex()[:16]
 

@@ -163,7 +163,8 @@ class FileBackend(StorageBackend):
 
     def get(self, key: str, target: torch.Tensor) -> bool:
         start = time.perf_counter()
-        return self._finish_get(key, target, self._read_raw(key, target), start)
+        payload = memoryview(target.numpy()).cast("B")
+        return self._finish_get(key, payload, self._read_raw(key, payload), start)
 
     def set(self, key: str, value: torch.Tensor) -> bool:
         start = time.perf_counter()
@@ -174,11 +175,10 @@ class FileBackend(StorageBackend):
 
     # ---- the halves of a read / write ------------------------------------------------
 
-    def _read_raw(self, key: str, target: torch.Tensor) -> tuple[str, bytes | None]:
+    def _read_raw(self, key: str, payload: memoryview) -> tuple[str, bytes | None]:
         """("ok", header) when the file had exactly a header and a payload, else
-        ("missing" | "unreadable" | "wrong size", None); the payload lands in target."""
+        ("missing" | "unreadable" | "wrong size", None); the payload lands in ``payload``."""
         header = bytearray(integrity.HEADER_BYTES)
-        payload = memoryview(target.numpy()).cast("B")
         try:
             fd = os.open(self.pages_dir / self._name(key), os.O_RDONLY)
         except FileNotFoundError:
@@ -195,7 +195,7 @@ class FileBackend(StorageBackend):
             return "wrong size", None
         return "ok", bytes(header)
 
-    def _finish_get(self, key: str, target: torch.Tensor,
+    def _finish_get(self, key: str, target: memoryview,
                     read: tuple[str, bytes | None], start: float) -> bool:
         name = self._name(key)
         self._count(get_pages=1)
@@ -212,7 +212,7 @@ class FileBackend(StorageBackend):
             self._quarantine(name, reason)
             return False
         self._touch(name, self._file_bytes)
-        self._count(get_hits=1, bytes_read=target.numel(),
+        self._count(get_hits=1, bytes_read=len(target),
                     read_seconds=time.perf_counter() - start)
         return True
 

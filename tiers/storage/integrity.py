@@ -30,6 +30,10 @@ _LAYOUT = struct.Struct("<8sIIQ32s16sQ")  # magic, version, reserved, len, key, 
 
 def _bytes_of(payload: Any) -> memoryview:
     """A flat byte view of a numpy array, torch CPU tensor, bytes or memoryview."""
+    if isinstance(payload, memoryview) and payload.format == "B" and payload.ndim == 1:
+        return payload
+    if isinstance(payload, (bytes, bytearray)):
+        return memoryview(payload)
     if hasattr(payload, "numpy") and hasattr(payload, "untyped_storage"):  # torch tensor
         payload = payload.contiguous().view(-1).numpy()
     if isinstance(payload, np.ndarray):
