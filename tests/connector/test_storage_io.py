@@ -102,7 +102,7 @@ def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, timeout_s):
     (result,) = wait_result(io)
     # Stopped after the batch in flight at the deadline: one batch of 32 pages.
     assert result.fetched_pages == 32 and len(result.error_block_ids) == 8
-    assert time.monotonic() - start < timeout_s + 0.4 + 0.3
+    assert time.monotonic() - start < timeout_s + 0.4 + 0.6  # one batch in flight + slack
     assert io.stats.fetch_deadline_misses == 1
     io.shutdown()
 
