@@ -15,7 +15,7 @@ attention. Pipeline parallelism is not supported.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -85,15 +85,15 @@ class HiCacheConnector(KVConnectorBase_V1):
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
 
-        def storage_config(tp_rank: int) -> StorageConfig:
+        def build_storage(tp_rank: int, name: str, extra: dict[str, Any]) -> StorageBackend:
+            """This rank's L3 backend ``name`` with backend settings ``extra``."""
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-            return StorageConfig(
+            return create_backend(name, StorageConfig(
                 tp_rank=tp_rank, tp_size=tp_size, namespace=namespace.fingerprint(),
                 mem_layout=layout, page_bytes=geometry.page_bytes,
                 is_mla="MLA" in type(spec).__name__,
-                model_name=str(vllm_config.model_config.model),
-                extra_config=self.config.backend_extra_config(),
-            )
+                model_name=str(vllm_config.model_config.model), extra_config=extra,
+            ))
 
         if role == KVConnectorRole.SCHEDULER:
             # vLLM reads the policy right after building the scheduler-side connector.
@@ -108,7 +108,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                 block_ids_of=self._block_ids_of,
                 write_policy=self.config.hicache_write_policy,
                 write_threshold=self.config.hicache_write_through_threshold,
-                storage=self._scheduler_storage(storage_config(0)),
+                storage=self._scheduler_storage(functools.partial(build_storage, 0)),
                 prefetch_policy=self.config.hicache_storage_prefetch_policy,
                 prefetch={k: self.config.prefetch_setting(k) for k in PREFETCH_KEYS},
                 tp_size=tp_size,
@@ -119,12 +119,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.config.to_dict(),
             )
 
-            def scheduler_storage(name: str, extra: dict[str, Any]) -> StorageBackend:
-                return create_backend(name, dataclasses.replace(storage_config(0),
-                                                                extra_config=extra))
-
             self._admin = SchedulerAdmin(
-                self._scheduler, self.config, build_storage=scheduler_storage,
+                self._scheduler, self.config, build_storage=functools.partial(build_storage, 0),
                 l1_pages=kv_cache_config.num_blocks // (page_size // block_size),
                 engine={"model": str(vllm_config.model_config.model), "page_size": page_size,
                         "block_size": block_size, "tp_size": tp_size,
@@ -140,8 +136,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             def make_storage(name: str, extra: dict[str, Any]) -> StorageBackend:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-                cfg = storage_config(get_tensor_model_parallel_rank())
-                return create_backend(name, dataclasses.replace(cfg, extra_config=extra))
+                return build_storage(get_tensor_model_parallel_rank(), name, extra)
 
             self._worker = HiCacheWorker(
                 geometry, kv_cache_config.num_blocks, layout=layout, io=io_backend,
@@ -171,7 +166,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                     self.config.hicache_admin_host, server.port,
                     "set" if token else "not set: POST endpoints refuse")
 
-    def _scheduler_storage(self, config: StorageConfig) -> StorageBackend | None:
+    def _scheduler_storage(self, build: Any) -> StorageBackend | None:
         """The scheduler's own backend instance (lookups only); None without L3.
 
         Bad configuration stops the engine here, at start; an unreachable
@@ -181,7 +176,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         if name is None:
             return None
         try:
-            backend = create_backend(name, config)
+            backend = build(name, self.config.backend_extra_config())
         except StorageConfigError as exc:
             raise HiCacheConfigError(str(exc)) from exc
         except Exception:  # noqa: BLE001

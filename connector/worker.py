@@ -107,6 +107,8 @@ class HiCacheWorker:
         self._gauges_reported: dict[str, float] = {}
         self._commands_applied: object = None
         self._retired: list[FetchResult] = []
+        # Counters of backends detached since start, so totals never go back.
+        self._l3_retired: dict[str, float] = {}
         self._side_stream: torch.cuda.Stream | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -342,6 +344,13 @@ class HiCacheWorker:
             "saved_pages": st.saved_pages, "saved_bytes": st.saved_bytes,
             "load_errors": st.load_errors, "save_errors": st.save_errors,
         }
+        for name, value in self._l3_counters().items():
+            out[name] = self._l3_retired.get(name, 0) + value
+        return out
+
+    def _l3_counters(self) -> dict[str, float]:
+        """Counters of the L3 backend attached now (empty without one)."""
+        out: dict[str, float] = {}
         if self.storage_io is not None and self.storage is not None:
             io, backend = self.storage_io.stats, self.storage.stats()
             out.update({
@@ -399,6 +408,8 @@ class HiCacheWorker:
             self.storage_io.shutdown()  # queued fetches end at once (cancelled)
             # Their requests still wait in vLLM: report them with what they got.
             self._retired.extend(self.storage_io.poll())
+            for name, value in self._l3_counters().items():
+                self._l3_retired[name] = self._l3_retired.get(name, 0) + value
         if self.storage is not None:
             self.storage.close()
         self.storage, self.storage_io = None, None
