@@ -169,6 +169,7 @@ def test_flush_and_detach_while_loads_run(live, baseline):
             i += 1
             time.sleep(0.05)
 
+    saved_before = tiers(client)["l3"]["pages_saved"]
     thread = threading.Thread(target=hammer)
     thread.start()
     try:
@@ -180,6 +181,9 @@ def test_flush_and_detach_while_loads_run(live, baseline):
         thread.join()
     assert codes and all(c == 200 for c in codes), codes
     assert client.get("/healthz").status_code == 200
+    # Counters survive the backends swapped underneath them.
+    run_turns(llm, want.prompts[:1], WORKLOAD.answer_tokens)
+    assert tiers(client)["l3"]["pages_saved"] >= saved_before
 
 
 def test_cli_stats_against_the_engine(live):
