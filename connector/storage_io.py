@@ -104,7 +104,7 @@ class StorageIO:
     def submit_fetch(self, fetch: RequestFetch) -> None:
         job = _Job(fetch, time.monotonic(), slots={p.slot for p in fetch.l3_pages})
         with self._cv:
-            self._drop_backups(job.slots)
+            self._drop_backups(lambda _, s: s in job.slots)
             self._jobs.append(job)
             self._fetch_q.append(job)
             self._cv.notify_all()
@@ -120,7 +120,7 @@ class StorageIO:
         """Make ``slots`` safe to overwrite: drop queued backups of them, wait for a running one."""
         wanted = set(slots)
         with self._cv:
-            self._drop_backups(wanted)
+            self._drop_backups(lambda _, s: s in wanted)
             while self._running_backup & wanted:
                 self._cv.wait()
 
@@ -141,21 +141,14 @@ class StorageIO:
         drop the queued backups of those pages (or all), so none lands later."""
         with self._cv:
             wanted = None if keys is None else set(keys)
-            kept: deque[list[tuple[bytes, int]]] = deque()
-            for batch in self._backup_q:
-                rest = [] if wanted is None else [(k, s) for k, s in batch if k not in wanted]
-                self.stats.backups_dropped += len(batch) - len(rest)
-                if rest:
-                    kept.append(rest)
-            self._backup_q = kept
+            self._drop_backups(lambda k, _: wanted is None or k in wanted)
             self._removals.append(keys)
             self._cv.notify_all()
 
     def cancel_backups(self) -> None:
         """Forget every queued backup (detaching the store)."""
         with self._cv:
-            self.stats.backups_dropped += sum(len(b) for b in self._backup_q)
-            self._backup_q.clear()
+            self._drop_backups(lambda _k, _s: True)
 
     def queue_depths(self) -> tuple[int, int]:
         with self._cv:
@@ -174,12 +167,11 @@ class StorageIO:
 
     # ---- the I/O thread --------------------------------------------------------
 
-    def _drop_backups(self, slots: set[int]) -> None:
-        if not slots or not self._backup_q:
-            return
+    def _drop_backups(self, drop: Callable[[bytes, int], bool]) -> None:
+        """Remove queued (page key, slot) backups for which ``drop`` is true; caller holds _cv."""
         kept: deque[list[tuple[bytes, int]]] = deque()
         for batch in self._backup_q:
-            rest = [(k, s) for k, s in batch if s not in slots]
+            rest = [(k, s) for k, s in batch if not drop(k, s)]
             self.stats.backups_dropped += len(batch) - len(rest)
             if rest:
                 kept.append(rest)

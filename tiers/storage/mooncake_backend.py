@@ -251,11 +251,6 @@ class MooncakeBackend(StorageBackend):
         self._local = threading.local()
         self._pool_base = 0
         self._pool_rows: np.ndarray | None = None
-        self._suffix = config.key_suffix
-
-    def object_key(self, key: str) -> str:
-        """As the base class, with the fingerprint suffix computed once."""
-        return f"{key}_{self._suffix}"
 
     # ---- setup helpers ------------------------------------------------------------
 
