@@ -38,7 +38,7 @@ from hicache.connector.vllm_metrics import (
     HiCachePromMetrics,
     l3_source,
 )
-from hicache.connector.worker import HiCacheWorker
+from hicache.connector.worker import HiCacheWorker, increments
 from hicache.tiers.host_pool import PoolGeometry
 from hicache.tiers.page_keys import KeyNamespace
 from hicache.tiers.storage.base import StorageBackend, StorageConfig, StorageConfigError
@@ -306,8 +306,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         now = self._worker.counters()
-        deltas = {k: v - self._stats_reported.get(k, 0) for k, v in now.items()
-                  if k in EXPORTED and v != self._stats_reported.get(k, 0)}
+        deltas = {k: v for k, v in increments(now, self._stats_reported).items()
+                  if k in EXPORTED}
         self._stats_reported = now
         return HiCacheKVStats(data=deltas) if deltas else None
 

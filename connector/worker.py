@@ -369,8 +369,7 @@ class HiCacheWorker:
 
     def take_report(self) -> HiCacheWorkerReport | None:
         now = self.counters()
-        deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()
-                  if v != self._reported.get(k, 0)}
+        deltas = increments(now, self._reported)
         gauges = {k: v for k, v in self.gauges().items() if self._gauges_reported.get(k) != v}
         if not (self._bad_slots or self._fetched or deltas or gauges):
             return None
@@ -418,6 +417,11 @@ class HiCacheWorker:
         if self.pool is None:
             raise RuntimeError("HiCache worker used before register_kv_caches")
         return self.pool
+
+
+def increments(now: dict[str, float], last: dict[str, float]) -> dict[str, float]:
+    """Counters in ``now`` that moved since the snapshot ``last``, by how much."""
+    return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
 
 
 def _append_page(
