@@ -215,6 +215,7 @@ class HiCacheScheduler:
         self.stats.l2_hit_pages += l2
         self.stats.l2_miss_pages += prompt - local - l2
         if self.storage is not None:
+            self.stats.l3_hit_pages += l3
             self.stats.l3_miss_pages += max(0, prompt - local - l2 - l3)
 
     def _l3_lookup(self, keys: Sequence[PageKey]) -> int:
@@ -306,7 +307,6 @@ class HiCacheScheduler:
             )
             state.fetching = True
             state.l3_tokens = sum(len(p.block_ids) for p in l3_plans) * self.block_size
-            self.stats.l3_hit_pages += len(l3_slots)
         else:
             self.tree.lock(match.node)
             self._load_locks.append(match.node)

@@ -4,8 +4,8 @@ Contract
 ========
 
 ``main()`` runs the top-level typer app :data:`app` (console script
-``hicache = hicache.integration.admin_cli:main``). Sub-apps: ``admin`` now;
-``bench`` / ``simulate`` can be added with ``app.add_typer(...)``.
+``hicache = hicache.integration.admin_cli:main``). Sub-apps: ``admin`` (here),
+``bench`` and the ``simulate`` command (``hicache.integration.bench.cli``).
 
 ``hicache admin`` commands (each takes ``--url``, default
 ``http://127.0.0.1:8790`` or ``$HICACHE_ADMIN_URL``; ``--token``, default
@@ -34,6 +34,8 @@ import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from hicache.integration.bench.cli import register as register_bench
 
 DEFAULT_URL = "http://127.0.0.1:8790"
 URL_ENV = "HICACHE_ADMIN_URL"
@@ -355,6 +357,9 @@ def tree(
     if ids:
         params["prefix"] = ",".join(str(i) for i in ids)
     _out().print_json(data=_json(request("GET", url, "/tree", token, timeout, params=params)))
+
+
+register_bench(app)
 
 
 def main() -> None:

@@ -1,0 +1,210 @@
+"""``hicache bench run|compare|peers`` and ``hicache simulate``: the typer commands.
+
+They parse options, turn bad input into exit code 2 with a message that
+names the option and the allowed values, and call client.py, compare.py,
+``hicache.integration.peers`` and simulate.py. Heavy imports (vLLM via the
+scheduler, matplotlib) happen inside the commands so ``hicache --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+bench_app = typer.Typer(
+    help="Benchmark servers: one workload (run), every system of a config (compare), "
+         "component benchmarks against SGLang and LMCache (peers).",
+    no_args_is_help=True,
+)
+
+EXIT_USAGE = 2
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@bench_app.command("run")
+def run_cmd(
+    url: Annotated[str, typer.Option("--url", help="OpenAI-compatible server base URL.")] =
+        "http://127.0.0.1:8000",
+    model: Annotated[str | None, typer.Option(help="Model id (default: the server's first).")] = None,
+    scenario: Annotated[str, typer.Option(help="multiturn, shared_doc or system_prompt.")] =
+        "multiturn",
+    clients: Annotated[int, typer.Option(help="Concurrent clients.")] = 4,
+    turns: Annotated[int, typer.Option(help="Requests per client, sent one after another.")] = 3,
+    history_tokens: Annotated[int, typer.Option(help="First prompt length, tokens.")] = 1024,
+    shared_prefix_tokens: Annotated[int, typer.Option(
+        help="Shared system prompt (shared_doc: document) length, tokens.")] = 0,
+    num_docs: Annotated[int, typer.Option(help="shared_doc: distinct documents.")] = 1,
+    question_tokens: Annotated[int, typer.Option(help="New user tokens per turn.")] = 64,
+    answer_tokens: Annotated[int, typer.Option(help="Generated tokens per request.")] = 32,
+    think_time: Annotated[float, typer.Option(help="Seconds between a client's turns.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Workload seed (same seed, same prompts).")] = 0,
+    config: Annotated[Path | None, typer.Option(
+        "--config", exists=True, dir_okay=False,
+        help="YAML/JSON mapping of workload keys (overrides the options).")] = None,
+    admin_url: Annotated[str | None, typer.Option(
+        help="HiCache admin API, for hits per tier (e.g. http://127.0.0.1:8790).")] = None,
+    admin_token: Annotated[str | None, typer.Option(envvar="HICACHE_ADMIN_TOKEN")] = None,
+    trace: Annotated[Path | None, typer.Option(
+        help="Record the requests as a JSONL trace for `hicache simulate`.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Tokenizer for servers that do not return token ids.")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for bench.json and the plots.")] =
+        Path("bench_results/bench"),
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Run one workload against a running server; print and save its numbers."""
+    from hicache.integration.bench.client import run_bench_sync
+    from hicache.integration.bench.report import write_plots
+    from hicache.integration.bench.workloads import WorkloadSpec
+
+    values: dict[str, Any] = dict(
+        scenario=scenario, clients=clients, turns=turns, history_tokens=history_tokens,
+        shared_prefix_tokens=shared_prefix_tokens, num_docs=num_docs,
+        question_tokens=question_tokens, answer_tokens=answer_tokens, think_time_s=think_time,
+        seed=seed)
+    if config is not None:
+        import yaml
+
+        loaded = yaml.safe_load(config.read_text())
+        if not isinstance(loaded, dict):
+            _fail(f"--config {config}: expected a mapping of workload keys")
+        values.update(loaded)
+    try:
+        spec = WorkloadSpec.from_dict(values)
+    except ValueError as e:
+        _fail(str(e))
+    result = run_bench_sync(url, spec, model=model, admin_url=admin_url,
+                            admin_token=admin_token, trace_path=trace, progress=progress,
+                            tokenizer=tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    result.to_json(out / "bench.json")
+    plots = write_plots({"run": result}, out)
+    console = Console()
+    console.print_json(data=result.to_dict()["summary"])
+    console.print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots)
+                  + (f", trace {trace}" if trace else ""))
+
+
+@bench_app.command("compare")
+def compare_cmd(
+    config: Annotated[str, typer.Argument(
+        help="A YAML config, or a shipped preset: cpu, gpu.")],
+    out: Annotated[Path | None, typer.Option(help="Output directory (default: the config's).")]
+        = None,
+    only: Annotated[str | None, typer.Option(
+        help="Comma-separated system names to run (default: all).")] = None,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Launch every system of CONFIG in turn on the same workload; one table and plots."""
+    from dataclasses import replace
+
+    from hicache.integration.bench.compare import run_compare
+    from hicache.integration.bench.systems import ConfigError, load_config, preset_path
+
+    path = preset_path(config)
+    if not path.exists():
+        _fail(f"config {config!r}: no such file, and not a preset (allowed: cpu, gpu)")
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        _fail(str(e))
+    if only:
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        known = [s.name for s in cfg.systems]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            _fail(f"--only: unknown system {unknown[0]!r}; allowed: {', '.join(known)}")
+        cfg = replace(cfg, systems=tuple(s for s in cfg.systems if s.name in names))
+    report = run_compare(cfg, out=out, progress=progress)
+    bad = [r for r in report["rows"] if r["status"] == "errors"]
+    if bad:
+        raise typer.Exit(1)
+
+
+def simulate_cmd(
+    trace: Annotated[Path, typer.Argument(exists=True, dir_okay=False,
+                                          help="JSONL trace (from `hicache bench run --trace`).")],
+    l1_blocks: Annotated[str, typer.Option(help="vLLM KV blocks to try, e.g. 80,160.")] = "80",
+    l2_pages: Annotated[str, typer.Option(help="L2 pages to try; 0 = no connector.")] = "0,128,512",
+    l3_pages: Annotated[str, typer.Option(help="L3 pages to try; none = no L3, inf = unbounded.")]
+        = "none",
+    policy: Annotated[str, typer.Option(
+        help="Write policies: write_through, write_through_selective, write_back.")] =
+        "write_through",
+    block_size: Annotated[int, typer.Option(help="vLLM block size, tokens.")] = 32,
+    page_size: Annotated[int, typer.Option(help="HiCache page size, tokens.")] = 32,
+    prefetch_threshold: Annotated[int, typer.Option(
+        help="Smallest L3 hit worth fetching, tokens.")] = 256,
+    calibrate_from: Annotated[Path | None, typer.Option(
+        help="A `hicache bench run` result (bench.json) to fit prefill cost to.")] = None,
+    copy_json: Annotated[Path, typer.Option(help="Copy benchmark results (L2 bandwidth).")] =
+        Path("bench_results/copy.json"),
+    l3_json: Annotated[Path, typer.Option(help="L3 benchmark results (L3 bandwidth).")] =
+        Path("bench_results/l3.json"),
+    page_bytes: Annotated[int, typer.Option(help="KV bytes per page (0: from --model).")] = 0,
+    model: Annotated[Path | None, typer.Option(
+        help="Model directory whose config.json gives the KV bytes per page.")] = None,
+    dtype_bytes: Annotated[int, typer.Option(help="Bytes per KV element for --model.")] = 2,
+    out: Annotated[Path, typer.Option(help="Directory for simulate.json and simulate.png.")] =
+        Path("bench_results/simulate"),
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a trace through the real HiRadixTree for a grid of L1/L2/L3 sizes."""
+    from hicache.integration.bench.simulate import (
+        Grid,
+        calibrate,
+        model_page_bytes,
+        parse_sizes,
+        plot,
+        render_table,
+        run_grid,
+    )
+    from hicache.integration.bench.trace import TraceError, read_trace
+
+    try:
+        records = read_trace(trace)
+        policies = tuple(p.strip() for p in policy.split(",") if p.strip())
+        grid = Grid(
+            l1_blocks=parse_sizes(l1_blocks, "--l1-blocks"),  # type: ignore[arg-type]
+            l2_pages=parse_sizes(l2_pages, "--l2-pages"),  # type: ignore[arg-type]
+            l3_pages=parse_sizes(l3_pages, "--l3-pages", allow_none=True),
+            write_policies=policies, block_size=block_size, page_size=page_size,
+            prefetch_threshold=prefetch_threshold)
+        configs = grid.configs()
+    except (TraceError, ValueError) as e:
+        _fail(str(e))
+    if not configs:
+        _fail("the grid is empty (with --l2-pages 0 only, --l3-pages must include none)")
+    if not page_bytes and model is not None:
+        page_bytes = model_page_bytes(model, page_size, dtype_bytes)
+    cost = calibrate(bench_json=calibrate_from, copy_json=copy_json, l3_json=l3_json,
+                     page_bytes=page_bytes, page_size=page_size)
+    try:
+        rows = run_grid(records, grid, cost, progress=progress)
+    except ValueError as e:
+        _fail(str(e))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulate.json").write_text(json.dumps(
+        {"trace": str(trace), "requests": len(records), "cost_model": {
+            k: v for k, v in cost.__dict__.items()}, "rows": rows}, indent=2))
+    png = plot(rows, out / "simulate.png")
+    console = Console()
+    console.print(render_table(rows, cost))
+    for key, src in cost.sources.items():
+        console.print(f"  {key} = {getattr(cost, key)!r}  ({src})", highlight=False)
+    console.print(f"wrote {out / 'simulate.json'}, {png}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``bench`` and ``simulate`` to the top-level ``hicache`` app."""
+    app.add_typer(bench_app, name="bench")
+    app.command("simulate")(simulate_cmd)

@@ -1,0 +1,396 @@
+"""One simulated engine: a request trace replayed through the real HiCache scheduler.
+
+No model runs and no bytes move. What decides hits is the production code:
+:class:`~hicache.connector.scheduler.HiCacheScheduler` (HiRadixTree, slot
+allocator, write policies, the L3 lookup and its threshold, the per-tier
+counters the admin ``/stats`` reports). Around it this module models only
+what lives outside the connector:
+
+- **L1** (:class:`L1PrefixCache`): vLLM's block pool with prefix caching.
+  One block of the pool is vLLM's null block; a request's hit is its longest
+  prefix of cached full blocks (never the last prompt token); blocks of a
+  finished request go to the tail of the free queue last-block-first, and
+  allocation evicts from the head (LRU). A request waits (FIFO) when the
+  free blocks cannot hold its prompt.
+- **L3** (:class:`SimulatedL3`): the set of pages backed up so far, LRU
+  evicted beyond an optional capacity; every page stored to L2 is backed
+  up (as the workers do). A fetch always succeeds.
+- **Time**: requests are admitted at their trace arrival and release their
+  blocks at their trace finish (or an estimate); the prompt's pages are
+  computed, cached and stored at admission, the decoded pages at finish.
+
+Page-hash traces are turned into token lists: every distinct page hash
+becomes one page of a token id of its own, so two requests share a page
+exactly when they share its hash (hashes are prefix-chained).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.connector.metadata import HiCacheWorkerReport
+from hicache.connector.scheduler import HiCacheScheduler
+from hicache.integration.bench.trace import TraceRecord
+from hicache.tiers.host_pool import PoolGeometry
+from hicache.tiers.page_keys import KeyNamespace, PageKey, page_keys
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Sizes and policies of one simulated engine."""
+
+    # vLLM's num_gpu_blocks (the null block included, as the flag counts it).
+    l1_blocks: int
+    # L2 host pool capacity in pages; 0 = no connector (vLLM alone).
+    l2_pages: int
+    # L3 capacity in pages: None = no L3, -1 = unbounded.
+    l3_pages: int | None = None
+    block_size: int = 32
+    page_size: int = 32
+    write_policy: str = "write_through"
+    write_threshold: int = 2
+    # L3 lookups shorter than this many tokens are not worth a fetch (SGLang's default).
+    prefetch_threshold: int = 256
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                             f"got {self.write_policy!r}")
+        if self.l1_blocks < 2:
+            raise ValueError(f"l1_blocks must be >= 2, got {self.l1_blocks}")
+        if self.l2_pages < 0:
+            raise ValueError(f"l2_pages must be >= 0, got {self.l2_pages}")
+        if self.block_size <= 0 or self.page_size % self.block_size:
+            raise ValueError(f"page_size ({self.page_size}) must be a multiple of "
+                             f"block_size ({self.block_size})")
+
+
+@dataclass
+class RequestOutcome:
+    """Where one request's prompt tokens came from."""
+
+    id: str
+    arrival: float
+    prompt_tokens: int
+    l1_pages: int
+    l2_pages: int
+    l3_pages: int
+    # Seconds it waited for L1 blocks before admission.
+    queued_s: float = 0.0
+
+    @property
+    def cached_pages(self) -> int:
+        return self.l1_pages + self.l2_pages + self.l3_pages
+
+
+@dataclass
+class SimResult:
+    """Totals of one replay; hit rates are shares of all prompt tokens."""
+
+    config: SimConfig
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    l2_evicted_pages: int = 0
+    l3_evicted_pages: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(o.prompt_tokens for o in self.outcomes)
+
+    def hit_rate(self, tier: str) -> float:
+        total = self.prompt_tokens
+        if total == 0:
+            return 0.0
+        pages = sum(getattr(o, f"{tier}_pages") for o in self.outcomes)
+        return pages * self.config.page_size / total
+
+    def hit_rates(self) -> dict[str, float]:
+        rates = {t: self.hit_rate(t) for t in ("l1", "l2", "l3")}
+        rates["total"] = sum(rates.values())
+        return rates
+
+
+class L1PrefixCache:
+    """vLLM's block pool with prefix caching, by block key (block ids are not needed).
+
+    The free queue holds every block no running request holds, cached ones
+    (their key) and uncached ones (an int); allocation pops its head, a
+    finished request appends its blocks to the tail last-block-first, a hit
+    on a cached free block takes it out of the queue. A request's blocks are
+    a list of the same entries, so a block shared by two requests is one.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._uncached = itertools.count()
+        # vLLM takes one block out of the pool as its null block.
+        self._free: OrderedDict[PageKey | int, None] = OrderedDict(
+            (next(self._uncached), None) for _ in range(num_blocks - 1))
+        self._held: dict[PageKey, int] = {}  # cached blocks of running requests: ref count
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def match(self, keys: Sequence[PageKey]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._free and key not in self._held:
+                break
+            n += 1
+        return n
+
+    def allocate(self, hit: Sequence[PageKey], new_blocks: int) -> list[PageKey | int] | None:
+        """Hold the hit blocks and ``new_blocks`` fresh ones (None, nothing done, if no room)."""
+        reused = sum(1 for k in hit if k in self._free)
+        if new_blocks + reused > len(self._free):
+            return None
+        for key in hit:
+            self._free.pop(key, None)
+            self._held[key] = self._held.get(key, 0) + 1
+        return list(hit) + self._pop(new_blocks)
+
+    def grow(self, blocks: list[PageKey | int], total: int) -> None:
+        """Decoding needs ``total`` blocks; take what the queue still has."""
+        blocks += self._pop(min(len(self._free), total - len(blocks)))
+
+    def cache(self, blocks: list[PageKey | int], keys: Sequence[PageKey]) -> None:
+        """The request's first ``len(keys)`` blocks are full: cache the uncached ones."""
+        for i, key in enumerate(keys[: len(blocks)]):
+            if isinstance(blocks[i], int) and key not in self._held and key not in self._free:
+                blocks[i] = key
+                self._held[key] = 1
+
+    def free(self, blocks: Sequence[PageKey | int]) -> None:
+        for block in reversed(blocks):
+            if isinstance(block, int):
+                self._free[block] = None
+                continue
+            ref = self._held[block] - 1
+            if ref:
+                self._held[block] = ref
+            else:
+                del self._held[block]
+                self._free[block] = None
+
+    def _pop(self, n: int) -> list[PageKey | int]:
+        out: list[PageKey | int] = []
+        for _ in range(n):
+            entry, _ = self._free.popitem(last=False)
+            if not isinstance(entry, int):
+                self.evictions += 1
+            out.append(next(self._uncached))
+        return out
+
+
+class SimulatedL3:
+    """Pages backed up to L3; ``batch_exists`` is what the scheduler asks."""
+
+    def __init__(self, capacity_pages: int) -> None:
+        self.capacity = capacity_pages  # -1 = unbounded
+        self._pages: OrderedDict[str, None] = OrderedDict()
+        self.evictions = 0
+
+    def put(self, key: str) -> None:
+        self._pages[key] = None
+        self._pages.move_to_end(key)
+        while 0 <= self.capacity < len(self._pages):
+            self._pages.popitem(last=False)
+            self.evictions += 1
+
+    def batch_exists(self, keys: list[str]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._pages:
+                break
+            self._pages.move_to_end(key)
+            n += 1
+        return n
+
+
+@dataclass
+class _SimRequest:
+    """The attributes of vLLM's ``Request`` that the scheduler half reads."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    lora_request: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class _Running:
+    req: _SimRequest
+    record: TraceRecord
+    blocks: list[PageKey | int]
+    outcome: RequestOutcome
+
+
+class TokenSource:
+    """Token lists for trace records; page-hash records get synthetic tokens."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._fresh = itertools.count(1 << 24)  # above every page-hash id
+
+    def prompt(self, rec: TraceRecord) -> list[int]:
+        if rec.prompt is not None:
+            return list(rec.prompt)
+        size = rec.page_size or 1
+        tokens: list[int] = []
+        for h in rec.page_hashes or ():
+            tokens += [self._ids.setdefault(h, len(self._ids) + 1)] * size
+        return tokens + [next(self._fresh) for _ in range(rec.prompt_tokens - len(tokens))]
+
+    def output(self, rec: TraceRecord) -> list[int]:
+        if rec.output is not None:
+            return list(rec.output)
+        return [next(self._fresh) for _ in range(rec.output_tokens)]
+
+
+class SimEngine:
+    """Replay a trace against one :class:`SimConfig`."""
+
+    def __init__(self, config: SimConfig,
+                 duration_of: Callable[[TraceRecord], float] | None = None) -> None:
+        self.config = config
+        self._duration_of = duration_of or (lambda r: 0.05 + 0.02 * r.output_tokens)
+        self.l1 = L1PrefixCache(config.l1_blocks)
+        self._l1_seed = b"hicache-sim-l1"
+        self.l3 = SimulatedL3(config.l3_pages) if config.l3_pages is not None else None
+        self.sched: HiCacheScheduler | None = None
+        if config.l2_pages > 0:
+            namespace = KeyNamespace(model="sim", kv_dtype="sim", layout="sim",
+                                     page_size=config.page_size, tp_size=1)
+            self.sched = HiCacheScheduler(
+                geometry=PoolGeometry(config.l2_pages, 1, config.page_size // config.block_size,
+                                      1),
+                namespace=namespace, page_size=config.page_size, block_size=config.block_size,
+                block_ids_of=lambda req_id: [], write_policy=config.write_policy,
+                write_threshold=config.write_threshold, storage=self.l3,  # type: ignore[arg-type]
+                prefetch={"prefetch_threshold": config.prefetch_threshold},
+            )
+        self._tokens = TokenSource()
+
+    def run(self, records: Sequence[TraceRecord]) -> SimResult:
+        result = SimResult(self.config)
+        order = itertools.count()
+        events: list[tuple[float, int, int, Any]] = []  # (time, kind 0=finish 1=arrival, seq, obj)
+        for rec in records:
+            heapq.heappush(events, (rec.arrival, 1, next(order), rec))
+        waiting: deque[tuple[TraceRecord, float]] = deque()
+        while events:
+            now, kind, _, obj = heapq.heappop(events)
+            if kind == 0:
+                self._finish(obj)
+            else:
+                waiting.append((obj, now))
+            while waiting:
+                rec, since = waiting[0]
+                running = self._admit(rec, now - since)
+                if running is None:
+                    if not self._any_running:
+                        raise ValueError(f"request {rec.id!r} needs more L1 blocks than "
+                                         f"l1_blocks={self.config.l1_blocks} hold")
+                    break
+                waiting.popleft()
+                result.outcomes.append(running.outcome)
+                end = rec.finish if rec.finish is not None else now + self._duration_of(rec)
+                heapq.heappush(events, (max(end, now), 0, next(order), running))
+        if self.sched is not None:
+            result.l2_evicted_pages = self.sched.stats.evicted_pages
+        result.l3_evicted_pages = self.l3.evictions if self.l3 is not None else 0
+        return result
+
+    _running_count = 0
+
+    @property
+    def _any_running(self) -> bool:
+        return self._running_count > 0
+
+    def _admit(self, rec: TraceRecord, queued_s: float) -> _Running | None:
+        cfg = self.config
+        tokens = self._tokens.prompt(rec)
+        if not tokens:
+            raise ValueError(f"request {rec.id!r} has an empty prompt")
+        block_keys = page_keys(self._l1_seed + (rec.cache_salt or "").encode(), tokens,
+                               cfg.block_size)
+        hit_blocks = self.l1.match(block_keys[: (len(tokens) - 1) // cfg.block_size])
+        total_blocks = -(-len(tokens) // cfg.block_size)
+        blocks = self.l1.allocate(block_keys[:hit_blocks], total_blocks - hit_blocks)
+        if blocks is None:
+            return None
+        self._running_count += 1
+        req = _SimRequest(rec.id, tokens, 0, rec.cache_salt)
+        local = hit_blocks * cfg.block_size
+        outcome = RequestOutcome(rec.id, rec.arrival, len(tokens), 0, 0, 0, queued_s)
+        if self.sched is None:
+            outcome.l1_pages = local // cfg.page_size
+            req.num_computed_tokens = local
+        else:
+            outcome.l1_pages, outcome.l2_pages, outcome.l3_pages = self._connector_admit(
+                req, local)
+        # The prompt's full blocks are cached as soon as they are scheduled.
+        self.l1.cache(blocks, block_keys)
+        return _Running(req, rec, blocks, outcome)
+
+    def _connector_admit(self, req: _SimRequest, local: int) -> tuple[int, int, int]:
+        sched = self.sched
+        assert sched is not None
+        st = sched.stats
+        before = (st.l1_hit_pages, st.l2_hit_pages, st.l3_hit_pages)
+        external, is_async = sched.get_num_new_matched_tokens(req, local)  # type: ignore[arg-type]
+        sched.update_state_after_alloc(req, [], external)  # type: ignore[arg-type]
+        if is_async:
+            # The worker fetches every L3 page (a simulated store never fails).
+            meta = sched.build_connector_meta({})
+            report = HiCacheWorkerReport(
+                fetched={f.req_id: [len(f.l3_pages)] for f in meta.fetches})
+            sched.on_worker_report(report)
+            self._backup(meta)
+        req.num_computed_tokens = local + external
+        # Prefill: every prompt page's KV is complete at the end of this step.
+        self._backup(sched.build_connector_meta(
+            {req.request_id: req.num_tokens - req.num_computed_tokens}))
+        req.num_computed_tokens = req.num_tokens
+        return (st.l1_hit_pages - before[0], st.l2_hit_pages - before[1],
+                st.l3_hit_pages - before[2])
+
+    def _finish(self, running: _Running) -> None:
+        cfg = self.config
+        req = running.req
+        prompt_len = req.num_tokens
+        req.all_token_ids = req.all_token_ids + self._tokens.output(running.record)
+        # The last generated token's KV is never computed.
+        computed = max(prompt_len, req.num_tokens - 1)
+        if self.sched is not None:
+            if computed > prompt_len:
+                self._backup(self.sched.build_connector_meta(
+                    {req.request_id: computed - req.num_computed_tokens}))
+            req.num_computed_tokens = computed
+            self.sched.request_finished(req, list(range(computed // cfg.block_size)))  # type: ignore[arg-type]
+            self._backup(self.sched.build_connector_meta({}))
+        seed = self._l1_seed + (req.cache_salt or "").encode()
+        self.l1.grow(running.blocks, -(-computed // cfg.block_size))
+        self.l1.cache(running.blocks, page_keys(seed, req.all_token_ids[:computed],
+                                                cfg.block_size))
+        self.l1.free(running.blocks)
+        self._running_count -= 1
+
+    def _backup(self, meta: Any) -> None:
+        """The workers back every page stored in L2 up to L3."""
+        if self.l3 is None:
+            return
+        for plan in meta.stores:
+            self.l3.put(plan.key.hex())

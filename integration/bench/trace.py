@@ -1,0 +1,157 @@
+"""Request traces: what ``hicache bench run --trace`` records and ``hicache simulate`` replays.
+
+A trace is JSONL, one request per line, in arrival order::
+
+    {"id": "c3-t1", "arrival": 12.5, "finish": 13.9, "output_tokens": 32,
+     "prompt": [17, 993, ...], "output": [5, 88, ...]}  # token ids, or:
+    {"id": "r7", "arrival": 0.4, "output_tokens": 16,
+     "page_size": 32, "page_hashes": ["9f1c...", ...]}  # one hash per full page
+
+``arrival`` / ``finish`` are seconds since the run began (``finish`` is
+optional: without it the simulator estimates how long a request holds its
+L1 blocks; so is ``output``, the generated ids). ``page_hashes`` must form a prefix chain (hash i covers pages
+0..i), which is what any prefix-caching engine logs; with them the trace
+carries no tokens, so production traces can be shared. Optional
+``cache_salt`` separates tenants like vLLM's ``cache_salt``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class TraceError(ValueError):
+    """A trace line that cannot be replayed; the message names the line and the key."""
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One request of a trace."""
+
+    id: str
+    # Seconds since the start of the run when the request was sent.
+    arrival: float
+    # Tokens generated for it (they occupy L1 blocks and, once full, pages).
+    output_tokens: int
+    # Prompt token ids; None when the trace carries page hashes instead.
+    prompt: tuple[int, ...] | None = None
+    # Prefix-chained hash of every full prompt page, and the page size they cover.
+    page_hashes: tuple[str, ...] | None = None
+    page_size: int | None = None
+    # Prompt length in tokens (len(prompt), or given next to page_hashes).
+    prompt_tokens: int = 0
+    # Seconds since the start of the run when the last token arrived, if known.
+    finish: float | None = None
+    cache_salt: str | None = None
+    # Generated token ids, if recorded: with them the simulator keys the pages
+    # that decoding fills (a returning turn's history includes them).
+    output: tuple[int, ...] | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> str:
+        d: dict = {"id": self.id, "arrival": round(self.arrival, 6),
+                   "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens}
+        if self.finish is not None:
+            d["finish"] = round(self.finish, 6)
+        if self.cache_salt is not None:
+            d["cache_salt"] = self.cache_salt
+        if self.output is not None:
+            d["output"] = list(self.output)
+        if self.prompt is not None:
+            d["prompt"] = list(self.prompt)
+        else:
+            d["page_size"] = self.page_size
+            d["page_hashes"] = list(self.page_hashes or ())
+        d.update(self.extra)
+        return json.dumps(d, separators=(",", ":"))
+
+
+_KNOWN = {"id", "arrival", "finish", "output_tokens", "prompt_tokens", "prompt",
+          "page_hashes", "page_size", "cache_salt", "output"}
+
+
+def parse_record(line: str, where: str = "trace") -> TraceRecord:
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise TraceError(f"{where}: expected a JSON object")
+
+    def need(key: str, kind: type | tuple[type, ...]) -> object:
+        if key not in d:
+            raise TraceError(f"{where}: missing key {key!r}")
+        if not isinstance(d[key], kind) or isinstance(d[key], bool):
+            raise TraceError(f"{where}: key {key!r} must be {getattr(kind, '__name__', kind)}")
+        return d[key]
+
+    arrival = float(need("arrival", (int, float)))  # type: ignore[arg-type]
+    output = int(need("output_tokens", int))  # type: ignore[arg-type]
+    if output < 0 or arrival < 0:
+        raise TraceError(f"{where}: 'arrival' and 'output_tokens' must be >= 0")
+    finish = d.get("finish")
+    if finish is not None and (not isinstance(finish, (int, float)) or finish < arrival):
+        raise TraceError(f"{where}: key 'finish' must be a number >= 'arrival'")
+    if ("prompt" in d) == ("page_hashes" in d):
+        raise TraceError(f"{where}: give exactly one of 'prompt' (token ids) or 'page_hashes'")
+    prompt = hashes = page_size = None
+    if "prompt" in d:
+        raw = need("prompt", list)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):  # type: ignore[union-attr]
+            raise TraceError(f"{where}: key 'prompt' must be a list of token ids (ints >= 0)")
+        prompt = tuple(raw)  # type: ignore[arg-type]
+        prompt_tokens = len(prompt)
+    else:
+        raw = need("page_hashes", list)
+        if not all(isinstance(h, str) and h for h in raw):  # type: ignore[union-attr]
+            raise TraceError(f"{where}: key 'page_hashes' must be a list of non-empty strings")
+        hashes = tuple(raw)  # type: ignore[arg-type]
+        page_size = int(need("page_size", int))  # type: ignore[arg-type]
+        if page_size <= 0:
+            raise TraceError(f"{where}: key 'page_size' must be > 0")
+        prompt_tokens = int(d.get("prompt_tokens", len(hashes) * page_size))
+        if prompt_tokens < len(hashes) * page_size:
+            raise TraceError(f"{where}: 'prompt_tokens' is shorter than its page_hashes cover")
+    output = d.get("output")
+    if output is not None and not (
+        isinstance(output, list) and all(isinstance(t, int) and t >= 0 for t in output)
+    ):
+        raise TraceError(f"{where}: key 'output' must be a list of token ids (ints >= 0)")
+    salt = d.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise TraceError(f"{where}: key 'cache_salt' must be a string")
+    return TraceRecord(
+        id=str(d.get("id", where)), arrival=arrival, output_tokens=output, prompt=prompt,
+        page_hashes=hashes, page_size=page_size, prompt_tokens=prompt_tokens,
+        finish=None if finish is None else float(finish), cache_salt=salt,
+        output=None if output is None else tuple(output),
+        extra={k: v for k, v in d.items() if k not in _KNOWN},
+    )
+
+
+def read_trace(path: str | Path) -> list[TraceRecord]:
+    """Every record of a JSONL trace, sorted by arrival (blank lines are skipped)."""
+    records = []
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                records.append(parse_record(line, f"{path}:{n}"))
+    if not records:
+        raise TraceError(f"{path}: the trace holds no requests")
+    return sorted(records, key=lambda r: r.arrival)
+
+
+def iter_lines(records: Iterable[TraceRecord]) -> Iterator[str]:
+    for r in records:
+        yield r.to_json() + "\n"
+
+
+def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        f.writelines(iter_lines(records))
+    return path
