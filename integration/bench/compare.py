@@ -58,15 +58,15 @@ def failure_reason(log: Path, fallback: str) -> str:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return fallback
+    for line in reversed(lines):  # vLLM wraps a worker's error; the quoted part is the cause
+        worker = re.search(r"Worker failed with error '(.+?)'", line)
+        if worker:
+            return worker.group(1)
     hits = [m for m in (_ERROR_LINE.search(line) for line in lines) if m]
     generic = ("Engine core initialization failed", "please check the stack trace")
     specific = [m for m in hits if not any(g in m.group(0) for g in generic)]
     pick = (specific or hits or [None])[-1]
-    if pick is None:
-        return fallback
-    text = pick.group(0)
-    worker = re.search(r"Worker failed with error '(.+?)'", text)
-    return worker.group(1) if worker else text[:300]
+    return fallback if pick is None else pick.group(0)[:300]
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

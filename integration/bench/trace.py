@@ -115,9 +115,9 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
         prompt_tokens = int(d.get("prompt_tokens", len(hashes) * page_size))
         if prompt_tokens < len(hashes) * page_size:
             raise TraceError(f"{where}: 'prompt_tokens' is shorter than its page_hashes cover")
-    output = d.get("output")
-    if output is not None and not (
-        isinstance(output, list) and all(isinstance(t, int) and t >= 0 for t in output)
+    generated = d.get("output")
+    if generated is not None and not (
+        isinstance(generated, list) and all(isinstance(t, int) and t >= 0 for t in generated)
     ):
         raise TraceError(f"{where}: key 'output' must be a list of token ids (ints >= 0)")
     salt = d.get("cache_salt")
@@ -127,7 +127,7 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
         id=str(d.get("id", where)), arrival=arrival, output_tokens=output, prompt=prompt,
         page_hashes=hashes, page_size=page_size, prompt_tokens=prompt_tokens,
         finish=None if finish is None else float(finish), cache_salt=salt,
-        output=None if output is None else tuple(output),
+        output=None if generated is None else tuple(generated),
         extra={k: v for k, v in d.items() if k not in _KNOWN},
     )
 

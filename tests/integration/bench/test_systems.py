@@ -1,0 +1,118 @@
+"""Compare configs and launch plans: the shipped presets parse, bad keys are named,
+and a system that cannot run here gets a reason from a real probe (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hicache.integration.bench.compare import add_ratios, failure_reason, markdown_table
+from hicache.integration.bench.systems import (
+    SYSTEM_KINDS,
+    ConfigError,
+    load_config,
+    parse_config,
+    plan,
+    preset_path,
+    probe,
+)
+
+MINIMAL = {"name": "t", "model": "m", "workload": {"clients": 1},
+           "systems": [{"name": "a", "kind": "vllm"}]}
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_presets_parse_and_cover_every_kind(name):
+    cfg = load_config(preset_path(name))
+    assert {s.kind for s in cfg.systems} == set(SYSTEM_KINDS)
+    policies = {(s.write_policy, s.l3) for s in cfg.systems if s.kind == "hicache"}
+    assert policies == {(p, l3) for p in ("write_through", "write_through_selective",
+                                          "write_back") for l3 in (None, "file")}
+
+
+@pytest.mark.parametrize("patch, key", [
+    ({"colour": 1}, "'colour'"),
+    ({"systems": []}, "'systems'"),
+    ({"systems": [{"name": "a", "kind": "tgi"}]}, "'kind' must be one of vllm, hicache"),
+    ({"systems": [{"name": "a", "kind": "hicache", "l3": "s3"}]}, "'l3' must be one of file, nixl"),
+    ({"systems": [{"name": "a", "kind": "hicache", "write_policy": "x"}]}, "'write_policy'"),
+    ({"systems": [{"name": "a", "kind": "vllm", "l3": "file"}]}, "kind 'hicache' only"),
+    ({"systems": [{"name": "a", "kind": "vllm"}, {"name": "a", "kind": "hicache"}]}, "unique"),
+    ({"systems": [{"name": "a", "kind": "vllm", "speed": 1}]}, "systems\\[0\\]: unknown key 'speed'"),
+    ({"memory_budget_gb": -1}, "'memory_budget_gb'"),
+    ({"l1_blocks": 1}, "'l1_blocks'"),
+    ({"page_size": 48}, "'page_size' must be a multiple"),
+    ({"workload": None}, "'workload'"),
+])
+def test_bad_config_names_the_key(patch, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({**MINIMAL, **patch})
+
+
+def test_hicache_plan_is_one_vllm_flag_on_loopback(tmp_path):
+    cfg = parse_config({**MINIMAL, "memory_budget_gb": 0.5, "l1_blocks": 80,
+                        "systems": [{"name": "h", "kind": "hicache", "l3": "file",
+                                     "write_policy": "write_back"}]})
+    lp = plan(cfg, cfg.systems[0], port=1234, admin_port=4321, workdir=tmp_path)
+    assert lp.not_run is None
+    assert lp.cmd[lp.cmd.index("--host") + 1] == "127.0.0.1"
+    assert lp.cmd[lp.cmd.index("--num-gpu-blocks-override") + 1] == "80"
+    kv = json.loads(lp.cmd[lp.cmd.index("--kv-transfer-config") + 1])
+    extra = kv["kv_connector_extra_config"]
+    assert kv["kv_connector"] == "HiCacheConnector"
+    assert extra["hicache_size"] == 0.5 and extra["hicache_write_policy"] == "write_back"
+    assert extra["hicache_admin_port"] == 4321 and lp.admin_url == "http://127.0.0.1:4321"
+    assert Path(extra["hicache_storage_backend_extra_config"]["path"]).is_dir()
+
+
+def test_equal_budget_reaches_every_kind(tmp_path):
+    cfg = parse_config({**MINIMAL, "memory_budget_gb": 3, "systems": [
+        {"name": "o", "kind": "vllm_offload"}, {"name": "l", "kind": "lmcache"}]})
+    off = plan(cfg, cfg.systems[0], port=1, admin_port=2, workdir=tmp_path)
+    assert off.cmd[off.cmd.index("--kv-offloading-size") + 1] == "3"
+    assert off.cmd[off.cmd.index("--kv-offloading-backend") + 1] == "native"
+
+
+def test_missing_interpreter_and_package_give_reasons(tmp_path):
+    assert "not found" in probe(str(tmp_path / "nope" / "python"), "vllm", False)
+    assert probe(sys.executable, "no_such_module_xyz", False) == (
+        f"no_such_module_xyz is not installed for {sys.executable}")
+    assert probe(sys.executable, "json", False) is None
+    cfg = parse_config({**MINIMAL, "systems": [
+        {"name": "s", "kind": "sglang", "python": str(tmp_path / "venv/bin/python")},
+        {"name": "l", "kind": "lmcache"}]})
+    sg = plan(cfg, cfg.systems[0], port=1, admin_port=2, workdir=tmp_path)
+    assert sg.not_run and "not found" in sg.not_run
+    lm = plan(cfg, cfg.systems[1], port=1, admin_port=2, workdir=tmp_path)
+    assert lm.not_run and "lmcache is not installed" in lm.not_run
+
+
+def test_failure_reason_picks_the_root_cause(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "INFO starting\n"
+        "(EngineCore) ERROR RuntimeError: Worker failed with error 'CPU Offloading is currently "
+        "only supported on CUDA-alike and XPU GPUs', please check the stack trace above\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert failure_reason(log, "x") == (
+        "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs")
+    (tmp_path / "quiet.log").write_text("nothing here\n")
+    assert failure_reason(tmp_path / "quiet.log", "exited (code 1)") == "exited (code 1)"
+
+
+def test_table_lists_every_system_with_a_number_or_a_reason():
+    cfg = parse_config(MINIMAL)
+    summary = {"ttft_ms": {"p50": 10.0, "p90": 20.0, "p99": 30.0}, "itl_ms": {"p50": 1.0},
+               "request_throughput": 2.0, "output_throughput": 50.0, "cached_share": 0.5,
+               "prompt_tokens": 1000}
+    rows = [{"system": "base", "status": "ok", "summary": summary, "returning_ttft_ms_p50": 8.0},
+            {"system": "fast", "status": "ok", "summary": summary, "returning_ttft_ms_p50": 2.0},
+            {"system": "peer", "status": "not run", "reason": "needs a CUDA GPU"}]
+    add_ratios(rows)
+    assert [r["returning_ttft_ratio"] for r in rows] == [1.0, 0.25, None]
+    md = markdown_table(cfg, rows)
+    assert "| peer | not run: needs a CUDA GPU |" in md
+    assert "0.25x" in md and md.count("\n") == 5
