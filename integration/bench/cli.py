@@ -46,6 +46,8 @@ def run_cmd(
     question_tokens: Annotated[int, typer.Option(help="New user tokens per turn.")] = 64,
     answer_tokens: Annotated[int, typer.Option(help="Generated tokens per request.")] = 32,
     think_time: Annotated[float, typer.Option(help="Seconds between a client's turns.")] = 0.0,
+    max_in_flight: Annotated[int, typer.Option(
+        help="Requests outstanding at once across clients (0: one per client).")] = 0,
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same prompts).")] = 0,
     config: Annotated[Path | None, typer.Option(
         "--config", exists=True, dir_okay=False,
@@ -70,6 +72,7 @@ def run_cmd(
         scenario=scenario, clients=clients, turns=turns, history_tokens=history_tokens,
         shared_prefix_tokens=shared_prefix_tokens, num_docs=num_docs,
         question_tokens=question_tokens, answer_tokens=answer_tokens, think_time_s=think_time,
+        max_in_flight=max_in_flight,
         seed=seed)
     if config is not None:
         import yaml
@@ -128,6 +131,19 @@ def compare_cmd(
     bad = [r for r in report["rows"] if r["status"] == "errors"]
     if bad:
         raise typer.Exit(1)
+
+
+@bench_app.command(
+    "peers", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False)
+def peers_cmd(ctx: typer.Context) -> None:
+    """Our tiers vs SGLang's RadixCache / HiCacheFile and LMCache's engine (peer venvs).
+
+    Options are those of ``python -m hicache.integration.peers`` (--help lists them).
+    """
+    from hicache.integration.peers.__main__ import main as peers_main
+
+    raise typer.Exit(peers_main(list(ctx.args)))
 
 
 def simulate_cmd(

@@ -151,6 +151,7 @@ def run_compare(cfg: CompareConfig, *, out: Path | None = None,
     from rich.console import Console
 
     console = Console()
+    console.width = max(console.width, 180)  # the table has 11 columns
     out = Path(out or cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -282,6 +282,7 @@ class SimEngine:
                 prefetch={"prefetch_threshold": config.prefetch_threshold},
             )
         self._tokens = TokenSource()
+        self._prepared: dict[int, tuple[_SimRequest, list[PageKey]]] = {}
 
     def run(self, records: Sequence[TraceRecord]) -> SimResult:
         result = SimResult(self.config)
@@ -292,6 +293,11 @@ class SimEngine:
         waiting: deque[tuple[TraceRecord, float]] = deque()
         while events:
             now, kind, _, obj = heapq.heappop(events)
+            if waiting and self.sched is not None:
+                # Engine steps ran since the last event: the queue's head was looked up.
+                req, keys = self._prepare(waiting[0][0])
+                local = self.l1.match(keys[: (req.num_tokens - 1) // self.config.block_size])
+                self.sched.get_num_new_matched_tokens(req, local * self.config.block_size)  # type: ignore[arg-type]
             if kind == 0:
                 self._finish(obj)
             else:
@@ -319,38 +325,56 @@ class SimEngine:
     def _any_running(self) -> bool:
         return self._running_count > 0
 
+    def _prepare(self, rec: TraceRecord) -> tuple[_SimRequest, list[PageKey]]:
+        """The request of ``rec`` and its L1 block keys (built once: tokens may be synthetic)."""
+        got = self._prepared.get(id(rec))
+        if got is None:
+            tokens = self._tokens.prompt(rec)
+            if not tokens:
+                raise ValueError(f"request {rec.id!r} has an empty prompt")
+            req = _SimRequest(f"{len(self._prepared)}:{rec.id}", tokens, 0, rec.cache_salt)
+            keys = page_keys(self._l1_seed + (rec.cache_salt or "").encode(), tokens,
+                             self.config.block_size)
+            got = self._prepared[id(rec)] = (req, keys)
+        return got
+
     def _admit(self, rec: TraceRecord, queued_s: float) -> _Running | None:
+        """vLLM's order: local hit, connector lookup, then block allocation (which may fail).
+
+        A request that cannot get blocks stays at the head of the queue and is
+        looked up again at every step, as vLLM does: its L2 path stays recent.
+        """
         cfg = self.config
-        tokens = self._tokens.prompt(rec)
-        if not tokens:
-            raise ValueError(f"request {rec.id!r} has an empty prompt")
-        block_keys = page_keys(self._l1_seed + (rec.cache_salt or "").encode(), tokens,
-                               cfg.block_size)
+        req, block_keys = self._prepare(rec)
+        tokens = req.all_token_ids
         hit_blocks = self.l1.match(block_keys[: (len(tokens) - 1) // cfg.block_size])
+        local = hit_blocks * cfg.block_size
+        lookup = None
+        if self.sched is not None:
+            lookup = self.sched.get_num_new_matched_tokens(req, local)  # type: ignore[arg-type]
         total_blocks = -(-len(tokens) // cfg.block_size)
         blocks = self.l1.allocate(block_keys[:hit_blocks], total_blocks - hit_blocks)
         if blocks is None:
             return None
+        del self._prepared[id(rec)]
         self._running_count += 1
-        req = _SimRequest(rec.id, tokens, 0, rec.cache_salt)
-        local = hit_blocks * cfg.block_size
         outcome = RequestOutcome(rec.id, rec.arrival, len(tokens), 0, 0, 0, queued_s)
-        if self.sched is None:
+        if lookup is None:
             outcome.l1_pages = local // cfg.page_size
             req.num_computed_tokens = local
         else:
             outcome.l1_pages, outcome.l2_pages, outcome.l3_pages = self._connector_admit(
-                req, local)
+                req, local, *lookup)
         # The prompt's full blocks are cached as soon as they are scheduled.
         self.l1.cache(blocks, block_keys)
         return _Running(req, rec, blocks, outcome)
 
-    def _connector_admit(self, req: _SimRequest, local: int) -> tuple[int, int, int]:
+    def _connector_admit(self, req: _SimRequest, local: int, external: int,
+                         is_async: bool) -> tuple[int, int, int]:
         sched = self.sched
         assert sched is not None
         st = sched.stats
         before = (st.l1_hit_pages, st.l2_hit_pages, st.l3_hit_pages)
-        external, is_async = sched.get_num_new_matched_tokens(req, local)  # type: ignore[arg-type]
         sched.update_state_after_alloc(req, [], external)  # type: ignore[arg-type]
         if is_async:
             # The worker fetches every L3 page (a simulated store never fails).

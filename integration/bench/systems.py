@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field, fields
@@ -273,8 +274,10 @@ def plan(cfg: CompareConfig, spec: SystemSpec, *, port: int, admin_port: int,
             "hicache_write_policy": spec.write_policy, "hicache_admin_port": admin_port,
         }
         if spec.l3 is not None:
+            # A fresh store per run: pages of an earlier run would be hits.
             l3_dir = workdir / f"l3-{spec.name}"
-            l3_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(l3_dir, ignore_errors=True)
+            l3_dir.mkdir(parents=True)
             extra["hicache_storage_backend"] = spec.l3
             extra["hicache_storage_backend_extra_config"] = {"path": str(l3_dir)}
         extra.update(spec.extra_config)

@@ -1,0 +1,224 @@
+"""``hicache bench run``'s client against a real ``vllm serve`` with HiCacheConnector.
+
+One server (80 L1 blocks of 32 tokens, L2 = 160 pages) serves four runs:
+
+* A: 3 clients x 3 turns of a multiturn chat (600-token histories, 64-token
+  system prompt, 16-token answers), with progress bar and trace;
+* B: the same shape with another seed: its ~70 blocks push A out of L1;
+* A again (seed of A): A's pages now come back from L2;
+* failures: prompts longer than the model and a request timeout.
+
+Peak concurrent KV of a run is 3 x 25 blocks <= 80, so vLLM never preempts
+(asserted): a preempted request is counted again by the connector's tier
+counters on re-admission, but vLLM reports ``cached_tokens`` from its first
+admission only, so the tier/usage identity below holds only without preemption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from hicache.integration.bench.client import BenchError, BenchResult, run_bench, run_bench_sync
+from hicache.integration.bench.report import write_plots
+from hicache.integration.bench.trace import read_trace
+from hicache.integration.bench.workloads import WorkloadSpec
+
+pytestmark = pytest.mark.engine
+
+PAGE = 32
+SERVE_ARGS = ("--block-size 32 --num-gpu-blocks-override 80 --dtype float32 --enforce-eager "
+              "--enable-prompt-tokens-details")
+SPEC_A = WorkloadSpec(clients=3, turns=3, history_tokens=600, shared_prefix_tokens=64,
+                      question_tokens=64, answer_tokens=16, seed=11)
+SPEC_B = WorkloadSpec.from_dict({**SPEC_A.to_dict(), "seed": 12})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    port, admin_port = free_port(), free_port()
+    log = tmp_path_factory.mktemp("bench-serve") / "serve.log"
+    env = dict(os.environ, MODEL=tiny_model, MAX_MODEL_LEN="2048", PORT=str(port),
+               SERVE_ARGS=SERVE_ARGS, VLLM_CPU_KVCACHE_SPACE="1",
+               EXTRA_CONFIG=json.dumps({"hicache_admin_port": admin_port}))
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.integration.serve"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"server not ready in 240 s:\n{log.read_text()[-3000:]}")
+        yield base, f"http://127.0.0.1:{admin_port}"
+    finally:
+        stop(proc)
+
+
+def preemptions(base: str) -> float:
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_preemptions_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:num_preemptions_total missing from /metrics")
+
+
+@pytest.fixture(scope="module")
+def runs(server, tmp_path_factory):
+    base, admin = server
+    out = tmp_path_factory.mktemp("bench")
+    results: dict[str, BenchResult] = {}
+    preempted: dict[str, float] = {}
+    for name, spec, kw in (("A", SPEC_A, {"trace_path": out / "trace.jsonl", "progress": True}),
+                           ("B", SPEC_B, {}), ("A again", SPEC_A, {})):
+        before = preemptions(base)
+        results[name] = run_bench_sync(base, spec, admin_url=admin, **{"progress": False, **kw})
+        preempted[name] = preemptions(base) - before
+    return results, preempted, out
+
+
+def test_every_request_completes_with_exact_lengths(runs, tiny_model):
+    results, _, _ = runs
+    for res in results.values():
+        assert res.model == tiny_model  # from GET /v1/models
+        assert res.summary["n_errors"] == 0 and len(res.requests) == 9
+        for r in res.requests:
+            assert r.error is None
+            assert r.ttft is not None and r.ttft > 0 and r.finish > r.first_token > r.arrival
+            assert r.output_tokens == 16 and len(r.answer_ids) == 16
+            assert len(r.itl) == 15 and all(gap >= 0 for gap in r.itl)
+            assert r.prompt_tokens == len(r.prompt_ids)
+
+
+def by_id(res: BenchResult) -> dict:
+    return {r.id: r for r in res.requests}
+
+
+def test_multiturn_prompts_carry_the_history(runs):
+    results, _, _ = runs
+    for res in results.values():
+        reqs = by_id(res)
+        for c in range(3):
+            for t in (1, 2):
+                prev, cur = reqs[f"c{c}-t{t - 1}"], reqs[f"c{c}-t{t}"]
+                history = prev.prompt_ids + prev.answer_ids
+                assert cur.prompt_ids[: len(history)] == history
+                assert len(cur.prompt_ids) == len(history) + 64
+    # Same seed, same model, greedy: the replay sends exactly the same prompts.
+    a, again = by_id(results["A"]), by_id(results["A again"])
+    assert {k: r.prompt_ids for k, r in a.items()} == {k: r.prompt_ids for k, r in again.items()}
+
+
+def test_returning_turns_report_their_cached_history(runs):
+    results, _, _ = runs
+    reqs = by_id(results["A"])
+    for c in range(3):
+        # Turn 0: cold, except the 64-token system prompt (2 pages) when another
+        # client's prefill of it finished in an earlier engine step.
+        assert reqs[f"c{c}-t0"].cached_tokens in (0, 64)
+        for t in (1, 2):
+            prev = reqs[f"c{c}-t{t - 1}"]
+            # The whole history is in L1 except the last answer token, whose KV
+            # is never computed: full pages of prompt + 15 answer tokens.
+            expect = (prev.prompt_tokens + 15) // PAGE * PAGE
+            assert reqs[f"c{c}-t{t}"].cached_tokens == expect
+    # After B pushed A out of L1, A's prompts are served again in full (from L2
+    # where L1 lost them): every full page but the one holding the last token.
+    for r in results["A again"].requests:
+        assert r.cached_tokens == (r.prompt_tokens - 1) // PAGE * PAGE
+    assert results["A again"].summary["cached_share"] > results["A"].summary["cached_share"]
+
+
+def test_admin_tier_deltas_add_up_to_cached_tokens(runs):
+    results, preempted, _ = runs
+    assert preempted == {"A": 0, "B": 0, "A again": 0}, "workload too big for L1: preemptions"
+    for name, res in results.items():
+        tiers = res.tiers
+        assert tiers["page_size"] == PAGE and set(tiers) == {"page_size", "prompt_tokens",
+                                                             "l1", "l2"}
+        assert tiers["prompt_tokens"] == res.summary["prompt_tokens"]
+        # Each admitted request counts each prompt page once, in the first tier
+        # that held it, and vLLM's cached_tokens = local hit + connector tokens,
+        # both whole pages here (page = block = 32 tokens): the sums are equal.
+        tier_tokens = sum(tiers[t]["hits"] * PAGE for t in ("l1", "l2"))
+        assert tier_tokens == res.summary["cached_tokens"], name
+        for t in ("l1", "l2"):
+            assert tiers[t]["hit_tokens"] == tiers[t]["hits"] * PAGE
+    assert results["A"].tiers["l2"]["hits"] == 0 and results["A"].tiers["l1"]["hits"] > 0
+    again = results["A again"].tiers["l2"]
+    assert again["hits"] > 0 and again["hit_rate"] > 0.1
+    # Turn 0 of the replay had nothing in L1 (B evicted it): at least its
+    # 3 x 18 full pages came from L2.
+    assert again["hits"] >= 3 * ((600 - 1) // PAGE)
+
+
+def test_trace_json_and_plots(runs):
+    results, _, out = runs
+    trace = read_trace(out / "trace.jsonl")
+    reqs = by_id(results["A"])
+    assert sorted(t.id for t in trace) == sorted(reqs)
+    for t in trace:
+        r = reqs[t.id]
+        assert list(t.prompt) == r.prompt_ids and t.prompt_tokens == len(r.prompt_ids)
+        assert t.output == tuple(r.answer_ids)
+        assert t.output_tokens == 16 and t.finish == pytest.approx(r.finish, abs=1e-5)
+        assert t.arrival == pytest.approx(r.arrival, abs=1e-5)
+    path = results["A"].to_json(out / "A.json")
+    back = BenchResult.from_json(path)
+    assert back.to_dict() == results["A"].to_dict() and back.spec == SPEC_A
+    pngs = write_plots({"A": results["A"], "A again": json.loads(
+        json.dumps(results["A again"].to_dict()))}, out / "plots")
+    assert len(pngs) == 3 and all(p.stat().st_size > 5000 for p in pngs)
+
+
+def test_failed_requests_are_recorded_and_end_only_their_conversation(server, tiny_model):
+    base, _ = server
+    too_long = WorkloadSpec(clients=2, turns=2, history_tokens=2100, answer_tokens=4)
+    res = run_bench_sync(base, too_long, model=tiny_model, progress=False)
+    assert [r.id for r in sorted(res.requests, key=lambda r: r.client)] == ["c0-t0", "c1-t0"]
+    assert all(r.error and r.error.startswith("HTTP 400") for r in res.requests)
+    assert res.summary["n_errors"] == 2 and res.summary["ttft_ms"]["p50"] is None
+
+    spec = WorkloadSpec(clients=1, turns=2, history_tokens=1500, answer_tokens=200, seed=99)
+    timed_out = asyncio.run(run_bench(base, spec, progress=False, request_timeout=0.05))
+    (r,) = timed_out.requests
+    assert r.error == "timeout: no complete answer within 0.05 s"
+    assert timed_out.summary["n_errors"] == 1
+
+
+def test_bad_admin_url_is_a_clear_error(server):
+    base, admin = server
+    with pytest.raises(BenchError, match="/stats answered 404"):
+        run_bench_sync(base, WorkloadSpec(clients=1, turns=1, history_tokens=40),
+                       admin_url=admin + "/nope", progress=False)
