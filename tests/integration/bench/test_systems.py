@@ -116,3 +116,23 @@ def test_table_lists_every_system_with_a_number_or_a_reason():
     md = markdown_table(cfg, rows)
     assert "| peer | not run: needs a CUDA GPU |" in md
     assert "0.25x" in md and md.count("\n") == 5
+
+
+def test_cli_refuses_bad_input_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from hicache.integration.admin_cli import app
+
+    run = CliRunner().invoke
+    res = run(app, ["bench", "compare", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 2 and "not a preset (allowed: cpu, gpu)" in res.output
+    res = run(app, ["bench", "compare", "cpu", "--only", "vllm,tgi"])
+    assert res.exit_code == 2 and "--only: unknown system 'tgi'; allowed: vllm, hicache-wt" in res.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: m\nworkload: {}\nsystems: [{name: a, kind: tgi}]\n")
+    res = run(app, ["bench", "compare", str(bad)])
+    assert res.exit_code == 2 and "'kind' must be one of" in res.output
+    res = run(app, ["bench", "run", "--scenario", "chat", "--url", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "'scenario' must be one of multiturn" in res.output
+    res = run(app, ["bench", "run", "--max-in-flight", "-1", "--url", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "'max_in_flight' must be an integer >= 0" in res.output
