@@ -219,10 +219,9 @@ def probe(python: str, module: str, needs_gpu: bool) -> str | None:
     if not Path(python).exists():
         return f"interpreter {python} not found"
     code = ("import importlib.util, sys\n"
-            f"sys.exit(0 if importlib.util.find_spec({module!r}) else 3)\n")
+            f"importlib.util.find_spec({module!r}) or sys.exit(3)\n")
     if needs_gpu:
-        code += ("import torch\n"
-                 "sys.exit(0 if torch.cuda.is_available() else 4)\n")
+        code += "import torch\ntorch.cuda.is_available() or sys.exit(4)\n"
     try:
         done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -245,7 +244,12 @@ def plan(cfg: CompareConfig, spec: SystemSpec, *, port: int, admin_port: int,
     lp.env = {**cfg.env, **spec.env}
     model = resolve_model(cfg.model)
     if spec.kind == "sglang":
+        # SGLang's HiCache moves KV between device and host with sgl_kernel's
+        # CUDA transfer kernels: there is no CPU path to try.
         lp.not_run = probe(python, "sglang", needs_gpu=True)
+        if lp.not_run and lp.not_run.startswith("needs a CUDA GPU"):
+            lp.not_run = ("SGLang HiCache needs a CUDA GPU (its host<->device transfers are "
+                          "sgl_kernel CUDA kernels); this machine has none")
         lp.cmd = [python, "-m", "sglang.launch_server", "--model-path", model,
                   "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(cfg.seed),
                   "--page-size", str(cfg.page_size), "--enable-hierarchical-cache",

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from hicache.integration.bench.compare import run_compare
 from hicache.integration.bench.sim_engine import SimConfig, SimEngine
-from hicache.integration.bench.systems import load_config, preset_path
+from hicache.integration.bench.systems import load_config, plan, preset_path
 from hicache.integration.bench.trace import read_trace
 
 pytestmark = pytest.mark.engine
@@ -38,7 +39,8 @@ def compare(tmp_path_factory, tiny_model):
             if s.kind == "sglang":  # an interpreter that is certainly absent
                 s = replace(s, python=str(tmp_path_factory.mktemp("nosglang") / "bin/python"))
             systems.append(s)
-    cfg = replace(cfg, systems=tuple(systems), model=tiny_model,
+    # A budget for ~60% of the eight histories, so L1, L2 and L3 all serve pages.
+    cfg = replace(cfg, systems=tuple(systems), model=tiny_model, memory_budget_gb=0.012,
                   workload={**cfg.workload, "turns": 3})
     out = tmp_path_factory.mktemp("compare")
     report = run_compare(cfg, out=out, progress=False)
@@ -55,6 +57,10 @@ def test_every_system_has_a_number_or_a_reason(compare):
     assert "CUDA" in rows["vllm-native-offload"]["reason"]  # vLLM's own message, from its log
     assert rows["sglang-hicache"]["status"] == "not run"
     assert "not found" in rows["sglang-hicache"]["reason"]
+    if Path(".venv-peers/sglang/bin/python").exists():  # the peer venv built by setup_venvs.sh
+        real = [s for s in load_config(preset_path("cpu")).systems if s.kind == "sglang"][0]
+        lp = plan(cfg, real, port=1, admin_port=2, workdir=out)
+        assert lp.not_run and "needs a CUDA GPU" in lp.not_run
     md = (out / "compare.md").read_text()
     for name in KEEP:
         assert f"| {name}" in md

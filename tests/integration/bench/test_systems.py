@@ -81,6 +81,10 @@ def test_missing_interpreter_and_package_give_reasons(tmp_path):
     assert probe(sys.executable, "no_such_module_xyz", False) == (
         f"no_such_module_xyz is not installed for {sys.executable}")
     assert probe(sys.executable, "json", False) is None
+    import torch
+
+    if not torch.cuda.is_available():
+        assert probe(sys.executable, "json", True) == "needs a CUDA GPU; this machine has none"
     cfg = parse_config({**MINIMAL, "systems": [
         {"name": "s", "kind": "sglang", "python": str(tmp_path / "venv/bin/python")},
         {"name": "l", "kind": "lmcache"}]})
@@ -127,7 +131,7 @@ def test_cli_refuses_bad_input_before_starting_anything(tmp_path):
     res = run(app, ["bench", "compare", str(tmp_path / "missing.yaml")])
     assert res.exit_code == 2 and "not a preset (allowed: cpu, gpu)" in res.output
     res = run(app, ["bench", "compare", "cpu", "--only", "vllm,tgi"])
-    assert res.exit_code == 2 and "--only: unknown system 'tgi'; allowed: vllm, hicache-wt" in res.output
+    assert res.exit_code == 2 and "--only: unknown system 'tgi'; allowed: vllm, hicache-floor, hicache-wt," in res.output
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: m\nworkload: {}\nsystems: [{name: a, kind: tgi}]\n")
     res = run(app, ["bench", "compare", str(bad)])
