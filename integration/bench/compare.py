@@ -69,7 +69,8 @@ def failure_reason(log: Path, fallback: str) -> str:
     return fallback if pick is None else pick.group(0)[:300]
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group; SIGKILL after 60 s."""
     if proc.poll() is not None:
         return
     try:
@@ -82,7 +83,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> str | None:
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> str | None:
     """None once ``/health`` answers 200; otherwise why not."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -122,9 +123,9 @@ def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
         proc = subprocess.Popen(lp.cmd, stdout=f, stderr=subprocess.STDOUT, env=server_env(lp),
                                 start_new_session=True)
     try:
-        why = _wait_ready(proc, lp.base_url, cfg.ready_timeout_s)
+        why = wait_ready(proc, lp.base_url, cfg.ready_timeout_s)
         if why is not None:
-            _stop(proc)
+            stop_server(proc)
             return {**row, "status": "not run", "reason": failure_reason(log, why)}
         row["start_s"] = round(time.monotonic() - t0, 1)
         spec_w = WorkloadSpec.from_dict({"seed": cfg.seed, **cfg.workload})
@@ -143,7 +144,7 @@ def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
             row["reason"] = f"{errors} failed requests, first: {first}"
         return row
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def run_compare(cfg: CompareConfig, *, out: Path | None = None,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hicache.integration.bench.compare import free_port, stop_server, wait_ready
+
 pytestmark = pytest.mark.engine
 
 SMALL_ENGINE = "--block-size 32 --num-gpu-blocks-override 80 --dtype float32 --enforce-eager"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tiny_model: str, log: Path, **env: str) -> subprocess.Popen:
@@ -33,16 +27,6 @@ def launch(tiny_model: str, log: Path, **env: str) -> subprocess.Popen:
         [sys.executable, "-m", "hicache.integration.serve"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
     )
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 ADMIN_PORT = free_port()
@@ -56,21 +40,13 @@ def server(tiny_model, tmp_path_factory):
     proc = launch(tiny_model, log, PORT=str(port), VLLM_SERVER_DEV_MODE="1",
                   EXTRA_CONFIG=json.dumps({"hicache_admin_port": ADMIN_PORT}))
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
     try:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"server not ready in 240 s:\n{log.read_text()[-3000:]}")
+        why = wait_ready(proc, base, 240)
+        if why is not None:
+            pytest.fail(f"{why}:\n{log.read_text()[-3000:]}")
         yield base, log
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def test_prints_the_exact_vllm_serve_command(server):
@@ -103,7 +79,7 @@ def test_bad_config_stops_the_server_with_a_message_naming_the_key(tiny_model, t
     try:
         code = proc.wait(240)
     finally:
-        stop(proc)
+        stop_server(proc)
     text = log.read_text()
     assert code != 0
     assert "unknown kv_connector_extra_config key(s) ['hicache_ratoi']" in text

@@ -19,16 +19,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from hicache.integration.bench.client import BenchError, BenchResult, run_bench, run_bench_sync
+from hicache.integration.bench.compare import free_port, stop_server, wait_ready
 from hicache.integration.bench.report import write_plots
 from hicache.integration.bench.trace import read_trace
 from hicache.integration.bench.workloads import WorkloadSpec
@@ -43,22 +41,6 @@ SPEC_A = WorkloadSpec(clients=3, turns=3, history_tokens=600, shared_prefix_toke
 SPEC_B = WorkloadSpec.from_dict({**SPEC_A.to_dict(), "seed": 12})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     port, admin_port = free_port(), free_port()
@@ -70,21 +52,13 @@ def server(tiny_model, tmp_path_factory):
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
     try:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"server not ready in 240 s:\n{log.read_text()[-3000:]}")
+        why = wait_ready(proc, base, 240)
+        if why is not None:
+            pytest.fail(f"{why}:\n{log.read_text()[-3000:]}")
         yield base, f"http://127.0.0.1:{admin_port}"
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def preemptions(base: str) -> float:
