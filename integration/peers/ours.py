@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hicache.integration.peers.scripts.peer_common import Metric, file_case, metric
+from hicache.integration.peers.scripts.peer_common import timed as _timed
 from hicache.integration.peers.workload import load_workload
 from hicache.kernels import io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
@@ -55,20 +56,7 @@ from hicache.tiers.slot_allocator import SlotAllocator
 from hicache.tiers.storage.base import StorageConfig
 from hicache.tiers.storage.file_backend import FileBackend
 
-Metric = dict[str, Any]
 PARTS = ("radix", "file", "kv")
-
-
-def metric(seconds: list[float], amount: float, unit: str, check: float | None = None,
-           verified: bool | None = None) -> Metric:
-    return {"seconds": seconds, "amount": amount, "unit": unit, "check": check,
-            "verified": verified}
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t, out
 
 
 # ---------------------------------------------------------------------- (a) radix
@@ -174,32 +162,7 @@ def measure_file(doc: dict[str, Any], arrays: dict[str, np.ndarray],
 
 def _file_case(case: dict[str, Any], arrays: dict[str, np.ndarray], repeats: int,
                directory: Path) -> dict[str, Metric]:
-    page_bytes, n, keys = case["page_bytes"], case["pages"], case["keys"]
-    data = torch.from_numpy(np.array(arrays["file_pages"][: n * page_bytes])).view(n, -1)
-    values = list(data)
-    targets = torch.zeros_like(data)
-    target_list = list(targets)
-    times: dict[str, list[float]] = {"set": [], "exists": [], "get": []}
-    verified = True
-    for _ in range(repeats):
-        backend = _file_backend(directory, page_bytes)
-        os.sync()  # start each timed write with no earlier writeback pending (peer: same)
-        s, ok = _timed(lambda b=backend: b.batch_set(keys, values))
-        assert all(ok), "our file backend failed a set"
-        times["set"].append(s)
-        s, ok = _timed(lambda b=backend: [b.exists(k) for k in keys])
-        assert all(ok), "our file backend lost a page"
-        times["exists"].append(s)
-        targets.zero_()
-        s, ok = _timed(lambda b=backend: b.batch_get(keys, target_list))
-        verified = verified and all(ok) and torch.equal(targets, data)
-        times["get"].append(s)
-        backend.close()
-    shutil.rmtree(directory, ignore_errors=True)
-    tag = f"file/{page_bytes // 1024}k"
-    return {f"{tag}/set": metric(times["set"], n * page_bytes, "B", n),
-            f"{tag}/exists": metric(times["exists"], n, "op", n),
-            f"{tag}/get": metric(times["get"], n * page_bytes, "B", n, verified)}
+    return file_case(case, arrays, repeats, directory, _file_backend, set_ok=all, get_ok=all)
 
 
 # ---------------------------------------------------------------------- (c) KV paths

@@ -20,15 +20,13 @@ timed writes start after an untimed ``os.sync()``, as on our side.
 
 from __future__ import annotations
 
-import os
-import shutil
 from array import array
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from peer_common import Metric, main, metric, timed
+from peer_common import Metric, file_case, main, metric, timed
 
 
 class _NullAllocator:
@@ -118,40 +116,21 @@ def file(doc: dict[str, Any], arrays: dict[str, np.ndarray], workdir: Path) -> d
     return out
 
 
-def _file_case(case: dict[str, Any], arrays: dict[str, np.ndarray], repeats: int,
-               directory: Path) -> dict[str, Metric]:
+def _open_file_store(directory: Path, page_bytes: int) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
-    page_bytes, n, keys = case["page_bytes"], case["pages"], case["keys"]
-    data = torch.from_numpy(np.array(arrays["file_pages"][: n * page_bytes])).view(n, -1)
-    values = list(data)
-    targets = torch.zeros_like(data)
-    target_list = list(targets)
-    times: dict[str, list[float]] = {"set": [], "exists": [], "get": []}
-    verified = True
-    for _ in range(repeats):
-        shutil.rmtree(directory, ignore_errors=True)
-        cfg = HiCacheStorageConfig(
-            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-            model_name="peer/bench", extra_config={"file_storage_path": str(directory)})
-        store = HiCacheFile(cfg)
-        os.sync()  # no earlier writeback pending when the clock starts (ours: same)
-        s, ok = timed(lambda st=store: st.batch_set(keys, values))
-        assert ok, "HiCacheFile.batch_set failed"
-        times["set"].append(s)
-        s, ok = timed(lambda st=store: [st.exists(k) for k in keys])
-        assert all(ok), "HiCacheFile lost a page"
-        times["exists"].append(s)
-        targets.zero_()
-        s, got = timed(lambda st=store: st.batch_get(keys, target_list))
-        verified = verified and all(g is not None for g in got) and torch.equal(targets, data)
-        times["get"].append(s)
-    shutil.rmtree(directory, ignore_errors=True)
-    tag = f"file/{page_bytes // 1024}k"
-    return {f"{tag}/set": metric(times["set"], n * page_bytes, "B", n),
-            f"{tag}/exists": metric(times["exists"], n, "op", n),
-            f"{tag}/get": metric(times["get"], n * page_bytes, "B", n, verified)}
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="peer/bench", extra_config={"file_storage_path": str(directory)})
+    return HiCacheFile(cfg)
+
+
+def _file_case(case: dict[str, Any], arrays: dict[str, np.ndarray], repeats: int,
+               directory: Path) -> dict[str, Metric]:
+    # HiCacheFile.batch_set answers one bool; batch_get a list with None per miss.
+    return file_case(case, arrays, repeats, directory, _open_file_store,
+                     set_ok=bool, get_ok=lambda got: all(g is not None for g in got))
 
 
 def versions() -> dict[str, str]:
