@@ -283,6 +283,7 @@ class SimEngine:
             )
         self._tokens = TokenSource()
         self._prepared: dict[int, tuple[_SimRequest, list[PageKey]]] = {}
+        self._running_count = 0
 
     def run(self, records: Sequence[TraceRecord]) -> SimResult:
         result = SimResult(self.config)
@@ -306,7 +307,7 @@ class SimEngine:
                 rec, since = waiting[0]
                 running = self._admit(rec, now - since)
                 if running is None:
-                    if not self._any_running:
+                    if self._running_count == 0:
                         raise ValueError(f"request {rec.id!r} needs more L1 blocks than "
                                          f"l1_blocks={self.config.l1_blocks} hold")
                     break
@@ -318,12 +319,6 @@ class SimEngine:
             result.l2_evicted_pages = self.sched.stats.evicted_pages
         result.l3_evicted_pages = self.l3.evictions if self.l3 is not None else 0
         return result
-
-    _running_count = 0
-
-    @property
-    def _any_running(self) -> bool:
-        return self._running_count > 0
 
     def _prepare(self, rec: TraceRecord) -> tuple[_SimRequest, list[PageKey]]:
         """The request of ``rec`` and its L1 block keys (built once: tokens may be synthetic)."""
