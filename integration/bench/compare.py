@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -41,13 +40,7 @@ from hicache.integration.bench.systems import (
     plan,
     server_env,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from hicache.integration.mooncake_service import free_port
 
 _ERROR_LINE = re.compile(r"(\w+(Error|Exception)): (.+)")
 

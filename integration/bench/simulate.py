@@ -19,13 +19,13 @@ does not predict a loaded server's tail latency.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.integration.bench.report import percentiles
 from hicache.integration.bench.sim_engine import SimConfig, SimEngine, SimResult
 from hicache.integration.bench.trace import TraceRecord
 
@@ -166,21 +166,12 @@ def parse_sizes(text: str, key: str, *, allow_none: bool = False) -> tuple[int |
     return tuple(out)
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return math.nan
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def summarize(result: SimResult, cost: CostModel) -> dict[str, Any]:
     cfg = result.config
     ttfts = [cost.ttft_s(o.prompt_tokens, o.cached_pages * cfg.page_size, o.l2_pages,
                          o.l3_pages) for o in result.outcomes]
     rates = result.hit_rates()
+    pct = percentiles(ttfts, (50, 90), scale=1e3)
     row: dict[str, Any] = {
         "l1_blocks": cfg.l1_blocks, "l2_pages": cfg.l2_pages,
         "l3_pages": "none" if cfg.l3_pages is None else ("inf" if cfg.l3_pages < 0
@@ -188,8 +179,8 @@ def summarize(result: SimResult, cost: CostModel) -> dict[str, Any]:
         "write_policy": cfg.write_policy if cfg.l2_pages else "-",
         **{f"hit_{k}": round(v, 4) for k, v in rates.items()},
         "est_ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 3) if ttfts else None,
-        "est_ttft_ms_p50": round(1e3 * _percentile(ttfts, 0.5), 3) if ttfts else None,
-        "est_ttft_ms_p90": round(1e3 * _percentile(ttfts, 0.9), 3) if ttfts else None,
+        "est_ttft_ms_p50": pct["p50"],
+        "est_ttft_ms_p90": pct["p90"],
         "l2_evicted_pages": result.l2_evicted_pages,
         "l3_evicted_pages": result.l3_evicted_pages,
         "requests": len(result.outcomes),

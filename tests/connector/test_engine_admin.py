@@ -9,7 +9,6 @@ cache is off, so every hit vLLM reports came from HiCache.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 
 from hicache.integration.admin_cli import app as cli
 from hicache.integration.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.mooncake_service import free_port
 from hicache.integration.workload import run_turns
 
 pytestmark = pytest.mark.engine
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.engine
 TOKEN = "s3cret-admin-token"
 CONVS = 4
 SHARED_PAGES = WORKLOAD.shared_prefix_tokens // BLOCK_SIZE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
