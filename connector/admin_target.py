@@ -30,7 +30,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from hicache.integration.admin_app import AdminError
-from hicache.tiers.page_keys import page_keys
 from hicache.tiers.storage.base import StorageBackend, StorageConfigError
 
 if TYPE_CHECKING:
@@ -226,7 +225,7 @@ class SchedulerAdmin:
         with s.lock:
             node = s.tree.root
             if prefix:
-                keys = page_keys(s.namespace.seed(), prefix, s.page_size)
+                keys = s.prefix_keys(prefix)
                 match = s.tree.match_prefix(keys)
                 if match.num_pages < len(keys):
                     raise AdminError(404, f"the first {len(keys)} pages of prefix are not in L2 "

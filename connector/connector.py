@@ -31,7 +31,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hicache.connector.admin_target import SchedulerAdmin
 from hicache.connector.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
+from hicache.connector.rank_shards import RankShards
 from hicache.connector.scheduler import HiCacheScheduler
+from hicache.connector.vllm_keys import (
+    VllmPrefixHasher,
+    check_stable_hashes,
+    hash_block_size,
+    key_namespace,
+)
 from hicache.connector.vllm_metrics import (
     EXPORTED,
     HiCacheKVStats,
@@ -40,7 +47,6 @@ from hicache.connector.vllm_metrics import (
 )
 from hicache.connector.worker import HiCacheWorker, increments
 from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace
 from hicache.tiers.storage.base import StorageBackend, StorageConfig, StorageConfigError
 from hicache.tiers.storage.factory import create_backend
 
@@ -84,22 +90,28 @@ class HiCacheConnector(KVConnectorBase_V1):
         namespace = key_namespace(vllm_config, kv_cache_config, page_size)
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        is_mla = _is_mla(kv_cache_config)
 
         def build_storage(tp_rank: int, name: str, extra: dict[str, Any]) -> StorageBackend:
             """This rank's L3 backend ``name`` with backend settings ``extra``."""
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
             return create_backend(name, StorageConfig(
                 tp_rank=tp_rank, tp_size=tp_size, namespace=namespace.fingerprint(),
-                mem_layout=layout, page_bytes=geometry.page_bytes,
-                is_mla="MLA" in type(spec).__name__,
+                mem_layout=layout, page_bytes=geometry.page_bytes, is_mla=is_mla,
                 model_name=str(vllm_config.model_config.model), extra_config=extra,
             ))
 
+        def build_lookup(name: str, extra: dict[str, Any]) -> StorageBackend | RankShards:
+            """The scheduler's L3 view: every rank's shard (one shared shard for MLA)."""
+            if is_mla or tp_size == 1:
+                return build_storage(0, name, extra)
+            return RankShards([build_storage(r, name, extra) for r in range(tp_size)])
+
         if role == KVConnectorRole.SCHEDULER:
-            # vLLM reads the policy right after building the scheduler-side connector.
-            self._kv_transfer_config.kv_load_failure_policy = (
-                self.config.hicache_load_failure_policy
-            )
+            check_stable_hashes(vllm_config, self.config.hicache_storage_backend is not None)
+            apply_load_failure_policy(self._kv_transfer_config,
+                                      self.config.hicache_load_failure_policy)
+            self._prefix_hasher = VllmPrefixHasher(
+                vllm_config, hash_block_size(kv_cache_config, block_size))
             self._scheduler = HiCacheScheduler(
                 geometry=geometry,
                 namespace=namespace,
@@ -108,10 +120,12 @@ class HiCacheConnector(KVConnectorBase_V1):
                 block_ids_of=self._block_ids_of,
                 write_policy=self.config.hicache_write_policy,
                 write_threshold=self.config.hicache_write_through_threshold,
-                storage=self._scheduler_storage(functools.partial(build_storage, 0)),
+                storage=self._scheduler_storage(build_lookup),
                 prefetch_policy=self.config.hicache_storage_prefetch_policy,
                 prefetch={k: self.config.prefetch_setting(k) for k in PREFETCH_KEYS},
                 tp_size=tp_size,
+                hash_block_size=hash_block_size(kv_cache_config, block_size),
+                prefix_hasher=self._prefix_hasher,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -120,7 +134,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             )
 
             self._admin = SchedulerAdmin(
-                self._scheduler, self.config, build_storage=functools.partial(build_storage, 0),
+                self._scheduler, self.config, build_storage=build_lookup,
                 l1_pages=kv_cache_config.num_blocks // (page_size // block_size),
                 engine={"model": str(vllm_config.model_config.model), "page_size": page_size,
                         "block_size": block_size, "tp_size": tp_size,
@@ -133,16 +147,16 @@ class HiCacheConnector(KVConnectorBase_V1):
                 logger.info("HiCache: %s", note)
             backend_name = self.config.hicache_storage_backend
 
-            def make_storage(name: str, extra: dict[str, Any]) -> StorageBackend:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-                return build_storage(get_tensor_model_parallel_rank(), name, extra)
-
+            rank = get_tensor_model_parallel_rank()
             self._worker = HiCacheWorker(
                 geometry, kv_cache_config.num_blocks, layout=layout, io=io_backend,
-                storage_builder=make_storage,
+                storage_builder=functools.partial(build_storage, rank),
                 storage_spec=(backend_name, self.config.backend_extra_config())
                 if backend_name else None,
+                # MLA's latent pages are the same on every rank: rank 0 writes them.
+                l3_writer=not is_mla or rank == 0,
             )
 
     def _start_admin(self, vllm_config: VllmConfig) -> None:
@@ -207,6 +221,9 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if request.lora_request is not None:
+            self._prefix_hasher.lora_paths[request.lora_request.lora_name] = (
+                request.lora_request.lora_path)
         with self.hicache_scheduler.lock:
             return self.hicache_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -368,22 +385,56 @@ def pool_geometry(
     )
 
 
-def key_namespace(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, page_size: int
-) -> KeyNamespace:
-    """Everything that changes the meaning of a page's bytes goes into its keys."""
-    from vllm.platforms import current_platform
+def _is_mla(kv_cache_config: KVCacheConfig) -> bool:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    layout = kv_cache_config.kv_cache_layout or "default"
-    return KeyNamespace(
-        model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",
-        kv_dtype=str(spec.dtype),
-        layout=(
-            f"{current_platform.device_type}:{layout}:{type(spec).__name__}:"
-            f"bs{spec.block_size}:h{getattr(spec, 'num_kv_heads', 0)}:"
-            f"d{getattr(spec, 'head_size', 0)}"
-        ),
-        page_size=page_size,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-    )
+    return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec)
+
+
+def apply_load_failure_policy(own: Any, policy: str) -> None:
+    """Make vLLM's scheduler apply ``policy`` to HiCache's failed loads.
+
+    vLLM reads ``kv_load_failure_policy`` from the top-level kv-transfer
+    config right after building the scheduler-side connector. Alone, HiCache
+    sets it there. Inside ``MultiConnector`` HiCache gets a copy of its own
+    child entry, which vLLM never reads: then the top-level value must already
+    be ``policy``, else the engine stops here naming the key to set (changing
+    it silently would change the other connectors' failure semantics too).
+    """
+    parent = _enclosing_multi_connector_config()
+    if parent is None:
+        own.kv_load_failure_policy = policy
+        return
+    if parent.kv_load_failure_policy != policy:
+        raise HiCacheConfigError(
+            f"HiCacheConnector inside MultiConnector: vLLM applies the top-level "
+            f"kv_load_failure_policy ({parent.kv_load_failure_policy!r}) to every child, "
+            f"and HiCache's hicache_load_failure_policy is {policy!r}. Set "
+            f'"kv_load_failure_policy": "{policy}" at the top level of --kv-transfer-config '
+            f"(next to \"kv_connector\": \"MultiConnector\"), or set "
+            f"hicache_load_failure_policy to {parent.kv_load_failure_policy!r}; allowed "
+            f"values: recompute, fail"
+        )
+    own.kv_load_failure_policy = policy
+
+
+def _enclosing_multi_connector_config() -> Any:
+    """The MultiConnector's kv-transfer config when it is building this connector, else None.
+
+    vLLM 0.32/0.33's MultiConnector builds each child inside its own
+    ``__init__`` with a copy of the engine config and no link back; the
+    caller's frame is the only place the top-level config is visible.
+    """
+    import sys
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, MultiConnector):
+            return owner._vllm_config.kv_transfer_config
+    return None

@@ -14,6 +14,12 @@ request's blocks on its I/O thread, and reports the request in
 some later step. vLLM does not schedule the request, so nothing else
 touches its blocks, until then.
 
+Null block: vLLM reserves block id 0 (``NULL_BLOCK_ID``) as its shared null
+block and hands it out where a sliding window no longer reaches. Plans may
+name it in a load (those tokens are not needed); workers never read or
+write it and never report it as a load error, and the scheduler never
+plans a store of a page that contains it.
+
 Ordering contract: a worker executes steps in order, loads of a step before
 its stores, and every copy is complete before the step's ``wait_for_save``
 returns. The scheduler relies on this to publish a page in the tree as soon
@@ -28,6 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+# vLLM's BlockPool takes the first block (id 0) as its null block.
+NULL_BLOCK_ID = 0
 
 
 @dataclass(frozen=True)

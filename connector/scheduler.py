@@ -28,14 +28,16 @@ L3 is not mirrored in the tree: it is asked on demand, as SGLang does
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hicache.connector.metadata import (
+    NULL_BLOCK_ID,
     HiCacheStepMetadata,
     HiCacheWorkerReport,
     PagePlan,
@@ -43,7 +45,13 @@ from hicache.connector.metadata import (
     RequestLoad,
 )
 from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace, PageKey, PageKeyChain, page_keys
+from hicache.tiers.page_keys import (
+    KeyNamespace,
+    PageKey,
+    PageKeyChain,
+    block_page_keys,
+    token_block_hashes,
+)
 from hicache.tiers.radix_tree import HiRadixTree, MatchResult, TreeNode
 from hicache.tiers.slot_allocator import SlotAllocator
 from hicache.tiers.storage.base import StorageBackend
@@ -52,6 +60,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+PrefixHasher = Callable[[Sequence[int], "str | None", "str | None"], list[bytes]]
+
+
+def _stand_in_hashes(block_size: int, tokens: Sequence[int], cache_salt: str | None,
+                     lora_name: str | None) -> list[bytes]:
+    return token_block_hashes(tokens, block_size, cache_salt, lora_name)
 
 
 @dataclass
@@ -147,6 +162,9 @@ class HiCacheScheduler:
         prefetch_policy: str = "timeout",
         prefetch: dict[str, float] | None = None,
         tp_size: int = 1,
+        hash_block_size: int | None = None,
+        prefix_hasher: PrefixHasher | None = None,
+        l3_shards: Sequence[StorageBackend] = (),
     ) -> None:
         self.geometry = geometry
         self.write_policy = write_policy
@@ -158,6 +176,16 @@ class HiCacheScheduler:
         self.page_size = page_size
         self.block_size = block_size
         self.blocks_per_page = page_size // block_size
+        # Pages are keyed from the engine's block hashes (one per hash block).
+        self.hash_block_size = hash_block_size or block_size
+        if page_size % self.hash_block_size:
+            raise ValueError(f"page_size {page_size} is not a multiple of the engine's "
+                             f"block-hash size {self.hash_block_size}")
+        self.hashes_per_page = page_size // self.hash_block_size
+        # (token ids, cache salt, LoRA name) -> the engine's block hashes of a
+        # plain-token prompt (admin flush / tree by prefix); engine-free default.
+        self._prefix_hasher: PrefixHasher = prefix_hasher or functools.partial(
+            _stand_in_hashes, self.hash_block_size)
         # Callable req_id -> list of the request's vLLM block ids (group 0).
         self._block_ids_of = block_ids_of
         self.tree = HiRadixTree()
@@ -185,7 +213,7 @@ class HiCacheScheduler:
     ) -> tuple[int, bool]:
         """(tokens HiCache can provide beyond vLLM's own hit, whether asynchronously)."""
         state = self._state(request)
-        state.chain.extend(request.all_token_ids)
+        state.chain.extend(request.block_hashes)
         keys = state.chain.keys
         # At least one token must be left for the forward pass to produce logits.
         max_pages = (request.num_tokens - 1) // self.page_size
@@ -464,8 +492,7 @@ class HiCacheScheduler:
             if "l3" in tiers:
                 l3_op = ("clear",)
         else:
-            seed = self.namespace.seed(cache_salt=cache_salt, lora_name=lora_name)
-            keys = page_keys(seed, list(prefix), self.page_size)
+            keys = self.prefix_keys(prefix, cache_salt, lora_name)
             aligned = bool(keys) and len(prefix) % self.page_size == 0
             match = self.tree.match_prefix(keys)
             victims: list[int] = []
@@ -504,14 +531,17 @@ class HiCacheScheduler:
 
     # ---- helpers --------------------------------------------------------------
 
+    def prefix_keys(self, prefix: Sequence[int], cache_salt: str | None = None,
+                    lora_name: str | None = None) -> list[PageKey]:
+        """Keys of the full pages of a plain-token prompt, as its requests get them."""
+        hashes = self._prefix_hasher(list(prefix), cache_salt, lora_name)
+        return block_page_keys(self.namespace.seed(), hashes, self.hashes_per_page)
+
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            seed = self.namespace.seed(
-                cache_salt=getattr(request, "cache_salt", None),
-                lora_name=request.lora_request.lora_name if request.lora_request else None,
-            )
-            state = _RequestState(request, PageKeyChain(seed, self.page_size))
+            chain = PageKeyChain(self.namespace.seed(), self.hashes_per_page)
+            state = _RequestState(request, chain)
             self._requests[request.request_id] = state
         return state
 
@@ -519,11 +549,21 @@ class HiCacheScheduler:
         self, state: _RequestState, ready_pages: int, block_ids: Sequence[int]
     ) -> list[PagePlan]:
         """Reserve slots for the request's pages in [in-tree prefix, ready_pages)."""
-        state.chain.extend(state.request.all_token_ids)
+        state.chain.extend(state.request.block_hashes)
         keys = state.chain.keys[:ready_pages]
         if self.write_policy == "write_through_selective":
             keys = keys[: self._popular_prefix(state, keys)]
         match = self.tree.match_prefix(keys)
+        # Only pages whose blocks all hold real KV now: a sliding window puts
+        # vLLM's null block where it no longer reaches, and the tree must stay
+        # prefix-closed, so the first page that lost a block ends the store.
+        for page in range(match.num_pages, len(keys)):
+            first = page * self.blocks_per_page
+            blocks = block_ids[first : first + self.blocks_per_page]
+            if len(blocks) < self.blocks_per_page or NULL_BLOCK_ID in blocks:
+                self.stats.store_skipped_pages += len(keys) - page
+                keys = keys[:page]
+                break
         if match.num_pages >= len(keys):
             state.stored_pages = ready_pages
             return []

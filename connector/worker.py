@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.connector.metadata import (
+    NULL_BLOCK_ID,
     HiCacheStepMetadata,
     HiCacheWorkerReport,
     PagePlan,
@@ -78,6 +79,7 @@ class HiCacheWorker:
         io: str = "direct",
         storage_builder: Callable[[str, dict], StorageBackend] | None = None,
         storage_spec: tuple[str, dict] | None = None,
+        l3_writer: bool = True,
     ) -> None:
         self.geometry = geometry
         self.l1_num_blocks = l1_num_blocks
@@ -100,6 +102,9 @@ class HiCacheWorker:
         # (backend name, extra config) -> this rank's backend; spec = what to build now.
         self._storage_builder = storage_builder
         self._storage_spec = storage_spec
+        # Whether this rank backs pages up to L3 and deletes them there (MLA:
+        # rank 0 only, the pages being the same on every rank).
+        self.l3_writer = l3_writer
         self.storage: StorageBackend | None = None
         self.storage_io: StorageIO | None = None
         self._fetched: dict[str, list[int]] = {}
@@ -235,6 +240,9 @@ class HiCacheWorker:
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        # The null block stands for tokens out of a sliding window: never an error
+        # (vLLM would recompute every request that holds it).
+        errors.discard(NULL_BLOCK_ID)
         self.stats.load_errors += len(errors)
         return errors
 
@@ -282,7 +290,7 @@ class HiCacheWorker:
             else:
                 for page in meta.stores:
                     pool.set_key(page.slot, page.key)
-                if self.storage_io is not None:
+                if self.storage_io is not None and self.l3_writer:
                     self.storage_io.submit_backup([(p.key, p.slot) for p in meta.stores])
                 self.stats.saved_pages += len(meta.stores)
                 self.stats.saved_bytes += len(meta.stores) * pool.geometry.page_bytes
@@ -386,7 +394,7 @@ class HiCacheWorker:
         self._commands_applied = meta
         for command in meta.storage_commands:
             if command[0] in ("delete", "clear"):
-                if self.storage_io is not None:
+                if self.storage_io is not None and self.l3_writer:
                     keys = None if command[0] == "clear" else [bytes.fromhex(k)
                                                                for k in command[1]]
                     self.storage_io.submit_removal(keys)
@@ -428,6 +436,8 @@ def _append_page(
     page: PagePlan, block_ids: list[int], slots: list[int], offsets: list[int]
 ) -> None:
     for i, block_id in enumerate(page.block_ids):
+        if block_id == NULL_BLOCK_ID:
+            continue  # a token out of a sliding window: vLLM's null block, never touched
         block_ids.append(block_id)
         slots.append(page.slot)
         offsets.append(page.first_offset + i)

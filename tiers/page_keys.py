@@ -1,21 +1,29 @@
-"""Stable page keys: a SHA-256 hash chain over full pages of token ids.
+"""Stable page keys, derived from the engine's own prefix-cache block hashes.
 
 Contract:
 
 - A page is ``page_size`` consecutive tokens; only full pages get a key, a
   trailing partial page is ignored.
-- ``key[i] = SHA-256(key[i-1] || tokens of page i as 4-byte little-endian
-  unsigned ints)``, with ``key[-1]`` being the namespace seed (or an explicit
-  ``parent`` key when continuing a chain). A key therefore identifies the page
-  *and* everything before it, so comparing key sequences is comparing token
-  prefixes, and the radix tree can work on keys alone.
+- The engine's keys come from its block hashes (vLLM's ``request.block_hashes``):
+  a chained hash per full block that already covers everything the engine's
+  prefix cache keys cover (tokens, multimodal features, prompt embeddings,
+  LoRA, cache salt) and the whole prefix before it. A page's key is
+  ``SHA-256(seed || len || hash of the page's last block)``
+  (:func:`block_page_keys`, :class:`PageKeyChain`). A key therefore identifies
+  the page *and* everything before it, so comparing key sequences is
+  comparing prefixes, and the radix tree can work on keys alone.
 - The seed is derived from a :class:`KeyNamespace` (model, KV dtype, byte
-  layout, page size, TP size, extras) plus the request's cache salt and LoRA
-  name, so KV bytes of different shapes or tenants can never alias.
-- Keys are stable across processes, restarts and machines: only SHA-256 over
-  explicitly encoded bytes, never Python's ``hash()``. Changing the encoding
-  must bump ``_VERSION_TAG``; a test pins a known digest.
-- Token ids must satisfy ``0 <= id < 2**32`` (``ValueError`` otherwise).
+  layout, page size, TP size, extras such as the block-hash algorithm), so KV
+  bytes of different shapes can never alias.
+- Keys are stable across processes, restarts and machines as long as the
+  block hashes are (the connector refuses L3 where vLLM's are not): only
+  SHA-256 over explicitly encoded bytes, never Python's ``hash()``. Changing
+  the encoding must bump ``_VERSION_TAG``; a test pins a known digest.
+- :func:`page_keys` / :func:`token_block_hashes` are an engine-free stand-in
+  for block hashes over plain token ids (a SHA-256 chain over 4-byte
+  little-endian tokens, seeded by cache salt and LoRA name), for the
+  simulator, benchmarks and tests. Token ids must satisfy
+  ``0 <= id < 2**32`` (``ValueError`` otherwise).
 
 The namespace deliberately holds ``tp_size`` but not the TP rank: the scheduler
 plans one page for all ranks under one key; each rank's shard of that page is
@@ -34,7 +42,9 @@ import numpy as np
 PageKey = NewType("PageKey", bytes)
 """32-byte SHA-256 digest identifying one page and its whole prefix."""
 
-_VERSION_TAG = b"hicache-page-key-v1"
+# v2: keys derive from the engine's block hashes (v1 hashed token ids only,
+# so prompts that differ only in images or embeddings aliased).
+_VERSION_TAG = b"hicache-page-key-v2"
 _TOKEN_LIMIT = 2**32
 
 
@@ -129,29 +139,60 @@ def page_keys(
     return keys
 
 
-class PageKeyChain:
-    """Incremental page keys for one request whose token list only grows.
+def token_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+) -> list[bytes]:
+    """Engine-free stand-in for vLLM's ``request.block_hashes`` over plain token ids."""
+    h = hashlib.sha256(b"hicache-stand-in-block-hash")
+    _put_str(h, cache_salt)
+    _put_str(h, lora_name)
+    return list(page_keys(h.digest(), token_ids, block_size))
 
-    Each :meth:`extend` call gets the request's full token list so far and
-    hashes only the full pages beyond those already keyed, so the cost over a
-    request's life is one hash per page.
+
+def block_page_keys(
+    seed: bytes, block_hashes: Sequence[bytes], hashes_per_page: int, first_page: int = 0
+) -> list[PageKey]:
+    """Keys of the full pages covered by ``block_hashes``, from page ``first_page`` on.
+
+    ``block_hashes[j]`` is the engine's chained hash of block ``j`` (every
+    block before it included); page ``i`` ends at block
+    ``(i + 1) * hashes_per_page - 1``.
+    """
+    if hashes_per_page <= 0:
+        raise ValueError(f"hashes_per_page must be positive, got {hashes_per_page}")
+    keys: list[PageKey] = []
+    for end in range((first_page + 1) * hashes_per_page - 1, len(block_hashes),
+                     hashes_per_page):
+        digest = bytes(block_hashes[end])
+        h = hashlib.sha256(seed)
+        h.update(len(digest).to_bytes(4, "little"))
+        h.update(digest)
+        keys.append(PageKey(h.digest()))
+    return keys
+
+
+class PageKeyChain:
+    """Page keys of one request whose block hashes only grow (vLLM appends them
+    as tokens are generated).
+
+    Each :meth:`extend` call gets the request's block hashes so far and keys
+    only the full pages beyond those already keyed: one hash per page over a
+    request's life.
     """
 
-    def __init__(self, seed: bytes, page_size: int) -> None:
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
+    def __init__(self, seed: bytes, hashes_per_page: int) -> None:
+        if hashes_per_page <= 0:
+            raise ValueError(f"hashes_per_page must be positive, got {hashes_per_page}")
         self._seed = seed
-        self._page_size = page_size
+        self._hashes_per_page = hashes_per_page
         self._keys: list[PageKey] = []
 
-    def extend(self, token_ids: Sequence[int]) -> list[PageKey]:
-        """Key the newly completed pages of ``token_ids``; returns only the new keys."""
-        start = len(self._keys) * self._page_size
-        end = (len(token_ids) // self._page_size) * self._page_size
-        if end <= start:
-            return []
-        parent = self._keys[-1] if self._keys else None
-        new = page_keys(self._seed, token_ids[start:end], self._page_size, parent)
+    def extend(self, block_hashes: Sequence[bytes]) -> list[PageKey]:
+        """Key the newly completed pages of ``block_hashes``; returns only the new keys."""
+        new = block_page_keys(self._seed, block_hashes, self._hashes_per_page, len(self._keys))
         self._keys.extend(new)
         return new
 
@@ -159,7 +200,3 @@ class PageKeyChain:
     def keys(self) -> list[PageKey]:
         """All keys so far (a copy)."""
         return list(self._keys)
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size

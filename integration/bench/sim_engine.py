@@ -37,7 +37,7 @@ from hicache.connector.metadata import HiCacheWorkerReport
 from hicache.connector.scheduler import HiCacheScheduler
 from hicache.integration.bench.trace import TraceRecord
 from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace, PageKey, page_keys
+from hicache.tiers.page_keys import KeyNamespace, PageKey, page_keys, token_block_hashes
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -223,10 +223,16 @@ class _SimRequest:
     num_computed_tokens: int = 0
     cache_salt: str | None = None
     lora_request: Any = None
+    block_size: int = 16
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """Stand-in for vLLM's block hashes (the scheduler keys pages from them)."""
+        return token_block_hashes(self.all_token_ids, self.block_size, self.cache_salt)
 
 
 @dataclass
@@ -277,7 +283,8 @@ class SimEngine:
                 geometry=PoolGeometry(config.l2_pages, 1, config.page_size // config.block_size,
                                       1),
                 namespace=namespace, page_size=config.page_size, block_size=config.block_size,
-                block_ids_of=lambda req_id: [], write_policy=config.write_policy,
+                # Block ids only matter as "not vLLM's null block (0)" here.
+                block_ids_of=lambda req_id: range(1, 1 << 30), write_policy=config.write_policy,
                 write_threshold=config.write_threshold, storage=self.l3,  # type: ignore[arg-type]
                 prefetch={"prefetch_threshold": config.prefetch_threshold},
             )
@@ -327,7 +334,8 @@ class SimEngine:
             tokens = self._tokens.prompt(rec)
             if not tokens:
                 raise ValueError(f"request {rec.id!r} has an empty prompt")
-            req = _SimRequest(f"{len(self._prepared)}:{rec.id}", tokens, 0, rec.cache_salt)
+            req = _SimRequest(f"{len(self._prepared)}:{rec.id}", tokens, 0, rec.cache_salt,
+                              block_size=self.config.block_size)
             keys = page_keys(self._l1_seed + (rec.cache_salt or "").encode(), tokens,
                              self.config.block_size)
             got = self._prepared[id(rec)] = (req, keys)
@@ -398,7 +406,7 @@ class SimEngine:
                 self._backup(self.sched.build_connector_meta(
                     {req.request_id: computed - req.num_computed_tokens}))
             req.num_computed_tokens = computed
-            self.sched.request_finished(req, list(range(computed // cfg.block_size)))  # type: ignore[arg-type]
+            self.sched.request_finished(req, list(range(1, computed // cfg.block_size + 1)))  # type: ignore[arg-type]
             self._backup(self.sched.build_connector_meta({}))
         seed = self._l1_seed + (req.cache_salt or "").encode()
         self.l1.grow(running.blocks, -(-computed // cfg.block_size))

@@ -5,9 +5,8 @@ scheduler half reads (request_id, all_token_ids, num_tokens,
 num_computed_tokens, cache_salt, lora_request); everything else is real.
 """
 
-from types import SimpleNamespace
-
 import pytest
+from fakes import request
 
 from hicache.connector.scheduler import HiCacheScheduler
 from hicache.tiers.host_pool import PoolGeometry
@@ -17,9 +16,6 @@ BS = 4  # tokens per vLLM block
 PAGE = 8  # tokens per page: 2 blocks
 
 
-def request(rid, tokens, computed=0):
-    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens),
-                           num_computed_tokens=computed, cache_salt=None, lora_request=None)
 
 
 def make_scheduler(**policy):
@@ -103,7 +99,6 @@ def test_finished_request_stores_its_tail_and_holds_blocks(sched):
     req = request("a", range(100, 110))  # 10 tokens: 1 full page so far
     prefill(sched, req, [1, 2, 3])
     req.all_token_ids += [7, 8, 9, 10, 11, 12, 13]  # decoded; KV computed for all but the last
-    req.num_tokens = len(req.all_token_ids)
     req.num_computed_tokens = req.num_tokens - 1
     assert sched.request_finished(req, [1, 2, 3, 4]) is True
     assert sched.has_pending_stores()

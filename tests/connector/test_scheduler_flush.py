@@ -1,11 +1,11 @@
 """Scheduler flush (the admin endpoint's): all pages or exactly the pages below a prefix,
 in L2, and the L3 operation it plans; locked pages are skipped; per-tier lookup counters."""
 
-from types import SimpleNamespace
+from fakes import keys_of, request
 
 from hicache.connector.scheduler import HiCacheScheduler
 from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace, page_keys
+from hicache.tiers.page_keys import KeyNamespace
 
 BS, PAGE = 4, 8
 GEOM = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
@@ -15,9 +15,6 @@ A = SHARED + list(range(100, 124))  # + 3 pages
 B = SHARED + list(range(200, 224))
 
 
-def request(rid, tokens):
-    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens),
-                           num_computed_tokens=0, cache_salt=None, lora_request=None)
 
 
 def scheduler(storage=None) -> HiCacheScheduler:
@@ -32,7 +29,7 @@ def scheduler(storage=None) -> HiCacheScheduler:
 def serve(sched, rid, tokens):
     req = request(rid, tokens + [1])
     hit, _ = sched.get_num_new_matched_tokens(req, 0)
-    blocks = list(range(len(req.all_token_ids) // BS + 1))
+    blocks = list(range(1, len(req.all_token_ids) // BS + 2))  # 0 is vLLM's null block
     sched.update_state_after_alloc(req, blocks, hit)
     sched.tables[rid] = blocks
     sched.build_connector_meta({rid: req.num_tokens - hit})
@@ -43,7 +40,7 @@ def serve(sched, rid, tokens):
 
 
 def pages_of(tokens):
-    return page_keys(NS.seed(), tokens, PAGE)
+    return keys_of(NS.seed(), tokens, PAGE)
 
 
 def test_prefix_flush_removes_one_conversation_keeps_the_shared_prompt():

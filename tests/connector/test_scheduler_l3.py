@@ -1,12 +1,12 @@
 """Scheduler half with an L3 backend, without an engine: async hits, reserved slots,
 publishing what every rank fetched. The backend is the real file backend."""
 
-from types import SimpleNamespace
+from fakes import keys_of, request
 
 from hicache.connector.metadata import HiCacheWorkerReport
 from hicache.connector.scheduler import HiCacheScheduler
 from hicache.tiers.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace, page_keys
+from hicache.tiers.page_keys import KeyNamespace
 from hicache.tiers.storage.base import StorageConfig
 from hicache.tiers.storage.file_backend import FileBackend
 
@@ -15,9 +15,6 @@ GEOM = PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=6
 NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
 
 
-def request(rid, tokens):
-    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens),
-                           num_computed_tokens=0, cache_salt=None, lora_request=None)
 
 
 def backend(tmp_path) -> FileBackend:
@@ -30,7 +27,7 @@ def store_pages(tmp_path, tokens) -> None:
     writer = backend(tmp_path)
     pool = HostPagePool(GEOM, layout="page_first", pin_memory=False)
     writer.register_host_pool(pool)
-    keys = [k.hex() for k in page_keys(NS.seed(), tokens, PAGE)]
+    keys = [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)]
     assert all(writer.batch_set_v1(keys, list(range(len(keys)))))
 
 
@@ -121,4 +118,4 @@ def test_l3_pages_under_vllms_own_hit_are_fetched_into_l2_only(tmp_path):
     assert [(p.first_offset, p.block_ids) for p in fetch.l3_pages] == [
         (0, ()), (0, ()), (1, (15,)), (0, (16, 17))]
     sched.on_worker_report(HiCacheWorkerReport(fetched={"r": [4]}))
-    assert sched.tree.match_prefix(page_keys(NS.seed(), tokens, PAGE)).num_pages == 4
+    assert sched.tree.match_prefix(keys_of(NS.seed(), tokens, PAGE)).num_pages == 4

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.tiers.page_keys import KeyNamespace, PageKeyChain, page_keys
+from hicache.tiers.page_keys import (
+    KeyNamespace,
+    PageKeyChain,
+    block_page_keys,
+    page_keys,
+    token_block_hashes,
+)
 
 NS = KeyNamespace(model="m", kv_dtype="bf16", layout="page_first/mha", page_size=4, tp_size=1)
 
@@ -14,13 +20,45 @@ NS = KeyNamespace(model="m", kv_dtype="bf16", layout="page_first/mha", page_size
 def test_known_digests_are_stable():
     # Pasted once; a change here means every stored L3 page is orphaned, so
     # bump the version tag on purpose rather than update these silently.
-    assert NS.seed().hex() == "8aa8b9cb110f76f31bef658558ae91916904d382dca36eeda1523acc995ab8be"
-    assert NS.fingerprint() == "875bb30456b25c78"
+    # v2 (block-hash keys) on purpose: v1 keyed token ids only.
+    assert NS.seed().hex() == "9adf5b7bf920d028b2a438f9618f52c22d6093e782790f585797b63df8dc556c"
+    assert NS.fingerprint() == "c2736961bb298ea5"
     keys = page_keys(NS.seed(), list(range(10)), 4)
     assert [k.hex() for k in keys] == [
-        "9a9e140543af2b15f0a05ecb995511aaab703fa0300cd6463d8cbf37fb3b7d5c",
-        "27329d75a0062245bcb132d38d84e31cef3579fbe11d09ea96afb09ea76cb0fe",
+        "39fb847680984f0a5145501a1c5fad94c0da86291d7e19195ce08868e0880571",
+        "6c85829fb5f4c7a87b46a23be2d845d0e9104afdc372d5bc1017122643898e30",
     ]
+    keys = block_page_keys(NS.seed(), [bytes([i]) * 32 for i in range(5)], 2)
+    assert [k.hex() for k in keys] == [
+        "4f1146892df6f94c4ac12438b87ca497f0f8769007167c86375cfe914c80f08d",
+        "c5776ae9be903a992d467686713307b109dd9cb43504e9d316c3186cb0c212fb",
+    ]
+
+
+def test_page_key_is_sha256_of_seed_and_the_pages_last_block_hash():
+    seed = b"\x01" * 32
+    hashes = [bytes([i]) * 16 for i in range(7)]  # xxhash-sized block hashes
+    keys = block_page_keys(seed, hashes, 3)
+    assert len(keys) == 2  # 7 blocks = 2 full pages of 3 blocks
+    for page, key in enumerate(keys):
+        last = hashes[3 * page + 2]
+        assert key == hashlib.sha256(seed + len(last).to_bytes(4, "little") + last).digest()
+    # Everything before a page is in its last block's hash already: only that one counts.
+    other = list(hashes)
+    other[0] = b"\xff" * 16
+    assert block_page_keys(seed, other, 3) == keys
+    assert block_page_keys(seed, hashes, 3, first_page=1) == keys[1:]
+    with pytest.raises(ValueError):
+        block_page_keys(seed, hashes, 0)
+
+
+def test_stand_in_block_hashes_separate_salt_and_lora():
+    tokens = list(range(8))
+    variants = [token_block_hashes(tokens, 4), token_block_hashes(tokens, 4, cache_salt="a"),
+                token_block_hashes(tokens, 4, lora_name="a"),
+                token_block_hashes(tokens, 4, cache_salt="", lora_name="")]
+    assert len({tuple(v) for v in variants}) == len(variants)
+    assert token_block_hashes(tokens, 4) == token_block_hashes(tokens + [1], 4)
 
 
 def test_key_is_sha256_of_previous_and_little_endian_u32_tokens():
@@ -117,15 +155,16 @@ def test_salt_and_lora_separation():
 @given(
     tokens=st.lists(st.integers(0, 2**32 - 1), max_size=60),
     cuts=st.lists(st.integers(0, 60), max_size=8),
-    page_size=st.integers(1, 7),
+    hashes_per_page=st.integers(1, 4),
 )
-def test_chain_matches_page_keys_in_random_increments(tokens, cuts, page_size):
-    seed = NS.seed(cache_salt="s")
-    chain = PageKeyChain(seed, page_size)
+def test_chain_matches_block_page_keys_in_random_increments(tokens, cuts, hashes_per_page):
+    seed = NS.seed()
+    hashes = token_block_hashes(tokens, 2, cache_salt="s")
+    chain = PageKeyChain(seed, hashes_per_page)
     got = []
     for cut in sorted(c for c in cuts if c <= len(tokens)) + [len(tokens)]:
-        new = chain.extend(tokens[:cut])
+        new = chain.extend(token_block_hashes(tokens[:cut], 2, cache_salt="s"))
         got.extend(new)
         assert chain.keys == got
-    assert got == page_keys(seed, tokens, page_size)
-    assert chain.extend(tokens) == []
+    assert got == block_page_keys(seed, hashes, hashes_per_page)
+    assert chain.extend(hashes) == []

@@ -86,8 +86,10 @@ class StorageConfig:
     def fingerprint(self) -> bytes:
         """16 bytes naming everything that must match for a stored page to be usable."""
         h = hashlib.sha256(b"hicache-l3-v1")
+        # MLA pages are identical on every rank: one shard, shared by all ranks.
+        rank = "mla" if self.is_mla else str(self.tp_rank)
         for part in (self.namespace, BYTE_ORDER.get(self.mem_layout, self.mem_layout),
-                     str(self.page_bytes), str(self.tp_rank), str(self.tp_size)):
+                     str(self.page_bytes), rank, str(self.tp_size)):
             h.update(len(part).to_bytes(4, "little") + part.encode())
         return h.digest()[:16]
 

@@ -23,7 +23,8 @@ import numpy as np
 import xxhash
 
 MAGIC = b"HICACHE\x01"
-VERSION = 1
+# 2: page keys derive from vLLM block hashes; v1 pages are refused, never misread.
+VERSION = 2
 HEADER_BYTES = 128
 _LAYOUT = struct.Struct("<8sIIQ32s16sQ")  # magic, version, reserved, len, key, fingerprint, xxh3
 

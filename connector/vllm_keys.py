@@ -1,0 +1,100 @@
+"""Page keys as vLLM sees them: the namespace, the block hashes, and whether they are stable.
+
+Contract:
+- ``key_namespace``: everything that changes the meaning of a page's bytes
+  (model, KV dtype, vLLM's layout and spec, page size, TP size, and the
+  block-hash algorithm) goes into the keys' seed.
+- Page keys derive from vLLM's ``request.block_hashes`` (tiers/page_keys.py),
+  which cover tokens, multimodal features, prompt embeddings, LoRA (name and
+  path) and cache salt. ``prefix_hasher`` computes the same hashes for a
+  plain-token prompt (admin flush / tree view by prefix) with vLLM's own
+  block hasher, so the two always agree.
+- ``check_stable_hashes``: L3 keys must survive restarts and be shared
+  between engines. vLLM's block hashes are stable for its cryptographic
+  algorithms (``sha256``, ``sha256_cbor``: fixed seed) and for any algorithm
+  when ``PYTHONHASHSEED`` is set; with ``xxhash``/``xxhash_cbor`` and no
+  ``PYTHONHASHSEED`` vLLM seeds them at random per process, and an L3
+  configuration is refused with a message naming both fixes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hicache.connector.config import HiCacheConfigError
+from hicache.tiers.page_keys import KeyNamespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# vLLM's algorithms whose NONE_HASH seed is random per process without PYTHONHASHSEED.
+RANDOM_SEEDED_ALGOS = ("xxhash", "xxhash_cbor")
+
+
+def key_namespace(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, page_size: int
+) -> KeyNamespace:
+    """Everything that changes the meaning of a page's bytes goes into its keys."""
+    from vllm.platforms import current_platform
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layout = kv_cache_config.kv_cache_layout or "default"
+    return KeyNamespace(
+        model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",
+        kv_dtype=str(spec.dtype),
+        layout=(
+            f"{current_platform.device_type}:{layout}:{type(spec).__name__}:"
+            f"bs{spec.block_size}:h{getattr(spec, 'num_kv_heads', 0)}:"
+            f"d{getattr(spec, 'head_size', 0)}"
+        ),
+        page_size=page_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        extra=(f"block-hash={vllm_config.cache_config.prefix_caching_hash_algo}",),
+    )
+
+
+def hash_block_size(kv_cache_config: KVCacheConfig, block_size: int) -> int:
+    """Tokens per entry of ``request.block_hashes`` (vLLM resolves it at start)."""
+    return int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+
+
+def check_stable_hashes(vllm_config: VllmConfig, uses_l3: bool) -> None:
+    """Refuse an L3 whose keys would change at every restart (see module docstring)."""
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if uses_l3 and algo in RANDOM_SEEDED_ALGOS and os.environ.get("PYTHONHASHSEED") is None:
+        raise HiCacheConfigError(
+            f"hicache_storage_backend needs block hashes that are the same in every "
+            f"process, but --prefix-caching-hash-algo={algo} is seeded at random per "
+            f"process unless PYTHONHASHSEED is set. Set PYTHONHASHSEED to one shared value "
+            f"for every engine (and keep it), or use --prefix-caching-hash-algo sha256 "
+            f"(allowed values with L3: sha256, sha256_cbor, or {algo} with PYTHONHASHSEED)"
+        )
+
+
+class VllmPrefixHasher:
+    """vLLM's block hashes of a plain-token prompt, as its requests would get them."""
+
+    def __init__(self, vllm_config: VllmConfig, hash_block_size: int) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        self._hasher = get_request_block_hasher(hash_block_size, hash_fn)
+        # LoRA block hashes cover the adapter's path too: remember it per name.
+        self.lora_paths: dict[str, str] = {}
+
+    def __call__(self, tokens: Sequence[int], cache_salt: str | None,
+                 lora_name: str | None) -> list[bytes]:
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        lora = None
+        if lora_name is not None:
+            lora = LoRARequest(lora_name, 1, self.lora_paths.get(lora_name, "<unknown path>"))
+        request = Request("hicache-prefix", list(tokens), SamplingParams(max_tokens=1), None,
+                          lora_request=lora, cache_salt=cache_salt, block_hasher=self._hasher)
+        return list(request.block_hashes)
