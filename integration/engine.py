@@ -24,6 +24,8 @@ class EngineSpec:
     model: str
     # None = no connector; a dict = HiCache on with this kv_connector_extra_config.
     hicache: dict[str, Any] | None = None
+    # A whole kv_transfer_config instead (another connector, MultiConnector).
+    kv_transfer: dict[str, Any] | None = None
     # vLLM's own (L1) automatic prefix caching.
     prefix_caching: bool = True
     # vLLM KV block size in tokens (CPU default is 128).
@@ -64,6 +66,8 @@ def open_llm(spec: EngineSpec) -> Any:
             "kv_role": "kv_both",
             "kv_connector_extra_config": dict(spec.hicache),
         }
+    elif spec.kv_transfer is not None:
+        kwargs["kv_transfer_config"] = dict(spec.kv_transfer)
     kwargs.update(spec.extra_args)
     if not spec.in_process:
         return LLM(**kwargs)
