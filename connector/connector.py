@@ -5,11 +5,14 @@ vLLM builds it twice: with role SCHEDULER in the engine-core process (owns
 process (owns ``HiCacheWorker``: host pool bytes, copies). This module only
 translates; decisions live in scheduler.py, data movement in worker.py.
 
-Supported: one KV-cache group (full attention, MHA/GQA), synchronous L2
-loads, asynchronous L3 loads (``load_async``), write-through / selective /
-write-back stores, L3 backups of every page stored in L2. The class is not ``SupportsHMA``: vLLM turns its
+Supported: one KV-cache group (full attention MHA/GQA, MLA, or sliding
+window alone), synchronous L2 loads, asynchronous L3 loads (``load_async``),
+write-through / selective / write-back stores, L3 backups of every page
+stored in L2, tensor parallelism (every rank applies the same plan to its
+shard; MLA pages are written to L3 by rank 0 only), composition inside
+vLLM's ``MultiConnector``. The class is not ``SupportsHMA``: vLLM turns its
 hybrid KV-cache manager off when this connector is configured, so hybrid
-(sliding-window / Mamba) models run with every layer treated as full
+(sliding-window + full / Mamba) models run with every layer treated as full
 attention. Pipeline parallelism is not supported.
 """
 

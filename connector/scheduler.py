@@ -14,10 +14,17 @@ Contract with vLLM's scheduler (see DESIGN.md "Data flow of one request"):
 - ``request_finished`` stores what is left of a finished request and asks
   vLLM to keep its blocks until the worker reports the store done.
 
+Pages are keyed from ``request.block_hashes`` (vLLM's prefix-cache hashes,
+which cover multimodal features, prompt embeddings, LoRA and cache salt).
+A store never includes a page that holds vLLM's null block (a sliding
+window's dropped blocks): the store ends at the first such page, keeping L2
+prefix-closed.
+
 With an L3 backend (``storage``), the lookup continues past the L2 match:
-``batch_exists`` on the scheduler's own backend instance says how many
-further pages L3 holds (rank 0's shard; another rank's missing shard shows
-up as a load error, so vLLM recomputes). Such a hit is asynchronous: vLLM
+``batch_exists`` on the scheduler's own view of the store says how many
+further pages L3 holds on every rank (``RankShards``: the shortest run over
+the ranks' shards; MLA has one shared shard), so no rank is promised pages
+it lacks. Such a hit is asynchronous: vLLM
 parks the request in WAITING_FOR_REMOTE_KVS, the L2 prefix stays locked, L2
 slots are reserved for the L3 pages, and the worker fetches and loads on
 its I/O thread. When every rank has reported, the pages that arrived are

@@ -137,3 +137,34 @@ def test_write_back_copies_only_when_the_request_finishes():
     meta = sched.build_connector_meta({})
     assert [p.block_ids for p in meta.stores] == [(1, 2), (3, 4), (5, 6)]
     assert meta.release_after_store == ["a"]
+
+
+def test_pages_holding_the_null_block_are_never_stored(sched):
+    # A sliding window dropped the first two blocks (vLLM's null block 0).
+    req = request("a", range(100, 124))  # 3 full pages
+    meta = prefill(sched, req, [0, 0, 5, 6, 7, 8])
+    assert meta.stores == []  # page 0 lost a block, so nothing after it can enter L2
+    assert sched.tree.total_pages() == 0 == sched.slots.num_used
+    assert sched.stats.store_skipped_pages == 3
+
+
+def test_write_back_of_a_windowed_request_stores_only_its_real_prefix():
+    sched = make_scheduler(write_policy="write_back")
+    req = request("a", range(100, 124))
+    prefill(sched, req, [1, 2, 3, 4, 5, 6])
+    req.num_computed_tokens = req.num_tokens
+    # By the time it finishes, the window has dropped page 1's first block.
+    assert sched.request_finished(req, [1, 2, 0, 4, 5, 6]) is True
+    meta = sched.build_connector_meta({})
+    assert [p.block_ids for p in meta.stores] == [(1, 2)]
+    assert sched.tree.total_pages() == 1
+
+
+def test_loads_may_name_the_null_block_but_never_need_it(sched):
+    prefill(sched, request("a", range(100, 124)), [1, 2, 3, 4, 5, 6])
+    again = request("b", list(range(100, 124)) + [1])
+    assert sched.get_num_new_matched_tokens(again, 0) == (3 * PAGE, False)
+    # vLLM gives a windowed request the null block where the window no longer reaches.
+    sched.update_state_after_alloc(again, [0, 0, 0, 9, 10, 11, 12], 3 * PAGE)
+    (load,) = sched.build_connector_meta({}).loads
+    assert [p.block_ids for p in load.pages] == [(0, 0), (0, 9), (10, 11)]

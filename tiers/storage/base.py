@@ -77,6 +77,8 @@ class StorageConfig:
     # host pool layout: layer_first | page_first | page_first_direct
     mem_layout: str
     page_bytes: int
+    # MLA: the latent pages are the same on every rank, so the fingerprint
+    # (hence the object key) leaves the rank out: one shard shared by all.
     is_mla: bool = False
     model_name: str = ""
     # hicache_storage_backend_extra_config minus the keys HiCache consumes

@@ -7,7 +7,7 @@ Contract:
   but they write the header this module packs and check it on every read.
 - The header holds a magic and version, the payload length, the 32-byte page
   key, the 16-byte storage fingerprint (namespace, host byte order, page
-  bytes, TP rank: ``StorageConfig.fingerprint``) and an xxh3-64 checksum of
+  bytes, TP rank or MLA: ``StorageConfig.fingerprint``) and an xxh3-64 checksum of
   the payload.
 - ``verify`` returns None when everything matches, else a short reason; the
   caller counts the page as a corrupt miss and never copies it into a slot

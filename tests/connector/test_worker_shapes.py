@@ -1,0 +1,76 @@
+"""Worker half without an engine (real host pool, real file L3): vLLM's null block is
+never read, written or reported; with MLA only the writer rank backs pages up."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hicache.connector.metadata import HiCacheStepMetadata, PagePlan, RequestLoad
+from hicache.connector.worker import HiCacheWorker
+from hicache.tiers.host_pool import PoolGeometry
+from hicache.tiers.page_keys import KeyNamespace, page_keys
+from hicache.tiers.storage.base import StorageConfig
+from hicache.tiers.storage.file_backend import FileBackend
+
+GEOM = PoolGeometry(num_slots=4, num_layers=1, blocks_per_page=2, block_bytes=64)
+NS = KeyNamespace("tiny", "float32", "cpu", 8, 2)
+KEY_A, KEY_B = page_keys(NS.seed(), list(range(16)), 8)
+L1_BLOCKS = 8
+
+
+def make_worker(tmp_path: Path | None = None, *, writer: bool = True) -> HiCacheWorker:
+    def build(name: str, extra: dict) -> FileBackend:
+        return FileBackend(StorageConfig(1, 2, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                                         is_mla=True, extra_config=extra))
+
+    w = HiCacheWorker(GEOM, L1_BLOCKS, layout="page_first", storage_builder=build,
+                      storage_spec=("file", {"path": str(tmp_path)}) if tmp_path else None,
+                      l3_writer=writer)
+    kv = torch.arange(L1_BLOCKS * 16, dtype=torch.float32).view(L1_BLOCKS, 16)  # 64 B blocks
+    w.register_kv_caches({"layer.0": kv})
+    w.kv = kv
+    return w
+
+
+def test_loads_skip_the_null_block_and_never_report_it():
+    w = make_worker()
+    w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4))]))
+    saved = w.kv[3:5].clone()
+    null_before = w.kv[0].clone()
+    w.kv[5:7] = -1
+    # The window no longer reaches the page's first block: vLLM names block 0 there.
+    load = RequestLoad("r", (PagePlan(0, KEY_A, 0, (0, 6)),))
+    w.start_load(HiCacheStepMetadata(loads=[load]))
+    w.finish_step(HiCacheStepMetadata())
+    assert torch.equal(w.kv[0], null_before)  # never written
+    assert torch.equal(w.kv[6], saved[1])
+    assert w.take_load_errors() == set()
+    # A page that fails its key check reports its blocks, never the null block.
+    bad = RequestLoad("s", (PagePlan(1, KEY_B, 0, (0, 7)),))
+    w.start_load(HiCacheStepMetadata(loads=[bad]))
+    w.finish_step(HiCacheStepMetadata())
+    assert w.take_load_errors() == {7}
+
+
+def _backups_settled(w: HiCacheWorker, want: int) -> int:
+    deadline = time.monotonic() + 60  # a bound for a loaded machine, not a speed check
+    while w.storage_io.stats.backup_pages < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return w.storage_io.stats.backup_pages
+
+
+def test_mla_pages_are_backed_up_by_the_writer_rank_only(tmp_path):
+    reader, writer = make_worker(tmp_path, writer=False), make_worker(tmp_path, writer=True)
+    try:
+        for w in (reader, writer):
+            w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4))]))
+        assert _backups_settled(writer, 1) == 1
+        assert reader.storage_io.stats.backup_pages == 0
+        assert reader.storage.batch_exists([KEY_A.hex()]) == 1  # the one shared shard
+        assert len(list((tmp_path / "pages").glob("*.page"))) == 1
+    finally:
+        reader.shutdown()
+        writer.shutdown()
