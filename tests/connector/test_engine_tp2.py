@@ -1,0 +1,163 @@
+"""Tensor parallelism 2 on the CPU engine: every rank applies the same plan to its shard.
+
+Three TP=2 engines (vLLM's CPU workers pinned one per core with
+``VLLM_CPU_OMP_THREADS_BIND=0|1``; vLLM's automatic NUMA binding refuses two
+workers on one node): vLLM without a connector (the oracle: TP=2 sums
+partial products in its own order), HiCache with a small L1 and a file L3
+(returning turns from L2, every rank backs its shard up), and a fresh
+HiCache engine with an empty L2 that serves the returning turns from both
+ranks' L3 shards. The L3 lookup asks every rank's shard, so no rank is
+promised pages it lacks: with either rank's shard of a history deleted, the
+history is not offered (recomputed), rather than promised and then failed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS
+
+from hicache.integration.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.workload import (
+    MultiTurnSpec,
+    TurnResult,
+    first_turn_prompts,
+    next_turn_prompts,
+    run_turns,
+)
+from hicache.tiers.storage.integrity import HEADER_BYTES
+
+pytestmark = pytest.mark.engine
+
+WORKLOAD = MultiTurnSpec(conversations=4, history_tokens=1536, shared_prefix_tokens=160,
+                         question_tokens=64, answer_tokens=16, seed=21)
+TURNS = 3
+
+
+def _run(llm, prompts_from: list[TurnResult] | None = None, turns: range = range(TURNS)
+         ) -> list[TurnResult]:
+    out: list[TurnResult] = []
+    for i in turns:
+        if prompts_from is not None:
+            prompts = prompts_from[i].prompts
+        else:
+            prompts = first_turn_prompts(WORKLOAD) if i == 0 else next_turn_prompts(
+                WORKLOAD, out[-1], i)
+        out.append(run_turns(llm, prompts, WORKLOAD.answer_tokens))
+    return out
+
+
+def _engine(model: str, hicache: dict | None = None):
+    return open_llm(EngineSpec(
+        model=model, hicache=hicache, prefix_caching=hicache is None, block_size=BLOCK_SIZE,
+        num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN,
+        extra_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_worker_per_core():
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model) -> list[TurnResult]:
+    llm = _engine(tiny_model)
+    try:
+        return _run(llm)
+    finally:
+        close_llm(llm)
+
+
+def _l3(path: Path, **more) -> dict:
+    return {"hicache_size": 0.05, "hicache_storage_backend": "file",
+            "hicache_storage_backend_extra_config": {"path": str(path)}, **more}
+
+
+@pytest.fixture(scope="module")
+def written(tiny_model, oracle, tmp_path_factory) -> tuple[list[TurnResult], Path]:
+    path = tmp_path_factory.mktemp("l3-tp2")
+    llm = _engine(tiny_model, _l3(path))
+    try:
+        return _run(llm, prompts_from=oracle), path
+    finally:
+        close_llm(llm)
+
+
+def _history_pages(oracle: list[TurnResult], turn: int) -> list[int]:
+    prev = oracle[turn - 1]
+    return [(len(p) + len(o) - 1) // BLOCK_SIZE * BLOCK_SIZE
+            for p, o in zip(prev.prompts, prev.outputs, strict=True)]
+
+
+def test_tp2_l2_hits_token_identical(written, oracle):
+    runs, _ = written
+    for t in range(TURNS):
+        assert runs[t].outputs == oracle[t].outputs, f"turn {t}"
+    for t in range(1, TURNS):
+        # vLLM's prefix cache is off: every cached token was loaded from L2 on both ranks.
+        assert runs[t].num_cached_tokens == _history_pages(oracle, t), t
+
+
+def _page_files(path: Path) -> dict[str, list[Path]]:
+    """Stored page files grouped by storage fingerprint (one group per rank)."""
+    groups: dict[str, list[Path]] = {}
+    for f in (path / "pages").glob("*.page"):
+        groups.setdefault(f.stem.rsplit("_", 1)[-1], []).append(f)
+    return groups
+
+
+def test_both_ranks_backed_up_their_shards(written):
+    _, path = written
+    groups = _page_files(path)
+    assert len(groups) == 2, sorted(groups)
+    sizes = {len(v) for v in groups.values()}
+    assert len(sizes) == 1  # the same pages on both ranks
+    assert all(f.stat().st_size > HEADER_BYTES for v in groups.values() for f in v)
+
+
+def _only(turn: TurnResult, convs: list[int]) -> list[list[int]]:
+    return [turn.prompts[c] for c in convs]
+
+
+def test_restarted_tp2_engine_serves_from_every_ranks_shard(tiny_model, written, oracle,
+                                                             tmp_path_factory):
+    """One fresh engine, empty L2: conversations 0-1 come back with L3 intact
+    (served from both shards); conversation 2 with one rank's shard of its pages
+    gone, conversation 3 with the other's. A lookup that asked one rank only
+    would promise one of them its whole history; ours offers neither, and
+    every token matches the oracle."""
+    _, src = written
+    path = tmp_path_factory.mktemp("l3-tp2-restart")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    (name_a, files_a), (name_b, files_b) = sorted(_page_files(path).items())
+    turn = oracle[1]
+    shared = WORKLOAD.shared_prefix_tokens // BLOCK_SIZE * BLOCK_SIZE
+    llm = _engine(tiny_model, _l3(path, hicache_storage_prefetch_policy="wait_complete"))
+    try:
+        intact = run_turns(llm, _only(turn, [0, 1]), WORKLOAD.answer_tokens)
+        for f in files_a:
+            f.unlink()
+        lost_a = run_turns(llm, _only(turn, [2]), WORKLOAD.answer_tokens)
+        for f in files_a:
+            shutil.copy(src / "pages" / f.name, f)
+        for f in files_b:
+            f.unlink()
+        lost_b = run_turns(llm, _only(turn, [3]), WORKLOAD.answer_tokens)
+    finally:
+        close_llm(llm)
+    assert intact.outputs == turn.outputs[:2]
+    # Engine A served this very turn too: its whole prompt is in L3, to the last page.
+    assert intact.num_cached_tokens == [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE
+                                        for p in turn.prompts[:2]]
+    assert lost_a.outputs == turn.outputs[2:3] and lost_b.outputs == turn.outputs[3:]
+    # Only the shared system prompt, which the first two left in L2.
+    assert lost_a.num_cached_tokens == [shared] == lost_b.num_cached_tokens, (name_a, name_b)
