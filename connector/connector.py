@@ -136,6 +136,14 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.config.to_dict(),
             )
 
+            if _is_sliding_window(kv_cache_config) and \
+                    self.config.hicache_write_policy == "write_back":
+                logger.warning(
+                    "HiCache: write_back on a sliding-window model stores only the pages "
+                    "still inside the window when a request finishes (vLLM has replaced "
+                    "the others with its null block); use write_through to cache whole "
+                    "histories")
+
             self._admin = SchedulerAdmin(
                 self._scheduler, self.config, build_storage=build_lookup,
                 l1_pages=kv_cache_config.num_blocks // (page_size // block_size),
@@ -392,6 +400,12 @@ def _is_mla(kv_cache_config: KVCacheConfig) -> bool:
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec)
+
+
+def _is_sliding_window(kv_cache_config: KVCacheConfig) -> bool:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, SlidingWindowSpec)
 
 
 def apply_load_failure_policy(own: Any, policy: str) -> None:
