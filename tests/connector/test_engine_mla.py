@@ -30,7 +30,7 @@ from hicache.integration.workload import (
 pytestmark = pytest.mark.engine
 
 BLOCK = 16  # vLLM's CPU MLA backend forces it
-WORKLOAD = MultiTurnSpec(conversations=3, history_tokens=1024, shared_prefix_tokens=0,
+WORKLOAD = MultiTurnSpec(conversations=2, history_tokens=1024, shared_prefix_tokens=0,
                          question_tokens=48, answer_tokens=16, seed=41)
 L1_BLOCKS = 80  # 79 usable (the null block): one conversation at a time (turn 3: 1,168)
 TURNS = 3
