@@ -289,6 +289,19 @@ class HiCacheScheduler:
         if num_external_tokens == 0 or match is None:
             return
         keys = state.chain.keys
+        # vLLM asked for an async load exactly when L3 pages were offered; it
+        # then waits for the request in finished_recving, whatever happens here.
+        is_async = l3_pages > 0
+        # The admin endpoint may have flushed pages (another thread) since the
+        # lookup: match again. What is gone is reported as unloadable below and
+        # recomputed; L3 pages no longer extend a resident prefix, so they go too.
+        fresh = self.tree.match_prefix(keys[: match.num_pages])
+        if fresh.num_pages < match.num_pages:
+            logger.warning("HiCache: %d of %d L2 pages of request %s were flushed "
+                           "before their load; recomputing them", match.num_pages -
+                           fresh.num_pages, match.num_pages, request.request_id)
+            l3_pages = 0
+        match = fresh
         l3_slots: list[int] = []
         if l3_pages:
             self.tree.lock(match.node)
@@ -316,16 +329,18 @@ class HiCacheScheduler:
                     block_ids=tuple(block_ids[lo:hi]),
                 )
             )
-        # vLLM allocated more external tokens than were offered (never seen):
-        # those blocks are reported as failed loads, so vLLM recomputes them.
+        # Tokens vLLM allocated that no page can supply now (pages flushed since
+        # the lookup): reported as failed loads, so vLLM recomputes them.
         unloadable = tuple(block_ids[end_block : -(-end // self.block_size)])
         if unloadable:
-            logger.error(
+            logger.warning(
                 "HiCache: request %s got %d external tokens after a local hit of %d, but "
                 "only %d tokens matched; recomputing the rest",
                 request.request_id, num_external_tokens, start, matched_tokens,
             )
-        if l3_pages:
+        if is_async:
+            if not l3_pages:
+                self.tree.lock(match.node)
             # Locked above; unlocked when every rank has reported the fetch.
             # Every L3 page after the L2 match is fetched, also those vLLM's own
             # prefix cache covers (no blocks to fill), so what enters the tree

@@ -91,7 +91,14 @@ def test_damaged_pages_were_read_rejected_and_the_rest_served(runs):
 
 
 def test_composition_without_the_top_level_policy_is_refused(tiny_model, tmp_path):
-    with pytest.raises(HiCacheConfigError, match='"kv_load_failure_policy": "recompute"'):
-        open_llm(EngineSpec(model=tiny_model, kv_transfer=composed(tmp_path, policy=None),
-                            block_size=BLOCK_SIZE, num_blocks=SMALL_L1_BLOCKS,
-                            max_model_len=MAX_MODEL_LEN, in_process=True))
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    try:
+        with pytest.raises(HiCacheConfigError, match='"kv_load_failure_policy": "recompute"'):
+            open_llm(EngineSpec(model=tiny_model, kv_transfer=composed(tmp_path, policy=None),
+                                block_size=BLOCK_SIZE, num_blocks=SMALL_L1_BLOCKS,
+                                max_model_len=MAX_MODEL_LEN, in_process=True))
+    finally:
+        # The in-process worker built its connector before the scheduler refused:
+        # drop it, or the next in-process engine of this session would reuse it.
+        ensure_kv_transfer_shutdown()

@@ -168,3 +168,19 @@ def test_loads_may_name_the_null_block_but_never_need_it(sched):
     sched.update_state_after_alloc(again, [0, 0, 0, 9, 10, 11, 12], 3 * PAGE)
     (load,) = sched.build_connector_meta({}).loads
     assert [p.block_ids for p in load.pages] == [(0, 0), (0, 9), (10, 11)]
+
+
+def test_pages_flushed_between_lookup_and_allocation_are_recomputed(sched):
+    """The admin endpoint flushes L2 on its own thread: a lookup's match may be
+    gone when vLLM allocates. The load shrinks; the rest is reported unloadable."""
+    prefill(sched, request("a", range(100, 124)), [1, 2, 3, 4, 5, 6])  # 3 pages
+    again = request("b", list(range(100, 124)) + [1])
+    assert sched.get_num_new_matched_tokens(again, 0) == (3 * PAGE, False)
+    match = sched.tree.match_prefix(sched.prefix_keys(range(100, 124)))
+    sched.flush({"l2"}, list(range(100, 108)) + [0])  # pages after the first
+    assert sched.tree.total_pages() == 1 and match.node.parent is None
+    sched.update_state_after_alloc(again, [9, 10, 11, 12, 13, 14, 15], 3 * PAGE)
+    (load,) = sched.build_connector_meta({}).loads
+    assert [p.block_ids for p in load.pages] == [(9, 10)]
+    assert load.unloadable_block_ids == (11, 12, 13, 14)
+    sched.tree.check_invariants()

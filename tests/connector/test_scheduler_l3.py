@@ -119,3 +119,27 @@ def test_l3_pages_under_vllms_own_hit_are_fetched_into_l2_only(tmp_path):
         (0, ()), (0, ()), (1, (15,)), (0, (16, 17))]
     sched.on_worker_report(HiCacheWorkerReport(fetched={"r": [4]}))
     assert sched.tree.match_prefix(keys_of(NS.seed(), tokens, PAGE)).num_pages == 4
+
+
+def test_flush_between_lookup_and_allocation_keeps_the_async_contract(tmp_path):
+    """vLLM waits for an async request in finished_recving: when its L2 prefix is
+    flushed before allocation, the fetch still goes out, without L3 pages, and
+    every block it cannot fill is reported for recompute."""
+    tokens = list(range(300, 349))  # 6 full pages + 1
+    store_pages(tmp_path, tokens)
+    sched = scheduler(tmp_path)
+    first = request("a", tokens[:17])  # 2 pages from L3 into L2
+    sched.get_num_new_matched_tokens(first, 0)
+    sched.update_state_after_alloc(first, [1, 2, 3, 4, 5], 2 * PAGE)
+    sched.build_connector_meta({})
+    sched.on_worker_report(HiCacheWorkerReport(fetched={"a": [2]}))
+    req = request("r", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (6 * PAGE, True)
+    sched.flush({"l2"}, None)
+    sched.update_state_after_alloc(req, list(range(10, 23)), 6 * PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert fetch.l2_pages == () and fetch.l3_pages == ()
+    assert fetch.unloadable_block_ids == tuple(range(10, 22))
+    sched.on_worker_report(HiCacheWorkerReport(fetched={"r": [0]}))
+    assert not sched._inflight
+    sched.tree.check_invariants()
