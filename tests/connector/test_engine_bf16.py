@@ -15,11 +15,13 @@ from vLLM's block hashes, which cover the embeddings.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
-from conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_TURNS, SMALL_L1_BLOCKS, WORKLOAD
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_TURNS, SMALL_L1_BLOCKS
+from conftest import WORKLOAD as FP32_WORKLOAD
 from safetensors import safe_open
 
 from hicache.integration.engine import EngineSpec, close_llm, open_llm
@@ -29,6 +31,8 @@ from hicache.integration.workload import first_turn_prompts, next_turn_prompts, 
 pytestmark = pytest.mark.engine
 
 EMBED_PROMPT_TOKENS = 1536
+# The fp32 workload's shape, fewer conversations (suite time).
+WORKLOAD = dataclasses.replace(FP32_WORKLOAD, conversations=4)
 
 
 def _spec(model: str, **kw) -> EngineSpec:

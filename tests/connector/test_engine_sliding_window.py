@@ -40,7 +40,7 @@ pytestmark = pytest.mark.engine
 BLOCK = 32
 WINDOW = 384
 HEAD = 640  # branches share this much of a history, more than the window
-WORKLOAD = MultiTurnSpec(conversations=3, history_tokens=1536, shared_prefix_tokens=0,
+WORKLOAD = MultiTurnSpec(conversations=2, history_tokens=1536, shared_prefix_tokens=0,
                          question_tokens=64, answer_tokens=16, seed=33)
 L1_BLOCKS = 72  # one conversation at a time
 POLICIES = ("write_through", "write_through_selective", "write_back")
