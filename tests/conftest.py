@@ -6,6 +6,7 @@ or session-scoped, and the baseline workload runs once per session.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -79,3 +80,29 @@ def history_lengths(run: WorkloadRun, turn: int) -> list[int]:
     """Tokens of each conversation's history when it returns for ``turn``."""
     prev = run.turns[turn - 1]
     return [len(p) + len(o) for p, o in zip(prev.prompts, prev.outputs, strict=True)]
+
+
+def run_multi_turn(llm, spec: MultiTurnSpec, turns: range,
+                   prompts_from: list[TurnResult] | None = None) -> list[TurnResult]:
+    """Turns ``turns`` of ``spec``'s workload; with ``prompts_from``, that run's prompts."""
+    out: list[TurnResult] = []
+    for i in turns:
+        if prompts_from is not None:
+            prompts = prompts_from[i].prompts
+        else:
+            prompts = first_turn_prompts(spec) if i == 0 else next_turn_prompts(spec, out[-1], i)
+        out.append(run_turns(llm, prompts, spec.answer_tokens))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_worker_per_core():
+    """TP=2 on the CPU engine: one worker per core (vLLM's automatic NUMA binding
+    refuses two workers on one node of this 2-core machine)."""
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved

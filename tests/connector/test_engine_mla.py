@@ -11,40 +11,26 @@ an empty L2 that serves the returning turns from the shared L3 shard.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
+from conftest import run_multi_turn
 
 from hicache.integration.engine import EngineSpec, close_llm, open_llm
 from hicache.integration.tiny_model import ensure_tiny_model
 from hicache.integration.workload import (
     MultiTurnSpec,
     TurnResult,
-    first_turn_prompts,
-    next_turn_prompts,
-    run_turns,
 )
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_worker_per_core")]
 
 BLOCK = 16  # vLLM's CPU MLA backend forces it
 WORKLOAD = MultiTurnSpec(conversations=2, history_tokens=1024, shared_prefix_tokens=0,
                          question_tokens=48, answer_tokens=16, seed=41)
 L1_BLOCKS = 80  # 79 usable (the null block): one conversation at a time (turn 3: 1,168)
 TURNS = 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_worker_per_core():
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    yield
-    if saved is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +45,6 @@ def _engine(model: str, hicache: dict | None = None):
         extra_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}))
 
 
-def _run(llm, prompts_from: list[TurnResult] | None = None, turns: range = range(TURNS)
-         ) -> list[TurnResult]:
-    out: list[TurnResult] = []
-    for i in turns:
-        if prompts_from is not None:
-            prompts = prompts_from[i].prompts
-        else:
-            prompts = first_turn_prompts(WORKLOAD) if i == 0 else next_turn_prompts(
-                WORKLOAD, out[-1], i)
-        out.append(run_turns(llm, prompts, WORKLOAD.answer_tokens))
-    return out
-
-
 def _l3(path: Path, **more) -> dict:
     return {"hicache_size": 0.05, "hicache_storage_backend": "file",
             "hicache_storage_backend_extra_config": {"path": str(path)}, **more}
@@ -82,7 +55,7 @@ def oracle(mla_model) -> list[TurnResult]:
     llm = _engine(mla_model)
     try:
         assert llm.llm_engine.vllm_config.model_config.use_mla
-        return _run(llm)
+        return run_multi_turn(llm, WORKLOAD, range(TURNS))
     finally:
         close_llm(llm)
 
@@ -92,7 +65,7 @@ def written(mla_model, oracle, tmp_path_factory) -> tuple[list[TurnResult], Path
     path = tmp_path_factory.mktemp("l3-mla")
     llm = _engine(mla_model, _l3(path))
     try:
-        return _run(llm, prompts_from=oracle), path
+        return run_multi_turn(llm, WORKLOAD, range(TURNS), oracle), path
     finally:
         close_llm(llm)
 
@@ -124,7 +97,7 @@ def test_restarted_mla_engine_serves_every_rank_from_the_shared_shard(
     shutil.copytree(src, path, dirs_exist_ok=True)
     llm = _engine(mla_model, _l3(path, hicache_storage_prefetch_policy="wait_complete"))
     try:
-        got = _run(llm, prompts_from=oracle, turns=range(1, 2))[0]
+        got = run_multi_turn(llm, WORKLOAD, range(1, 2), oracle)[0]
     finally:
         close_llm(llm)
     assert got.outputs == oracle[1].outputs

@@ -13,41 +13,25 @@ history is not offered (recomputed), rather than promised and then failed.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS
+from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, run_multi_turn
 
 from hicache.integration.engine import EngineSpec, close_llm, open_llm
 from hicache.integration.workload import (
     MultiTurnSpec,
     TurnResult,
-    first_turn_prompts,
-    next_turn_prompts,
     run_turns,
 )
 from hicache.tiers.storage.integrity import HEADER_BYTES
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_worker_per_core")]
 
 WORKLOAD = MultiTurnSpec(conversations=4, history_tokens=1536, shared_prefix_tokens=160,
                          question_tokens=64, answer_tokens=16, seed=21)
 TURNS = 3
-
-
-def _run(llm, prompts_from: list[TurnResult] | None = None, turns: range = range(TURNS)
-         ) -> list[TurnResult]:
-    out: list[TurnResult] = []
-    for i in turns:
-        if prompts_from is not None:
-            prompts = prompts_from[i].prompts
-        else:
-            prompts = first_turn_prompts(WORKLOAD) if i == 0 else next_turn_prompts(
-                WORKLOAD, out[-1], i)
-        out.append(run_turns(llm, prompts, WORKLOAD.answer_tokens))
-    return out
 
 
 def _engine(model: str, hicache: dict | None = None):
@@ -57,22 +41,11 @@ def _engine(model: str, hicache: dict | None = None):
         extra_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_worker_per_core():
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    yield
-    if saved is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
-
-
 @pytest.fixture(scope="module")
 def oracle(tiny_model) -> list[TurnResult]:
     llm = _engine(tiny_model)
     try:
-        return _run(llm)
+        return run_multi_turn(llm, WORKLOAD, range(TURNS))
     finally:
         close_llm(llm)
 
@@ -87,7 +60,7 @@ def written(tiny_model, oracle, tmp_path_factory) -> tuple[list[TurnResult], Pat
     path = tmp_path_factory.mktemp("l3-tp2")
     llm = _engine(tiny_model, _l3(path))
     try:
-        return _run(llm, prompts_from=oracle), path
+        return run_multi_turn(llm, WORKLOAD, range(TURNS), oracle), path
     finally:
         close_llm(llm)
 
