@@ -51,6 +51,7 @@ from hicache.connector.metadata import (
     RequestFetch,
     RequestLoad,
 )
+from hicache.connector.rank_shards import RankShards
 from hicache.tiers.host_pool import PoolGeometry
 from hicache.tiers.page_keys import (
     KeyNamespace,
@@ -165,13 +166,12 @@ class HiCacheScheduler:
         block_ids_of: Any,
         write_policy: str = "write_through",
         write_threshold: int = 2,
-        storage: StorageBackend | None = None,
+        storage: StorageBackend | RankShards | None = None,
         prefetch_policy: str = "timeout",
         prefetch: dict[str, float] | None = None,
         tp_size: int = 1,
         hash_block_size: int | None = None,
         prefix_hasher: PrefixHasher | None = None,
-        l3_shards: Sequence[StorageBackend] = (),
     ) -> None:
         self.geometry = geometry
         self.write_policy = write_policy
