@@ -113,8 +113,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             check_stable_hashes(vllm_config, self.config.hicache_storage_backend is not None)
             apply_load_failure_policy(self._kv_transfer_config,
                                       self.config.hicache_load_failure_policy)
-            self._prefix_hasher = VllmPrefixHasher(
-                vllm_config, hash_block_size(kv_cache_config, block_size))
+            hashed_block = hash_block_size(kv_cache_config, block_size)
+            self._prefix_hasher = VllmPrefixHasher(vllm_config, hashed_block)
             self._scheduler = HiCacheScheduler(
                 geometry=geometry,
                 namespace=namespace,
@@ -127,7 +127,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                 prefetch_policy=self.config.hicache_storage_prefetch_policy,
                 prefetch={k: self.config.prefetch_setting(k) for k in PREFETCH_KEYS},
                 tp_size=tp_size,
-                hash_block_size=hash_block_size(kv_cache_config, block_size),
+                hash_block_size=hashed_block,
                 prefix_hasher=self._prefix_hasher,
             )
             logger.info(

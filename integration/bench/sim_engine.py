@@ -215,8 +215,9 @@ class SimulatedL3:
 
 
 @dataclass
-class _SimRequest:
-    """The attributes of vLLM's ``Request`` that the scheduler half reads."""
+class SimRequest:
+    """The attributes of vLLM's ``Request`` that the scheduler half reads (block hashes
+    from the engine-free stand-in); also the scheduler tests' request."""
 
     request_id: str
     all_token_ids: list[int]
@@ -237,7 +238,7 @@ class _SimRequest:
 
 @dataclass
 class _Running:
-    req: _SimRequest
+    req: SimRequest
     record: TraceRecord
     blocks: list[PageKey | int]
     outcome: RequestOutcome
@@ -289,7 +290,7 @@ class SimEngine:
                 prefetch={"prefetch_threshold": config.prefetch_threshold},
             )
         self._tokens = TokenSource()
-        self._prepared: dict[int, tuple[_SimRequest, list[PageKey]]] = {}
+        self._prepared: dict[int, tuple[SimRequest, list[PageKey]]] = {}
         self._running_count = 0
 
     def run(self, records: Sequence[TraceRecord]) -> SimResult:
@@ -327,14 +328,14 @@ class SimEngine:
         result.l3_evicted_pages = self.l3.evictions if self.l3 is not None else 0
         return result
 
-    def _prepare(self, rec: TraceRecord) -> tuple[_SimRequest, list[PageKey]]:
+    def _prepare(self, rec: TraceRecord) -> tuple[SimRequest, list[PageKey]]:
         """The request of ``rec`` and its L1 block keys (built once: tokens may be synthetic)."""
         got = self._prepared.get(id(rec))
         if got is None:
             tokens = self._tokens.prompt(rec)
             if not tokens:
                 raise ValueError(f"request {rec.id!r} has an empty prompt")
-            req = _SimRequest(f"{len(self._prepared)}:{rec.id}", tokens, 0, rec.cache_salt,
+            req = SimRequest(f"{len(self._prepared)}:{rec.id}", tokens, 0, rec.cache_salt,
                               block_size=self.config.block_size)
             keys = page_keys(self._l1_seed + (rec.cache_salt or "").encode(), tokens,
                              self.config.block_size)
@@ -372,7 +373,7 @@ class SimEngine:
         self.l1.cache(blocks, block_keys)
         return _Running(req, rec, blocks, outcome)
 
-    def _connector_admit(self, req: _SimRequest, local: int, external: int,
+    def _connector_admit(self, req: SimRequest, local: int, external: int,
                          is_async: bool) -> tuple[int, int, int]:
         sched = self.sched
         assert sched is not None
