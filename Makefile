@@ -44,16 +44,16 @@ lint: $(STAMP)
 
 # MODEL=<path or HF id> to serve another model; PORT, EXTRA_CONFIG (JSON) and SERVE_ARGS too.
 serve: $(STAMP)
-	$(PY) -m hicache.integration.serve
+	$(PY) -m hicache.integration.vllm.serve
 
 bench-copy: $(STAMP)
-	$(PY) -m hicache.integration.bench_copy $(BENCH_ARGS)
+	$(PY) -m hicache.integration.bench.micro.kv_copy $(BENCH_ARGS)
 
 bench-l3: $(STAMP)
-	$(PY) -m hicache.integration.bench_l3 $(BENCH_ARGS)
+	$(PY) -m hicache.integration.bench.micro.l3_io $(BENCH_ARGS)
 
 bench-l2: $(STAMP)
-	$(PY) -m hicache.integration.bench_l2 $(BENCH_ARGS)
+	$(PY) -m hicache.integration.bench.micro.l2_engine $(BENCH_ARGS)
 
 # The comparison harness: every system of a preset (cpu: < 10 min here; gpu: see README).
 PRESET ?= cpu
@@ -63,7 +63,7 @@ bench-compare: $(STAMP)
 # SGLang 0.5.23 and LMCache 0.5.6, each in its own venv under .venv-peers/
 # (about 4.4 GB, 5-6 min the first time; CPU torch kept, checked after each step).
 peer-venvs:
-	bash integration/peers/setup_venvs.sh
+	bash integration/bench/peers/setup_venvs.sh
 
 # Our tree / file L3 / L2 against SGLang's RadixCache / HiCacheFile and LMCache's
 # engine; BENCH_ARGS=--quick for a smoke run.

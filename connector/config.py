@@ -52,7 +52,7 @@ class HiCacheConfig:
     hicache_write_policy: str = "write_through"
     # Requests that must compute a page before write_through_selective keeps it.
     hicache_write_through_threshold: int = 2
-    # Byte layout of the L2 host pool (see tiers/host_pool.py): layer_first,
+    # Byte layout of the L2 host pool (see tiers/l2/host_pool.py): layer_first,
     # page_first or page_first_direct; SGLang's current default is page_first.
     hicache_mem_layout: str = "page_first"
     # How bytes move between L1 and L2: kernel = one GPU copy kernel over many

@@ -3,7 +3,7 @@
 vLLM builds it twice: with role SCHEDULER in the engine-core process (owns
 ``HiCacheScheduler``: tree, slots, plans) and with role WORKER in each worker
 process (owns ``HiCacheWorker``: host pool bytes, copies). This module only
-translates; decisions live in scheduler.py, data movement in worker.py.
+translates; decisions live in tiers/controller/, data movement in worker.py.
 
 Supported: one KV-cache group (full attention MHA/GQA, MLA, or sliding
 window alone), synchronous L2 loads, asynchronous L3 loads (``load_async``),
@@ -31,11 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.connector.admin_target import SchedulerAdmin
 from hicache.connector.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
-from hicache.connector.rank_shards import RankShards
-from hicache.connector.scheduler import HiCacheScheduler
 from hicache.connector.vllm_keys import (
     VllmPrefixHasher,
     check_stable_hashes,
@@ -49,9 +46,12 @@ from hicache.connector.vllm_metrics import (
     l3_source,
 )
 from hicache.connector.worker import HiCacheWorker, increments
-from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.storage.base import StorageBackend, StorageConfig, StorageConfigError
-from hicache.tiers.storage.factory import create_backend
+from hicache.tiers.controller.admin import SchedulerAdmin
+from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.l3.base import StorageBackend, StorageConfig, StorageConfigError
+from hicache.tiers.l3.factory import create_backend
+from hicache.tiers.l3.rank_shards import RankShards
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -175,7 +175,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         port = self.config.hicache_admin_port
         if not port or self._admin is None:
             return
-        from hicache.integration.admin_app import AdminServer
+        from hicache.integration.admin.app import AdminServer
 
         port += vllm_config.parallel_config.data_parallel_rank or 0
         token = self.config.hicache_admin_token or os.environ.get("HICACHE_ADMIN_TOKEN")
@@ -247,12 +247,12 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         with self.hicache_scheduler.lock:
-            meta = self.hicache_scheduler.build_connector_meta(
+            plan = self.hicache_scheduler.build_connector_meta(
                 scheduler_output.num_scheduled_tokens
             )
         if self._admin is not None:
-            meta.storage_commands = self._admin.take_commands()
-        return meta
+            plan.storage_commands = self._admin.take_commands()
+        return HiCacheStepMetadata.wrap(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta

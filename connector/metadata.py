@@ -1,122 +1,39 @@
-"""What travels between the two halves of the connector each engine step.
+"""vLLM's envelopes for the step plan and the workers' report.
 
-Scheduler -> workers: ``HiCacheStepMetadata`` (loads to perform before the
-forward pass, stores to perform after it). Every TP rank applies the same
-plan to its own KV shard, so plans name slots and block ids, never bytes.
-
-Workers -> scheduler: ``HiCacheWorkerReport`` (slots found unusable, L3
-pages fetched per request), merged over ranks by vLLM with ``aggregate``.
-
-L3 fetches (``RequestFetch``) are asynchronous: the worker reads the L3
-pages into their reserved L2 slots, copies every page of the plan into the
-request's blocks on its I/O thread, and reports the request in
-``finished_recving`` (with the blocks it could not fill as load errors) in
-some later step. vLLM does not schedule the request, so nothing else
-touches its blocks, until then.
-
-Null block: vLLM reserves block id 0 (``NULL_BLOCK_ID``) as its shared null
-block and hands it out where a sliding window no longer reaches. Plans may
-name it in a load (those tokens are not needed); workers never read or
-write it and never report it as a load error, and the scheduler never
-plans a store of a page that contains it.
-
-Ordering contract: a worker executes steps in order, loads of a step before
-its stores, and every copy is complete before the step's ``wait_for_save``
-returns. The scheduler relies on this to publish a page in the tree as soon
-as its store is planned.
+The scheduler core builds a plain ``StepPlan`` and consumes a plain
+``WorkerReport`` (``tiers/index/plans.py``, where the contract is written);
+vLLM moves ``KVConnectorMetadata`` scheduler -> workers and merges
+``KVConnectorWorkerMetadata`` over ranks with ``aggregate``. These two
+classes are both at once, so nothing is copied field by field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-# vLLM's BlockPool takes the first block (id 0) as its null block.
-NULL_BLOCK_ID = 0
-
-
-@dataclass(frozen=True)
-class PagePlan:
-    """One page's worth of blocks moving between L1 and an L2 slot."""
-
-    # L2 host pool slot holding the page.
-    slot: int
-    # Page key; the worker checks (load) or records (store) it per slot.
-    key: bytes
-    # Index within the page of the first block in block_ids (loads may start
-    # mid-page when vLLM's own prefix cache already holds the page's head).
-    first_offset: int
-    # vLLM KV block ids for consecutive blocks of the page.
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class RequestLoad:
-    """L2 -> L1 copies that make up one request's external prefix hit."""
-
-    req_id: str
-    pages: tuple[PagePlan, ...]
-    # Blocks vLLM expects loaded that no page covers: reported as load errors.
-    unloadable_block_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class RequestFetch:
-    """An asynchronous hit that needs L3: L3 -> L2 slots, then L2 -> L1, off the step."""
-
-    req_id: str
-    # Pages already in L2 (the request's L2 hit), in prefix order.
-    l2_pages: tuple[PagePlan, ...]
-    # Pages to read from L3 into their (reserved) slots first; they follow l2_pages.
-    l3_pages: tuple[PagePlan, ...]
-    unloadable_block_ids: tuple[int, ...] = ()
-    # Seconds the fetch may take (timeout policy); None = wait for all
-    # (wait_complete); 0 = stop at the worker's next poll (best_effort).
-    timeout_s: float | None = None
+from hicache.tiers.index.plans import StepPlan, WorkerReport
 
 
 @dataclass
-class HiCacheStepMetadata(KVConnectorMetadata):
-    """The plan of one engine step."""
+class HiCacheStepMetadata(StepPlan, KVConnectorMetadata):
+    """A ``StepPlan`` as vLLM's per-step connector metadata."""
 
-    loads: list[RequestLoad] = field(default_factory=list)
-    stores: list[PagePlan] = field(default_factory=list)
-    # Finished requests whose blocks vLLM keeps until these stores are done;
-    # the worker reports them in finished_sending after this step's saves.
-    release_after_store: list[str] = field(default_factory=list)
-    fetches: list[RequestFetch] = field(default_factory=list)
-    # Admin commands for every worker, applied before anything else of the
-    # step: ("detach",) or ("attach", backend name, backend extra config).
-    storage_commands: list[tuple] = field(default_factory=list)
+    @classmethod
+    def wrap(cls, plan: StepPlan) -> HiCacheStepMetadata:
+        return cls(**{f.name: getattr(plan, f.name) for f in fields(StepPlan)})
 
 
 @dataclass
-class HiCacheWorkerReport(KVConnectorWorkerMetadata):
-    """What workers tell the scheduler after a step."""
-
-    # Slots found unusable this step (failed store or key mismatch).
-    bad_slots: set[int] = field(default_factory=set)
-    # req_id -> L3 pages fetched into L2 (a prefix of its l3_pages), one
-    # entry per rank that finished that fetch this step; the scheduler waits
-    # for every rank and keeps the minimum.
-    fetched: dict[str, list[int]] = field(default_factory=dict)
-    # Counter increments since the last report (bytes, pages), summed over ranks.
-    counters: dict[str, float] = field(default_factory=dict)
-    # Current values (queue depths), summed over ranks; absent = unchanged.
-    gauges: dict[str, float] = field(default_factory=dict)
+class HiCacheWorkerReport(WorkerReport, KVConnectorWorkerMetadata):
+    """A ``WorkerReport`` as vLLM's worker -> scheduler metadata."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HiCacheWorkerReport)
-        fetched = {k: list(v) for k, v in self.fetched.items()}
-        for req_id, counts in other.fetched.items():
-            fetched.setdefault(req_id, []).extend(counts)
-        counters, gauges = dict(self.counters), dict(self.gauges)
-        for name, value in other.counters.items():
-            counters[name] = counters.get(name, 0) + value
-        for name, value in other.gauges.items():
-            gauges[name] = gauges.get(name, 0) + value
-        return HiCacheWorkerReport(self.bad_slots | other.bad_slots, fetched, counters, gauges)
+        merged = self.merge(other)
+        assert isinstance(merged, HiCacheWorkerReport)
+        return merged

@@ -4,7 +4,7 @@ Contract:
 - ``key_namespace``: everything that changes the meaning of a page's bytes
   (model, KV dtype, vLLM's layout and spec, page size, TP size, and the
   block-hash algorithm) goes into the keys' seed.
-- Page keys derive from vLLM's ``request.block_hashes`` (tiers/page_keys.py),
+- Page keys derive from vLLM's ``request.block_hashes`` (tiers/index/page_keys.py),
   which cover tokens, multimodal features, prompt embeddings, LoRA (name and
   path) and cache salt. ``prefix_hasher`` computes the same hashes for a
   plain-token prompt (admin flush / tree view by prefix) with vLLM's own
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hicache.connector.config import HiCacheConfigError
-from hicache.tiers.page_keys import KeyNamespace
+from hicache.tiers.index.page_keys import KeyNamespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

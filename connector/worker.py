@@ -19,7 +19,7 @@ Contract:
   to recompute.
 - With L3 (``storage_spec``), the backend is built once the pool exists
   and gets the pool registered (zero-copy slots); fetches and backups run
-  on ``StorageIO``'s thread (storage_io.py). Every page stored into L2 is
+  on ``StorageIO``'s thread (tiers/l3/io_thread.py). Every page stored into L2 is
   then backed up to L3 (whatever the write policy chose for L2 is what
   reaches L3). A backend that cannot start leaves this rank without L3:
   its fetches fail and vLLM recomputes.
@@ -34,19 +34,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.connector.metadata import (
-    NULL_BLOCK_ID,
-    HiCacheStepMetadata,
-    HiCacheWorkerReport,
-    PagePlan,
-    RequestFetch,
-)
-from hicache.connector.storage_io import FetchResult, StorageIO
+from hicache.connector.metadata import HiCacheWorkerReport
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
 from hicache.kernels.layer_pipeline import LayerPipeline
-from hicache.tiers.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.storage.base import StorageBackend
+from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3.base import StorageBackend
+from hicache.tiers.l3.io_thread import FetchResult, StorageIO
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +93,7 @@ class HiCacheWorker:
         # Per-step state, reset by finish_step.
         self._loading: list[int] = []
         self._saved_layers: set[int] = set()
-        self._stores_of: tuple[HiCacheStepMetadata, BlockTransfer] | None = None
+        self._stores_of: tuple[StepPlan, BlockTransfer] | None = None
         # (backend name, extra config) -> this rank's backend; spec = what to build now.
         self._storage_builder = storage_builder
         self._storage_spec = storage_spec
@@ -187,7 +182,7 @@ class HiCacheWorker:
 
     # ---- loads ----------------------------------------------------------------
 
-    def start_load(self, meta: HiCacheStepMetadata) -> None:
+    def start_load(self, meta: StepPlan) -> None:
         """Check every planned page's key, then copy layer by layer in the background;
         hand this step's L3 fetches to the L3 thread."""
         pool = self._require_pool()
@@ -248,7 +243,7 @@ class HiCacheWorker:
 
     # ---- stores ---------------------------------------------------------------
 
-    def save_layer(self, layer_name: str, meta: HiCacheStepMetadata) -> None:
+    def save_layer(self, layer_name: str, meta: StepPlan) -> None:
         """This layer's KV is final for the step: copy its planned stores while later
         layers compute."""
         index = self._layer_index.get(layer_name)
@@ -261,7 +256,7 @@ class HiCacheWorker:
         save = self._copy_fn("save")
         self._pipeline.submit("save", lambda: save(self.layers, pool.canonical, transfer, [index]))
 
-    def finish_step(self, meta: HiCacheStepMetadata) -> None:
+    def finish_step(self, meta: StepPlan) -> None:
         """End of the step: copy the layers not saved yet, wait for every copy, and
         publish the outcome (slot keys, load errors, bad slots, released requests)."""
         pool = self._require_pool()
@@ -305,7 +300,7 @@ class HiCacheWorker:
                 return fn
         return getattr(self.copy_path, kind)
 
-    def _store_transfer(self, meta: HiCacheStepMetadata) -> BlockTransfer:
+    def _store_transfer(self, meta: StepPlan) -> BlockTransfer:
         """The step's store transfer, built once; slots are invalid until it lands."""
         if self._stores_of is None or self._stores_of[0] is not meta:
             pool = self._require_pool()
@@ -387,7 +382,7 @@ class HiCacheWorker:
         self._bad_slots, self._fetched = set(), {}
         return report
 
-    def apply_commands(self, meta: HiCacheStepMetadata) -> None:
+    def apply_commands(self, meta: StepPlan) -> None:
         """Admin storage commands of this step, once, before its loads and fetches."""
         if not meta.storage_commands or self._commands_applied is meta:
             return

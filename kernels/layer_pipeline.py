@@ -9,7 +9,7 @@ Contract (both modes):
 - ``submit(kind, fn)`` queues any other copy (saves) behind what is queued.
 - ``drain()`` waits for everything queued and returns the failures as
   ``(kind, exception)``; nothing stays in flight across a ``drain``, which is
-  what keeps the step-ordering contract of connector/metadata.py.
+  what keeps the step-ordering contract of tiers/index/plans.py.
 - A failed copy never raises into the caller: it is reported by ``drain`` so
   the caller can degrade to recompute.
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from hicache.integration.engine import EngineSpec, close_llm, open_llm
-from hicache.integration.tiny_model import ensure_tiny_model
-from hicache.integration.workload import (
+from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
     first_turn_prompts,
     next_turn_prompts,
     run_turns,
 )
+from hicache.integration.models.tiny_model import ensure_tiny_model
+from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
 
 # 8 conversations x >= 1,500-token histories, a 160-token system prompt shared
 # by all (not page-aligned, so vLLM's own prefix hits end mid-page), 3 turns.

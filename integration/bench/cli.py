@@ -2,7 +2,7 @@
 
 They parse options, turn bad input into exit code 2 with a message that
 names the option and the allowed values, and call client.py, compare.py,
-``hicache.integration.peers`` and simulate.py. Heavy imports (vLLM via the
+``hicache.integration.bench.peers`` and simulate.py. Heavy imports (vLLM via the
 scheduler, matplotlib) happen inside the commands so ``hicache --help``
 stays fast.
 """
@@ -139,9 +139,9 @@ def compare_cmd(
 def peers_cmd(ctx: typer.Context) -> None:
     """Our tiers vs SGLang's RadixCache / HiCacheFile and LMCache's engine (peer venvs).
 
-    Options are those of ``python -m hicache.integration.peers`` (--help lists them).
+    Options are those of ``python -m hicache.integration.bench.peers`` (--help lists them).
     """
-    from hicache.integration.peers.__main__ import main as peers_main
+    from hicache.integration.bench.peers.__main__ import main as peers_main
 
     raise typer.Exit(peers_main(list(ctx.args)))
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.bench.systems import (
     CompareConfig,
     LaunchPlan,
@@ -40,7 +41,6 @@ from hicache.integration.bench.systems import (
     plan,
     server_env,
 )
-from hicache.integration.mooncake_service import free_port
 
 _ERROR_LINE = re.compile(r"(\w+(Error|Exception)): (.+)")
 

@@ -1,7 +1,7 @@
 """One simulated engine: a request trace replayed through the real HiCache scheduler.
 
 No model runs and no bytes move. What decides hits is the production code:
-:class:`~hicache.connector.scheduler.HiCacheScheduler` (HiRadixTree, slot
+:class:`~hicache.tiers.controller.scheduler.HiCacheScheduler` (HiRadixTree, slot
 allocator, write policies, the L3 lookup and its threshold, the per-tier
 counters the admin ``/stats`` reports). Around it this module models only
 what lives outside the connector:
@@ -33,11 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.connector.metadata import HiCacheWorkerReport
-from hicache.connector.scheduler import HiCacheScheduler
 from hicache.integration.bench.trace import TraceRecord
-from hicache.tiers.host_pool import PoolGeometry
-from hicache.tiers.page_keys import KeyNamespace, PageKey, page_keys, token_block_hashes
+from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, token_block_hashes
+from hicache.tiers.index.plans import WorkerReport
+from hicache.tiers.l2.host_pool import PoolGeometry
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -383,7 +383,7 @@ class SimEngine:
         if is_async:
             # The worker fetches every L3 page (a simulated store never fails).
             meta = sched.build_connector_meta({})
-            report = HiCacheWorkerReport(
+            report = WorkerReport(
                 fetched={f.req_id: [len(f.l3_pages)] for f in meta.fetches})
             sched.on_worker_report(report)
             self._backup(meta)

@@ -202,7 +202,7 @@ class LaunchPlan:
 
 def resolve_model(model: str) -> str:
     if model == "tiny":
-        from hicache.integration.tiny_model import ensure_tiny_model
+        from hicache.integration.models.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model("test"))
     return model
@@ -300,10 +300,10 @@ def plan(cfg: CompareConfig, spec: SystemSpec, *, port: int, admin_port: int,
 def _vllm_cli(python: str) -> list[str]:
     """``vllm`` for a CUDA install; our shim where the CPU build's script cannot start."""
     if python == sys.executable:
-        from hicache.integration.vllm_cli import vllm_distribution_missing
+        from hicache.integration.vllm.cli_shim import vllm_distribution_missing
 
         if vllm_distribution_missing():
-            return [python, "-m", "hicache.integration.vllm_cli"]
+            return [python, "-m", "hicache.integration.vllm.cli_shim"]
     script = Path(python).parent / "vllm"
     return [str(script)] if script.exists() else [python, "-m", "vllm.entrypoints.cli.main"]
 

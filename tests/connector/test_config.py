@@ -72,7 +72,7 @@ def test_page_size_must_be_block_multiple():
 @pytest.mark.engine
 def test_bad_config_fails_engine_start_naming_the_key(tiny_model):
     """On a real (in-process) engine, the error reaches the caller as ours."""
-    from hicache.integration.engine import EngineSpec, open_llm
+    from hicache.integration.vllm.engine import EngineSpec, open_llm
 
     with pytest.raises(HiCacheConfigError, match=r"hicache_write_policy='write_sideways'.*"
                        r"allowed values: \['write_through', "):

@@ -17,10 +17,10 @@ import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, WORKLOAD, history_lengths
 from typer.testing import CliRunner
 
-from hicache.integration.admin_cli import app as cli
-from hicache.integration.engine import EngineSpec, close_llm, open_llm
-from hicache.integration.mooncake_service import free_port
-from hicache.integration.workload import run_turns
+from hicache.integration.bench.mooncake_service import free_port
+from hicache.integration.bench.multi_turn import run_turns
+from hicache.integration.cli.main import app as cli
+from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
 
 pytestmark = pytest.mark.engine
 

@@ -17,7 +17,7 @@ from conftest import (
     run_workload,
 )
 
-from hicache.integration.engine import (
+from hicache.integration.vllm.engine import (
     EngineSpec,
     close_llm,
     open_llm,
@@ -120,7 +120,7 @@ class TestEvictionAndFaults:
     def test_recent_histories_still_hit_after_l1_reset(self, engine, run, baseline):
         """The 8 conversations come back in a cycle longer than L2 holds, where LRU
         cannot hit; but the most recent ones are in L2 and must be served from it."""
-        from hicache.integration.workload import run_turns
+        from hicache.integration.bench.multi_turn import run_turns
 
         assert engine.reset_prefix_cache()  # empties vLLM's L1 cache only
         last = baseline.turns[NUM_TURNS - 1]
@@ -143,7 +143,7 @@ class TestEvictionAndFaults:
         assert sched.tree.total_pages() > 0
         worker.pool.invalidate_all()
         errors_before = worker.stats.load_errors
-        from hicache.integration.workload import run_turns
+        from hicache.integration.bench.multi_turn import run_turns
 
         last = baseline.turns[NUM_TURNS - 1]
         again = run_turns(engine, last.prompts[6:], WORKLOAD.answer_tokens, one_by_one=True)

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, WORKLOAD, history_lengths
 
-from hicache.connector.storage_io import BATCH_PAGES
-from hicache.integration.engine import EngineSpec, close_llm, open_llm, worker_connector
-from hicache.integration.workload import run_turns
+from hicache.integration.bench.multi_turn import run_turns
+from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm, worker_connector
+from hicache.tiers.l3.io_thread import BATCH_PAGES
 
 pytestmark = pytest.mark.engine
 
-FAULTY = {"module_path": "hicache.integration.fault_injection", "class_name": "FaultyFileBackend"}
+FAULTY = {"module_path": "support.fault_injection", "class_name": "FaultyFileBackend"}
 
 
 def engine(tiny_model: str, backend: str, extra: dict, *, in_process: bool = False, **more):
@@ -206,7 +206,7 @@ def test_nixl_restart_serves_from_l3(tiny_model, baseline, tmp_path):
 
 @pytest.fixture(scope="module")
 def mooncake():
-    from hicache.integration.mooncake_service import start_mooncake
+    from hicache.integration.bench.mooncake_service import start_mooncake
 
     with start_mooncake() as service:
         service.start_segment_holder(512 << 20)

@@ -18,8 +18,8 @@ from conftest import (
     history_lengths,
 )
 
-from hicache.integration.engine import EngineSpec, close_llm, open_llm
-from hicache.integration.workload import run_turns
+from hicache.integration.bench.multi_turn import run_turns
+from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
 
 pytestmark = pytest.mark.engine
 

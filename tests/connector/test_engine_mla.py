@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from conftest import run_multi_turn
 
-from hicache.integration.engine import EngineSpec, close_llm, open_llm
-from hicache.integration.tiny_model import ensure_tiny_model
-from hicache.integration.workload import (
+from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
 )
+from hicache.integration.models.tiny_model import ensure_tiny_model
+from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_worker_per_core")]
 

@@ -20,19 +20,19 @@ import random
 import pytest
 from conftest import MAX_MODEL_LEN
 
-from hicache.integration.engine import (
-    EngineSpec,
-    close_llm,
-    open_llm,
-    scheduler_connector,
-)
-from hicache.integration.tiny_model import ensure_tiny_model
-from hicache.integration.workload import (
+from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
     first_turn_prompts,
     next_turn_prompts,
     run_turns,
+)
+from hicache.integration.models.tiny_model import ensure_tiny_model
+from hicache.integration.vllm.engine import (
+    EngineSpec,
+    close_llm,
+    open_llm,
+    scheduler_connector,
 )
 
 pytestmark = pytest.mark.engine

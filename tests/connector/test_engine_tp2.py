@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, run_multi_turn
 
-from hicache.integration.engine import EngineSpec, close_llm, open_llm
-from hicache.integration.workload import (
+from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
     run_turns,
 )
-from hicache.tiers.storage.integrity import HEADER_BYTES
+from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
+from hicache.tiers.l3.integrity import HEADER_BYTES
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_worker_per_core")]
 

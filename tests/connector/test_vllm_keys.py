@@ -22,7 +22,7 @@ from vllm.v1.request import Request
 from hicache.connector.config import HiCacheConfigError
 from hicache.connector.connector import apply_load_failure_policy
 from hicache.connector.vllm_keys import VllmPrefixHasher, check_stable_hashes
-from hicache.tiers.page_keys import KeyNamespace, block_page_keys
+from hicache.tiers.index.page_keys import KeyNamespace, block_page_keys
 
 BS, PAGE = 16, 64
 SEED = KeyNamespace("m", "bfloat16", "cpu", PAGE, 1).seed()

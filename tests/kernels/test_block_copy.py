@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from hicache.kernels import gpu_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view, load_blocks, save_blocks
-from hicache.tiers.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
+from hicache.tiers.l2.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
 
 
 def vllm_like_kv(num_layers, num_blocks, heads, tokens, content, dtype, layout="LBHNC"):

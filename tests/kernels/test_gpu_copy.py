@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from hicache.kernels import block_copy, gpu_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
-from hicache.tiers.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
+from hicache.tiers.l2.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()

@@ -48,7 +48,7 @@ def server(tiny_model, tmp_path_factory):
     env = dict(os.environ, MODEL=tiny_model, MAX_MODEL_LEN="2048", PORT=str(port),
                SERVE_ARGS=SERVE_ARGS, VLLM_CPU_KVCACHE_SPACE="1",
                EXTRA_CONFIG=json.dumps({"hicache_admin_port": admin_port}))
-    proc = subprocess.Popen([sys.executable, "-m", "hicache.integration.serve"],
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.integration.vllm.serve"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -13,7 +13,7 @@ import pytest
 
 from hicache.integration.bench.sim_engine import L1PrefixCache, SimConfig, SimEngine
 from hicache.integration.bench.trace import TraceRecord
-from hicache.tiers.page_keys import page_keys
+from hicache.tiers.index.page_keys import page_keys
 
 BS = 32
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from hicache.integration.admin_cli import app
 from hicache.integration.bench.simulate import CostModel, Grid, calibrate, fit_prefill, parse_sizes
 from hicache.integration.bench.trace import TraceRecord, write_trace
+from hicache.integration.cli.main import app
 
 
 def test_fit_prefill_recovers_a_line_and_refuses_degenerate_data():

@@ -125,7 +125,7 @@ def test_table_lists_every_system_with_a_number_or_a_reason():
 def test_cli_refuses_bad_input_before_starting_anything(tmp_path):
     from typer.testing import CliRunner
 
-    from hicache.integration.admin_cli import app
+    from hicache.integration.cli.main import app
 
     run = CliRunner().invoke
     res = run(app, ["bench", "compare", str(tmp_path / "missing.yaml")])

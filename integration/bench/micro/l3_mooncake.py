@@ -1,0 +1,133 @@
+"""Throughput of the Mooncake L3 backend versus raw Mooncake Store calls on the same bytes.
+
+Contract: ``bench_mooncake(page_bytes, num_pages, repeats)`` starts its own
+mooncake_master on 127.0.0.1 (``mooncake_service``), and in this one process
+measures:
+- ours: ``MooncakeBackend.batch_set_v1`` / ``batch_get_v1`` on a registered
+  ``HostPagePool`` (page_first_direct, one layer, one block per page):
+  existence check, xxh3 checksum, 128-byte header, multi-buffer put; get with
+  header check and checksum verification;
+- raw: ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the
+  same pool slots (registered with that client), no header, no checks.
+Both issue batches of ``batch_pages`` pages; before every put the store is
+emptied (``remove_all``) so no write is skipped. Each repeat runs ours then
+raw. Returns medians in GB/s (1e9 bytes of payload per second), every sample,
+and the overhead ratios raw/ours (1.0 = no overhead, 1.25 = ours 25 % slower).
+Data read back is checked bit-exact once per path. Everything it starts is
+stopped before it returns.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hicache.integration.bench.mooncake_service import apply_client_env, start_mooncake
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.integrity import HEADER_BYTES
+from hicache.tiers.l3.mooncake_backend import MooncakeBackend
+
+
+def _keys(prefix: str, n: int) -> list[str]:
+    return [f"{i:064x}" if not prefix else f"{prefix}-{i}" for i in range(n)]
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
+                   batch_pages: int = 256) -> dict[str, Any]:
+    """GB/s of put and get through MooncakeBackend versus raw Mooncake calls."""
+    apply_client_env()
+    geom = PoolGeometry(num_slots=2 * num_pages, num_layers=1, blocks_per_page=1,
+                        block_bytes=page_bytes)
+    pool = HostPagePool(geom, layout="page_first_direct", pin_memory=False)
+    gen = torch.Generator().manual_seed(0)
+    src = pool.buffer[:num_pages].view(-1)
+    src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, generator=gen))
+    # room for one full run of objects (eviction starts at 90 % full)
+    segment = int(num_pages * (page_bytes + HEADER_BYTES) * 1.5) + (64 << 20)
+    payload = num_pages * page_bytes
+    src_slots = list(range(num_pages))
+    dst_slots = list(range(num_pages, 2 * num_pages))
+    batches = [(lo, min(lo + batch_pages, num_pages)) for lo in range(0, num_pages, batch_pages)]
+
+    samples: dict[str, list[float]] = {"ours_put": [], "ours_get": [], "raw_put": [],
+                                       "raw_get": []}
+    with start_mooncake() as svc:
+        backend = MooncakeBackend(StorageConfig(
+            tp_rank=0, tp_size=1, namespace="bench", mem_layout="page_first_direct",
+            page_bytes=page_bytes, extra_config=svc.extra_config(segment)))
+        from mooncake.store import MooncakeDistributedStore
+
+        raw = MooncakeDistributedStore()
+        try:
+            backend.register_host_pool(pool)
+            rc = raw.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 << 20, "tcp", "",
+                           svc.master_address)
+            if rc != 0 or raw.register_buffer(pool.buffer.data_ptr(), pool.nbytes) != 0:
+                raise RuntimeError(f"raw mooncake client setup failed (rc={rc})")
+            keys = _keys("", num_pages)
+            raw_keys = _keys("raw", num_pages)
+            base, nb = pool.buffer.data_ptr(), page_bytes
+            ours_checked = raw_checked = False
+            for _ in range(repeats):
+                # ---- ours
+                backend.clear()
+                secs, ok = _timed(lambda: sum(
+                    sum(backend.batch_set_v1(keys[lo:hi], src_slots[lo:hi])) for lo, hi in batches))
+                if ok != num_pages:
+                    raise RuntimeError(f"MooncakeBackend stored {ok}/{num_pages} pages")
+                samples["ours_put"].append(payload / secs / 1e9)
+                pool.buffer[num_pages:].zero_()
+                secs, ok = _timed(lambda: sum(
+                    sum(backend.batch_get_v1(keys[lo:hi], dst_slots[lo:hi])) for lo, hi in batches))
+                if ok != num_pages:
+                    raise RuntimeError(f"MooncakeBackend loaded {ok}/{num_pages} pages")
+                samples["ours_get"].append(payload / secs / 1e9)
+                if not ours_checked:
+                    assert torch.equal(pool.buffer[:num_pages], pool.buffer[num_pages:])
+                    ours_checked = True
+                # ---- raw, same bytes
+                raw.remove_all(True)
+                secs, rcs = _timed(lambda: [rc for lo, hi in batches for rc in raw.batch_put_from(
+                    raw_keys[lo:hi], [base + i * nb for i in range(lo, hi)], [nb] * (hi - lo))])
+                if any(rc != 0 for rc in rcs):
+                    raise RuntimeError(f"raw batch_put_from failed: {sorted(set(rcs))}")
+                samples["raw_put"].append(payload / secs / 1e9)
+                pool.buffer[num_pages:].zero_()
+                secs, rcs = _timed(lambda: [rc for lo, hi in batches for rc in raw.batch_get_into(
+                    raw_keys[lo:hi], [base + (num_pages + i) * nb for i in range(lo, hi)],
+                    [nb] * (hi - lo))])
+                if any(rc != nb for rc in rcs):
+                    raise RuntimeError(f"raw batch_get_into failed: {sorted(set(rcs))}")
+                samples["raw_get"].append(payload / secs / 1e9)
+                if not raw_checked:
+                    assert torch.equal(pool.buffer[:num_pages], pool.buffer[num_pages:])
+                    raw_checked = True
+            raw.remove_all(True)
+        finally:
+            backend.close()
+            raw.close()
+    med = {name: statistics.median(vals) for name, vals in samples.items()}
+    return {
+        "page_bytes": page_bytes,
+        "num_pages": num_pages,
+        "repeats": repeats,
+        "batch_pages": batch_pages,
+        "ours_put_gbps": med["ours_put"],
+        "ours_get_gbps": med["ours_get"],
+        "raw_put_gbps": med["raw_put"],
+        "raw_get_gbps": med["raw_get"],
+        "put_overhead": med["raw_put"] / med["ours_put"],
+        "get_overhead": med["raw_get"] / med["ours_get"],
+        "samples_gbps": samples,
+    }

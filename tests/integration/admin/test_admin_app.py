@@ -1,0 +1,728 @@
+"""The admin HTTP API against real uvicorn servers on 127.0.0.1 (real HTTP through httpx).
+
+The target is a small in-memory :class:`AdminTarget` defined here; the
+connector's real target is tested against a live engine elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, settings
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.integration.admin.app import (
+    REDACTED,
+    AdminError,
+    AdminServer,
+    AdminServerError,
+    AdminTarget,
+    is_loopback_host,
+    is_secret_key,
+    redact,
+)
+from hicache.integration.admin.prometheus_text import render_metrics
+
+TOKEN = "s3cr3t-admin-token-XYZ"
+ALLOWED_TIERS = ("l1", "l2", "l3", "all")
+BACKENDS = ("file", "mooncake", "nixl", "dynamic")
+
+
+class MemoryTarget:
+    """An in-memory AdminTarget: pages are token-id tuples per tier."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fail: BaseException | None = None
+        self.bad_return: Any = None
+        self.backend: str | None = "file"
+        self.pages: dict[str, set[tuple[int, ...]]] = {}
+        self.calls: list[tuple[str, Any]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.fail = None
+            self.bad_return = None
+            self.backend = "file"
+            self.calls.clear()
+            self.pages = {
+                "l2": {(1, 2), (1, 2, 3, 4), (5, 6)},
+                "l3": {(1, 2), (1, 2, 3, 4), (5, 6), (7, 8)},
+            }
+
+    def _enter(self, name: str, args: Any = None) -> None:
+        self.calls.append((name, args))
+        if self.fail is not None:
+            raise self.fail
+
+    def config(self) -> dict[str, Any]:
+        with self.lock:
+            self._enter("config")
+            return {
+                "page_size": 64,
+                "hicache_ratio": 2.0,
+                "hicache_admin_token": TOKEN,
+                "hicache_admin_port": 8790,
+                "hicache_storage_backend": self.backend,
+                "hicache_storage_prefetch_policy": "timeout",
+                "hicache_storage_backend_extra_config": {
+                    "path": "/mnt/kv",
+                    "password": "hunter2",
+                    "page_key": "abc123",
+                    "prefetch_timeout_per_ki_token": 0.1,
+                    "nested": [{"apiKey": "k-123"}, {"keep": 1}],
+                },
+                "mooncake_raw": json.dumps({"master_server_address": "m:1", "secret_key": "zz"}),
+                "note": f"leaked {TOKEN} here",
+            }
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            self._enter("stats")
+            if self.bad_return is not None:
+                return self.bad_return
+            return {
+                "tiers": {
+                    "l1": {"capacity_pages": 72, "used_pages": 10, "hits": 5, "misses": 3},
+                    "l2": {
+                        "capacity_pages": 1000,
+                        "used_pages": len(self.pages["l2"]),
+                        "capacity_bytes": 1_000_000,
+                        "used_bytes": 3000,
+                        "hits": 40,
+                        "misses": 2,
+                        "evictions": 7,
+                        "pages_loaded": 40,
+                        "bytes_loaded": 40_000,
+                        "pages_saved": 50,
+                        "bytes_saved": 50_000,
+                        "recent_load_gbps": 1.5,
+                        "recent_save_gbps": None,
+                    },
+                    "l3": {
+                        "used_pages": len(self.pages["l3"]),
+                        "hits": 4,
+                        "misses": 9,
+                        "corrupt_pages": 1,
+                        "pages_loaded": 4,
+                        "errors": 2,
+                    },
+                },
+                "queues": {"l3_backup_pages": 3, "l3_fetches": 0},
+                "policy": {
+                    "write_policy": "write_through",
+                    "prefetch_policy": "timeout",
+                    "prefetch_threshold": 256,
+                    "layerwise": False,
+                    "note": f"x{TOKEN}x",
+                },
+                "scheduler": {"lookups": 12, "hit_tokens": 640},
+            }
+
+    def flush(
+        self, tiers: list[str], prefix: list[int] | None, cache_salt: str | None
+    ) -> dict[str, int]:
+        with self.lock:
+            self._enter("flush", (tiers, prefix, cache_salt))
+            bad = [t for t in tiers if t not in ALLOWED_TIERS]
+            if bad:
+                raise AdminError(
+                    400, f"unknown tier {bad[0]!r}; allowed: {', '.join(ALLOWED_TIERS)}"
+                )
+            chosen = {"l2", "l3"} if "all" in tiers else {t for t in tiers if t != "l1"}
+            out = {"l2_pages": 0, "l3_pages": 0, "skipped_locked": 0}
+            for tier in sorted(chosen):
+                keep = set()
+                for key in self.pages[tier]:
+                    if prefix is None or key[: len(prefix)] == tuple(prefix):
+                        out[f"{tier}_pages"] += 1
+                    else:
+                        keep.add(key)
+                self.pages[tier] = keep
+            return out
+
+    def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            self._enter("attach", (backend, extra_config))
+            if backend not in BACKENDS:
+                raise AdminError(
+                    400, f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}"
+                )
+            if self.backend is not None:
+                raise AdminError(409, f"L3 backend {self.backend!r} is attached; detach it first")
+            self.backend = backend
+            return {"attached": backend, "extra_config": extra_config}
+
+    def detach_storage(self) -> dict[str, Any]:
+        with self.lock:
+            self._enter("detach")
+            if self.backend is None:
+                raise AdminError(409, "no L3 backend is attached")
+            name, self.backend = self.backend, None
+            return {"detached": name, "pending_backups_dropped": 0}
+
+    def tree(self, prefix: list[int] | None, depth: int) -> dict[str, Any]:
+        with self.lock:
+            self._enter("tree", (prefix, depth))
+            p = tuple(prefix or ())
+            keys = sorted(k for k in self.pages["l2"] if k[: len(p)] == p)
+            return {"prefix": list(p), "depth": depth, "nodes": [list(k) for k in keys]}
+
+
+assert isinstance(MemoryTarget(), AdminTarget)
+
+
+# --------------------------------------------------------------------------- #
+# fixtures
+# --------------------------------------------------------------------------- #
+
+
+class Live:
+    def __init__(self, token: str | None, require_reads: bool | None) -> None:
+        self.target = MemoryTarget()
+        self.server = AdminServer(self.target, token, require_token_for_reads=require_reads)
+        self.server.start("127.0.0.1", 0)
+        self.url = self.server.url
+        self.client = httpx.Client(base_url=self.url, timeout=10.0, trust_env=False)
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, Live]]:
+    lives = {
+        # token set, bound to loopback: reads open, writes need the token
+        "open": Live(TOKEN, None),
+        # token set, reads need it too (as when bound beyond loopback)
+        "closed": Live(TOKEN, True),
+        # no token: writes always 403
+        "notoken": Live(None, None),
+        "notoken_closed": Live(None, True),
+    }
+    try:
+        yield lives
+    finally:
+        for live in lives.values():
+            live.close()
+
+
+@pytest.fixture()
+def live(servers: dict[str, Live]) -> Live:
+    s = servers["open"]
+    s.target.reset()
+    return s
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def assert_no_token(resp: httpx.Response) -> None:
+    assert TOKEN not in resp.text
+    for k, v in resp.headers.items():
+        assert TOKEN not in k and TOKEN not in v
+
+
+# --------------------------------------------------------------------------- #
+# happy paths and schemas
+# --------------------------------------------------------------------------- #
+
+
+def test_server_binds_ephemeral_port_on_loopback(live: Live) -> None:
+    assert live.server.port > 0
+    assert live.url == f"http://127.0.0.1:{live.server.port}"
+    assert live.server.require_token_for_reads is False
+    assert live.server.running
+
+
+def test_healthz_needs_no_token(servers: dict[str, Live]) -> None:
+    for s in servers.values():
+        r = s.client.get("/healthz")
+        assert r.status_code == 200
+        assert r.json() == {"status": "ok"}
+
+
+def test_config_is_redacted(live: Live) -> None:
+    r = live.client.get("/config")
+    assert r.status_code == 200, r.text
+    cfg = r.json()
+    assert_no_token(r)
+    assert cfg["hicache_admin_token"] == REDACTED
+    assert cfg["page_size"] == 64
+    assert cfg["hicache_admin_port"] == 8790
+    extra = cfg["hicache_storage_backend_extra_config"]
+    assert extra["password"] == REDACTED
+    assert extra["page_key"] == "abc123"
+    assert extra["prefetch_timeout_per_ki_token"] == 0.1
+    assert extra["path"] == "/mnt/kv"
+    assert extra["nested"] == [{"apiKey": REDACTED}, {"keep": 1}]
+    assert json.loads(cfg["mooncake_raw"]) == {"master_server_address": "m:1", "secret_key": REDACTED}
+    assert cfg["note"] == REDACTED
+    assert "hunter2" not in r.text and "k-123" not in r.text
+
+
+def test_stats_shape(live: Live) -> None:
+    r = live.client.get("/stats")
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert set(s["tiers"]) == {"l1", "l2", "l3"}
+    l2 = s["tiers"]["l2"]
+    assert l2["used_pages"] == 3 and l2["evictions"] == 7 and l2["recent_load_gbps"] == 1.5
+    assert l2["recent_save_gbps"] is None
+    assert s["tiers"]["l3"]["corrupt_pages"] == 1 and s["tiers"]["l3"]["errors"] == 2
+    assert s["queues"] == {"l3_backup_pages": 3, "l3_fetches": 0}
+    assert s["policy"]["write_policy"] == "write_through"
+    assert s["scheduler"] == {"lookups": 12, "hit_tokens": 640}
+    assert_no_token(r)
+
+
+def test_metrics_prometheus_text(live: Live) -> None:
+    r = live.client.get("/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert_no_token(r)
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert all(name.startswith("hicache_") for name in families)
+    hits = families["hicache_tier_hits"]
+    assert hits.type == "counter"
+    samples = {(s.name, s.labels["tier"]): s.value for s in hits.samples}
+    assert samples[("hicache_tier_hits_total", "l2")] == 40
+    assert samples[("hicache_tier_hits_total", "l3")] == 4
+    used = {s.labels["tier"]: s.value for s in families["hicache_tier_used_pages"].samples}
+    assert used == {"l1": 10, "l2": 3, "l3": 4}
+    assert families["hicache_tier_used_pages"].type == "gauge"
+    load = families["hicache_tier_load_bytes_per_second"].samples
+    assert [(s.labels, s.value) for s in load] == [({"tier": "l2"}, 1.5e9)]
+    assert families["hicache_tier_corrupt_pages"].samples[0].labels == {"tier": "l3"}
+    assert families["hicache_tier_evictions"].type == "counter"
+    queues = {s.labels["queue"]: s.value for s in families["hicache_queue_depth"].samples}
+    assert queues == {"l3_backup_pages": 3, "l3_fetches": 0}
+    info = {(s.labels["key"], s.labels["value"]) for s in families["hicache_policy_info"].samples}
+    assert ("write_policy", "write_through") in info and ("layerwise", "false") in info
+    assert families["hicache_scheduler_lookups"].samples[0].value == 12
+    assert families["hicache_tier_errors"].samples[0].labels == {"tier": "l3"}
+    for fam in families.values():
+        if fam.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples)
+
+
+def test_render_metrics_edge_cases() -> None:
+    text = render_metrics(
+        {
+            "tiers": {'we"ird\n': {"hits": 1, "used_pages": float("nan"), "x-y": 2.5},
+                      "l2": None, "l3": {"hits": None, "misses": "many"}},
+            "queues": {"q": True},
+            "policy": {"a": None, "b": 1.25},
+            "7bad section": {"k": 1, "s": "str"},
+            "scalar": 5,
+        }
+    )
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["hicache_tier_hits"].samples[0].labels == {"tier": 'we"ird\n'}
+    assert families["hicache_queue_depth"].samples[0].value == 1
+    assert families["hicache_policy_value"].samples[0].value == 1.25
+    assert "hicache__7bad_section_k" in families
+    assert "hicache_tier_x_y" in families
+    assert render_metrics({}) == ""
+
+
+def test_flush(live: Live) -> None:
+    r = live.client.post("/flush", json={"tiers": ["L2", "l2"], "prefix": [1, 2]}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"l2_pages": 2, "l3_pages": 0, "skipped_locked": 0}
+    assert live.target.calls[-1] == ("flush", (["l2"], [1, 2], None))
+    r = live.client.post(
+        "/flush", json={"tiers": ["all"], "prefix": None, "cache_salt": "s"}, headers=AUTH
+    )
+    assert r.json() == {"l2_pages": 1, "l3_pages": 4, "skipped_locked": 0}
+    assert live.target.calls[-1] == ("flush", (["all"], None, "s"))
+
+
+def test_flush_rejects_bad_input(live: Live) -> None:
+    r = live.client.post("/flush", json={"tiers": ["l9"]}, headers=AUTH)
+    assert r.status_code == 400
+    assert "l9" in r.json()["detail"] and "l1, l2, l3, all" in r.json()["detail"]
+    for body in (
+        {"tiers": []},
+        {"tiers": ["l2"], "prefix": ["a"]},
+        {"tiers": ["l2"], "prefix": [-1]},
+        {"tiers": ["l2"], "prefix": [1.5]},
+        {"tiers": ["l2"], "tier": "typo"},
+        {},
+    ):
+        r = live.client.post("/flush", json=body, headers=AUTH)
+        assert r.status_code == 422, (body, r.text)
+    r = live.client.post("/flush", content=b"not json", headers=AUTH)
+    assert r.status_code == 422
+    r = live.client.post("/flush", json={"tiers": ["  "]}, headers=AUTH)
+    assert r.status_code == 422 and "tiers" in r.text
+
+
+def test_attach_detach_cycle(live: Live) -> None:
+    r = live.client.post("/storage/detach", headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"detached": "file", "pending_backups_dropped": 0}
+    r = live.client.post("/storage/detach", headers=AUTH)
+    assert r.status_code == 409 and "no L3 backend" in r.json()["detail"]
+    r = live.client.post("/storage/attach", json={"backend": "s3"}, headers=AUTH)
+    assert r.status_code == 400 and "file, mooncake, nixl, dynamic" in r.json()["detail"]
+    body = {"backend": "mooncake", "extra_config": {"master_server_address": "h:1",
+                                                    "password": "pw", "token": TOKEN}}
+    r = live.client.post("/storage/attach", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "attached": "mooncake",
+        "extra_config": {"master_server_address": "h:1", "password": REDACTED, "token": REDACTED},
+    }
+    assert live.target.calls[-1][1] == ("mooncake", body["extra_config"])
+    r = live.client.post("/storage/attach", json={"backend": "file"}, headers=AUTH)
+    assert r.status_code == 409
+    for bad in ({}, {"backend": ""}, {"backend": "file", "extra_config": []},
+                {"backend": "file", "oops": 1}):
+        assert live.client.post("/storage/attach", json=bad, headers=AUTH).status_code == 422
+
+
+def test_tree(live: Live) -> None:
+    r = live.client.get("/tree", params={"prefix": "1, 2", "depth": 3})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prefix": [1, 2], "depth": 3, "nodes": [[1, 2], [1, 2, 3, 4]]}
+    r = live.client.get("/tree")
+    assert r.json()["depth"] == 2 and r.json()["prefix"] == []
+    assert live.client.get("/tree", params={"prefix": ""}).json()["prefix"] == []
+    for params, name in (
+        ({"depth": 0}, "depth"),
+        ({"depth": 9}, "depth"),
+        ({"depth": "x"}, "depth"),
+        ({"prefix": "1,a"}, "prefix"),
+        ({"prefix": "1,,2"}, "prefix"),
+        ({"prefix": "-1"}, "prefix"),
+        ({"prefix": str(1 << 64)}, "prefix"),
+    ):
+        r = live.client.get("/tree", params=params)
+        assert r.status_code == 422, (params, r.text)
+        locs = [d["loc"] for d in r.json()["detail"]]
+        assert ["query", name] in locs, (params, locs)
+
+
+def test_openapi_documents_every_endpoint(live: Live) -> None:
+    spec = live.client.get("/openapi.json").json()
+    paths = spec["paths"]
+    for path, method in (
+        ("/healthz", "get"), ("/config", "get"), ("/stats", "get"), ("/metrics", "get"),
+        ("/tree", "get"), ("/flush", "post"), ("/storage/attach", "post"),
+        ("/storage/detach", "post"),
+    ):
+        assert method in paths[path], path
+    assert "FlushRequest" in spec["components"]["schemas"]
+    assert "StatsResponse" in spec["components"]["schemas"]
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+# --------------------------------------------------------------------------- #
+# auth
+# --------------------------------------------------------------------------- #
+
+WRITES = [
+    ("/flush", {"tiers": ["l2"]}),
+    ("/storage/attach", {"backend": "nixl"}),
+    ("/storage/detach", None),
+]
+READS = ["/config", "/stats", "/metrics", "/tree"]
+HEADERS = {
+    "missing": {},
+    "wrong": {"Authorization": "Bearer not-the-token"},
+    "prefix_of_right": {"Authorization": f"Bearer {TOKEN[:-1]}"},
+    "basic": {"Authorization": f"Basic {TOKEN}"},
+    "right": AUTH,
+}
+
+
+def _write(s: Live, path: str, body: dict[str, Any] | None, headers: dict[str, str]) -> httpx.Response:
+    return s.client.post(path, json=body, headers=headers)
+
+
+@pytest.mark.parametrize("path,body", WRITES)
+@pytest.mark.parametrize("case", sorted(HEADERS))
+def test_writes_need_token(servers: dict[str, Live], path: str, body: Any, case: str) -> None:
+    for name in ("open", "closed"):
+        s = servers[name]
+        s.target.reset()
+        r = _write(s, path, body, HEADERS[case])
+        assert_no_token(r)
+        if case == "right":
+            assert r.status_code in (200, 409), r.text  # 409: attach while attached
+        else:
+            assert r.status_code == 401, (name, case, r.text)
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            assert not [c for c in s.target.calls if c[0] != "config"]
+    for name in ("notoken", "notoken_closed"):
+        s = servers[name]
+        r = _write(s, path, body, HEADERS[case])
+        assert r.status_code == 403, (name, case, r.text)
+        detail = r.json()["detail"]
+        assert "hicache_admin_token" in detail and "HICACHE_ADMIN_TOKEN" in detail
+        assert not s.target.calls
+        assert_no_token(r)
+
+
+@pytest.mark.parametrize("path", READS)
+@pytest.mark.parametrize("case", sorted(HEADERS))
+def test_reads_auth(servers: dict[str, Live], path: str, case: str) -> None:
+    # Reads are open on loopback whatever is sent (a wrong token is not checked).
+    for name in ("open", "notoken"):
+        r = servers[name].client.get(path, headers=HEADERS[case])
+        assert r.status_code == 200, (name, r.text)
+        if name == "open":  # "notoken" does not know TOKEN, so cannot scrub it
+            assert_no_token(r)
+    r = servers["closed"].client.get(path, headers=HEADERS[case])
+    assert_no_token(r)
+    if case == "right":
+        assert r.status_code == 200
+    else:
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"].startswith("Bearer")
+    r = servers["notoken_closed"].client.get(path, headers=HEADERS[case])
+    assert r.status_code == 403 and "HICACHE_ADMIN_TOKEN" in r.json()["detail"]
+
+
+def test_require_reads_follows_host() -> None:
+    assert is_loopback_host("127.0.0.1") and is_loopback_host("::1")
+    assert is_loopback_host("localhost") and is_loopback_host("127.0.0.5")
+    assert is_loopback_host("[::1]")
+    for host in ("0.0.0.0", "::", "10.1.2.3", "example.com", ""):
+        assert not is_loopback_host(host), host
+
+
+# --------------------------------------------------------------------------- #
+# errors
+# --------------------------------------------------------------------------- #
+
+
+def test_unexpected_exception_is_a_generic_500(
+    live: Live, caplog: pytest.LogCaptureFixture
+) -> None:
+    live.target.fail = RuntimeError(f"boom internal-detail {TOKEN}")
+    caplog.set_level(logging.ERROR, logger="hicache.integration.admin.app")
+    responses = [live.client.get(p) for p in READS]
+    responses += [_write(live, p, b, AUTH) for p, b in WRITES]
+    for r in responses:
+        assert r.status_code == 500, r.text
+        assert "boom" not in r.text and "internal-detail" not in r.text
+        assert "RuntimeError" not in r.text and "Traceback" not in r.text
+        assert r.json() == {"detail": "internal error in the HiCache admin target; see the server log"}
+        assert_no_token(r)
+    logged = caplog.text
+    assert "boom internal-detail" in logged  # the operator gets the traceback...
+    assert TOKEN not in logged  # ...without the token
+    assert live.client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "bad", [{"tiers": {"l2": {"hits": "lots"}}}, {1, 2}, [1], {"tiers": [1, 2]}, {"x": object()}]
+)
+def test_malformed_target_output_is_a_500(live: Live, bad: Any) -> None:
+    live.target.bad_return = bad
+    for path in ("/stats", "/metrics"):
+        r = live.client.get(path)
+        assert r.status_code == 500 and r.json()["detail"].startswith("internal error"), r.text
+
+
+def test_numpy_like_and_nan_values_are_served(live: Live) -> None:
+    class Scalar:
+        ndim = 0
+
+        def item(self) -> int:
+            return 9
+
+    live.target.bad_return = {"tiers": {"l2": {"hits": Scalar(), "recent_load_gbps": float("nan")}}}
+    r = live.client.get("/stats")
+    assert r.status_code == 200, r.text
+    assert r.json()["tiers"]["l2"]["hits"] == 9
+    assert r.json()["tiers"]["l2"]["recent_load_gbps"] is None
+
+
+def test_admin_error_5xx_status_hides_message(live: Live) -> None:
+    live.target.fail = AdminError(500, f"db password {TOKEN}")
+    r = live.client.get("/stats")
+    assert r.status_code == 500 and "password" not in r.text
+    live.target.fail = AdminError(418, f"teapot {TOKEN}")
+    r = live.client.get("/stats")
+    assert r.status_code == 418 and r.json()["detail"] == REDACTED
+    live.target.fail = AdminError(99, "weird")
+    assert live.client.get("/stats").status_code == 500
+
+
+# --------------------------------------------------------------------------- #
+# redaction rules
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["hicache_admin_token", "HF_TOKEN", "hfToken", "authToken", "api_key", "apiKey", "API-KEY",
+     "password", "db_password", "secret", "client_secret", "aws_secret_access_key",
+     "access_key_id", "private_key", "key", "ssh-key", "credentials", "Authorization",
+     "bearer", "session_cookie", "passphrase", "sas_token", "encryption_key"],
+)
+def test_secret_keys(key: str) -> None:
+    assert is_secret_key(key)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["page_key", "key_suffix", "prefetch_timeout_per_ki_token", "page_size", "tokenizer",
+     "max_num_batched_tokens", "hit_tokens", "num_keys", "keys", "hicache_storage_backend",
+     "hicache_storage_backend_extra_config", "path", "master_server_address", "monkey"],
+)
+def test_non_secret_keys(key: str) -> None:
+    assert not is_secret_key(key)
+
+
+def test_redact_walks_structures() -> None:
+    value = {
+        "a": [{"token": "t"}, {"x": ({"password": "p"},)}],
+        "password": None,  # unset stays visible as unset
+        "key": {"anything": "here"},
+        "s": '{"api_key": "zz", "n": 1}',
+        "raw": "{not json}",
+        "t": "contains tok123 inside",
+    }
+    out = redact(value, "tok123")
+    assert out == {
+        "a": [{"token": REDACTED}, {"x": [{"password": REDACTED}]}],
+        "password": None,
+        "key": REDACTED,
+        "s": json.dumps({"api_key": REDACTED, "n": 1}),
+        "raw": "{not json}",
+        "t": REDACTED,
+    }
+    assert value["a"][0]["token"] == "t"  # input untouched
+
+
+# --------------------------------------------------------------------------- #
+# server lifecycle
+# --------------------------------------------------------------------------- #
+
+
+def _can_bind(port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen(1)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def test_stop_frees_the_port_and_is_prompt() -> None:
+    server = AdminServer(MemoryTarget(), TOKEN)
+    server.start("127.0.0.1", 0)
+    port = server.port
+    assert not _can_bind(port)
+    # An idle keep-alive connection must not hold stop() up.
+    client = httpx.Client(base_url=server.url, trust_env=False)
+    assert client.get("/stats").status_code == 200
+    t0 = time.monotonic()
+    server.stop()
+    assert time.monotonic() - t0 < 5.0
+    assert not server.running
+    client.close()
+    assert _can_bind(port)
+    # ...and the same port can be served again.
+    again = AdminServer(MemoryTarget(), TOKEN)
+    again.start("127.0.0.1", port)
+    try:
+        assert again.port == port
+        assert httpx.get(f"{again.url}/healthz", trust_env=False).status_code == 200
+    finally:
+        again.stop()
+    server.stop()  # idempotent
+
+
+def test_port_in_use_is_a_clear_error(live: Live) -> None:
+    other = AdminServer(MemoryTarget(), TOKEN)
+    with pytest.raises(AdminServerError) as exc:
+        other.start("127.0.0.1", live.server.port)
+    msg = str(exc.value)
+    assert str(live.server.port) in msg and "hicache_admin_port" in msg and "in use" in msg
+    assert not other.running
+    with pytest.raises(AdminServerError, match="hicache_admin_port"):
+        other.start("127.0.0.1", 70000)
+    with pytest.raises(AdminServerError, match="already running"):
+        live.server.start("127.0.0.1", 0)
+
+
+def test_slow_target_does_not_block_healthz(live: Live) -> None:
+    gate = threading.Event()
+    original = live.target.tree
+
+    def slow_tree(prefix: list[int] | None, depth: int) -> dict[str, Any]:
+        gate.wait(5)
+        return original(prefix, depth)
+
+    live.target.tree = slow_tree  # type: ignore[method-assign]
+    try:
+        worker = threading.Thread(target=lambda: live.client.get("/tree"))
+        with httpx.Client(base_url=live.url, trust_env=False, timeout=2.0) as c2:
+            worker.start()
+            time.sleep(0.1)
+            assert c2.get("/healthz").status_code == 200
+    finally:
+        gate.set()
+        worker.join(5)
+        del live.target.tree
+
+
+# --------------------------------------------------------------------------- #
+# property-based fuzzing from the OpenAPI schema
+# --------------------------------------------------------------------------- #
+
+# schemathesis's own pytest plugin (from_fixture/parametrize) reads a private
+# pytest attribute that pytest 9 removed, so the operations are driven here.
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_fuzz_no_server_errors(servers: dict[str, Live], mode: str) -> None:
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import given
+    from schemathesis.checks import not_a_server_error
+
+    live = servers["open"]
+    api = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
+    generation_mode = schemathesis.GenerationMode(mode)
+    operations = [r.ok() for r in api.get_all_operations()]
+    assert len(operations) == 8
+    if mode == "negative":  # only operations with inputs have invalid ones
+        operations = [op for op in operations if op.path in ("/tree", "/flush", "/storage/attach")]
+    for op in operations:
+
+        @given(case=op.as_strategy(generation_mode=generation_mode))
+        @settings(
+            max_examples=15,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+            database=None,
+        )
+        def run(case: Any) -> None:
+            headers = dict(case.headers or {})
+            if case.method.upper() == "POST":
+                headers.update(AUTH)
+            response = case.call(headers=headers, timeout=10)
+            case.validate_response(response, checks=[not_a_server_error])
+            assert TOKEN not in response.text
+
+        live.target.reset()
+        run()

@@ -1,0 +1,60 @@
+"""Fault-injecting L3 backend for tests and drills: a file backend that is slow, loses pages or fails.
+
+Select it like any third-party backend::
+
+    "hicache_storage_backend": "dynamic",
+    "hicache_storage_backend_extra_config": {
+        "module_path": "support.fault_injection",
+        "class_name": "FaultyFileBackend",
+        "path": "/tmp/l3", "fault_get_delay_s": 0.5}
+
+Faults (extra-config keys, all optional):
+- ``fault_get_delay_s``: sleep this long in every ``batch_get_v1`` call (a slow store).
+- ``fault_delete_after_exists``: delete every page file right after
+  ``batch_exists`` found it (a page vanishing between lookup and read).
+- ``fault_fail_gets``: every read raises ``OSError`` (a store that went down).
+Everything else is the file backend's (``path``, ``capacity_gb``, ``fsync``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.file_backend import FileBackend
+
+FAULT_KEYS = ("fault_get_delay_s", "fault_delete_after_exists", "fault_fail_gets")
+
+
+class FaultyFileBackend(FileBackend):
+    """``FileBackend`` plus the faults named in the module docstring."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        extra = dict(config.extra_config)
+        faults = {k: extra.pop(k) for k in FAULT_KEYS if k in extra}
+        super().__init__(dataclasses.replace(config, extra_config=extra))
+        self.get_delay_s = float(faults.get("fault_get_delay_s", 0.0))
+        self.delete_after_exists = bool(faults.get("fault_delete_after_exists", False))
+        self.fail_gets = bool(faults.get("fault_fail_gets", False))
+
+    def batch_exists(self, keys: list[str]) -> int:
+        found = super().batch_exists(keys)
+        if self.delete_after_exists:
+            for key in keys[:found]:
+                (self.pages_dir / self._name(key)).unlink(missing_ok=True)
+        return found
+
+    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        if self.get_delay_s:
+            time.sleep(self.get_delay_s)
+        if self.fail_gets:
+            raise OSError("injected L3 read failure")
+        return super().batch_get_v1(keys, host_slots)
+
+    def get(self, key: str, target: torch.Tensor) -> bool:
+        if self.fail_gets:
+            raise OSError("injected L3 read failure")
+        return super().get(key, target)

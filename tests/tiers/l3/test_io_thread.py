@@ -1,0 +1,152 @@
+"""The worker's L3 I/O thread with the real file backend: fetch order, deadlines,
+best effort, failures, and backups that never read a slot being overwritten."""
+
+import time
+
+import pytest
+import torch
+from support.fault_injection import FaultyFileBackend
+
+from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.index.plans import PagePlan, RequestFetch
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.io_thread import StorageIO
+
+GEOM = PoolGeometry(num_slots=80, num_layers=2, blocks_per_page=1, block_bytes=128)
+NS = KeyNamespace("m", "f32", "cpu", 4, 1)
+KEYS = page_keys(NS.seed(), list(range(4 * 40)), 4)
+
+
+def make(tmp_path, **faults):
+    cfg = StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                        extra_config={"path": str(tmp_path), **faults})
+    pool = HostPagePool(GEOM, layout="page_first", pin_memory=False)
+    backend = FaultyFileBackend(cfg)
+    backend.register_host_pool(pool)
+    loaded: list[list[PagePlan]] = []
+    return StorageIO(backend, pool, loaded.append), pool, backend, loaded
+
+
+def seed_l3(tmp_path, n):
+    io, pool, backend, _ = make(tmp_path)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
+    assert all(backend.batch_set_v1([k.hex() for k in KEYS[:n]], list(range(n))))
+    io.shutdown()
+    return pool.buffer[:n].clone()
+
+
+def plan(first_slot, n, first_key=0):
+    return tuple(PagePlan(first_slot + i, KEYS[first_key + i], 0, (100 + first_key + i,))
+                 for i in range(n))
+
+
+def wait_result(io, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done = io.poll()
+        if done:
+            return done
+        time.sleep(0.01)
+    raise AssertionError("fetch did not finish")
+
+
+def test_fetch_loads_l2_then_l3_pages_in_order(tmp_path):
+    stored = seed_l3(tmp_path, 40)
+    io, pool, _, loaded = make(tmp_path)
+    for i in range(2):  # two pages already in L2
+        pool.buffer[40 + i].copy_(stored[i])
+        pool.set_key(40 + i, KEYS[i])
+    fetch = RequestFetch("r", plan(40, 2), plan(42, 38, first_key=2), (999,), None)
+    io.submit_fetch(fetch)
+    (result,) = wait_result(io)
+    assert result.fetched_pages == 38 and result.error_block_ids == {999}
+    assert [p.slot for p in loaded[0]] == list(range(40, 80))
+    assert torch.equal(pool.buffer[40:80], stored)
+    assert all(pool.holds(42 + i, KEYS[2 + i]) for i in range(38))
+    io.shutdown()
+
+
+def test_missing_page_ends_the_prefix_and_reports_the_rest(tmp_path):
+    seed_l3(tmp_path, 40)
+    io, pool, backend, _ = make(tmp_path)
+    (backend.pages_dir / backend._name(KEYS[5].hex())).unlink()
+    io.submit_fetch(RequestFetch("r", (), plan(40, 10), (), None))
+    (result,) = wait_result(io)
+    assert result.fetched_pages == 5
+    assert result.error_block_ids == {105, 106, 107, 108, 109}
+    assert not pool.holds(45, KEYS[5])
+    io.shutdown()
+
+
+def test_l2_page_lost_means_nothing_after_it_is_loaded(tmp_path):
+    seed_l3(tmp_path, 40)
+    io, _, _, loaded = make(tmp_path)
+    io.submit_fetch(RequestFetch("r", plan(40, 1), plan(41, 3, first_key=1), (), None))
+    (result,) = wait_result(io)  # slot 40 never held KEYS[0]
+    assert result.fetched_pages == 0 and result.error_block_ids == {100, 101, 102, 103}
+    assert loaded == []
+    io.shutdown()
+
+
+@pytest.mark.parametrize("timeout_s", [0.3, 0.0])
+def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, timeout_s):
+    seed_l3(tmp_path, 40)
+    io, _, _, _ = make(tmp_path, fault_get_delay_s=0.4)
+    start = time.monotonic()
+    io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), timeout_s))
+    if timeout_s == 0.0:
+        time.sleep(0.1)  # the first batch is in flight
+        io.poll()  # best effort: stops at the second poll after submission
+        io.poll()
+    (result,) = wait_result(io)
+    # Stopped after the batch in flight at the deadline: one batch of 32 pages.
+    assert result.fetched_pages == 32 and len(result.error_block_ids) == 8
+    assert time.monotonic() - start < timeout_s + 0.4 + 0.6  # one batch in flight + slack
+    assert io.stats.fetch_deadline_misses == 1
+    io.shutdown()
+
+
+def test_failing_store_is_a_miss_not_an_exception(tmp_path):
+    seed_l3(tmp_path, 40)
+    io, _, _, _ = make(tmp_path, fault_fail_gets=True)
+    io.submit_fetch(RequestFetch("r", (), plan(40, 4), (), None))
+    (result,) = wait_result(io)
+    assert result.fetched_pages == 0 and len(result.error_block_ids) == 4
+    io.shutdown()
+
+
+def test_backups_are_written_and_dropped_when_their_slot_is_reused(tmp_path):
+    io, pool, backend, _ = make(tmp_path, fault_get_delay_s=0.0)
+    for i in range(8):
+        pool.set_key(i, KEYS[i])
+    # Hold the I/O thread with a slow fetch so the backups stay queued.
+    slow, _, _, _ = make(tmp_path)
+    io.backend.get_delay_s = 0.5
+    io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=30), (), None))
+    io.submit_backup([(KEYS[i], i) for i in range(8)])
+    io.release_slots([3, 4])  # the worker is about to overwrite slots 3 and 4
+    pool.set_key(3, None)
+    pool.set_key(4, None)
+    io.shutdown()
+    slow.shutdown()
+    stored = [backend.exists(KEYS[i].hex()) for i in range(8)]
+    assert stored == [True, True, True, False, False, True, True, True]
+    assert io.stats.backups_dropped == 2 and io.stats.backup_pages == 6
+
+
+def test_removal_drops_queued_backups_and_deletes_after_the_running_one(tmp_path):
+    seed_l3(tmp_path, 40)
+    io, pool, backend, _ = make(tmp_path)
+    for i in range(8):
+        pool.set_key(40 + i, KEYS[30 + i] if i < 4 else KEYS[i])
+    io.backend.get_delay_s = 0.3  # keep the thread busy with a fetch first
+    io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=20), (), None))
+    io.submit_backup([(KEYS[30 + i], 40 + i) for i in range(4)])
+    io.submit_removal([KEYS[30], KEYS[31], KEYS[0]])
+    io.shutdown()
+    # The queued backups of 30/31 were dropped (none can land after the flush)
+    # and their stored copies deleted with 0's; 32/33 and 1 are untouched.
+    assert [backend.exists(KEYS[k].hex()) for k in (30, 31, 32, 33, 0, 1)] == [
+        False, False, True, True, False, True]
+    assert io.stats.deleted_pages == 3 and io.stats.backups_dropped == 2

@@ -1,0 +1,440 @@
+"""Mooncake L3 backend against a real mooncake_master on 127.0.0.1 (no mocks).
+
+Round trips, consecutive exists, dedup, sharing with a second process,
+corruption as counted misses, TP-rank isolation, a killed / hung / restarted
+master, close after the master is gone, and bad configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("mooncake.store")
+
+from hicache.integration.bench.mooncake_service import (  # noqa: E402
+    MooncakeService,
+    apply_client_env,
+    start_mooncake,
+)
+from hicache.tiers.index.page_keys import KeyNamespace, page_keys  # noqa: E402
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
+from hicache.tiers.l3 import integrity  # noqa: E402
+from hicache.tiers.l3.base import (  # noqa: E402
+    StorageConfig,
+    StorageConfigError,
+    StorageStats,
+    StorageUnavailable,
+)
+from hicache.tiers.l3.factory import create_backend  # noqa: E402
+from hicache.tiers.l3.mooncake_backend import MooncakeBackend, parse_size  # noqa: E402
+
+GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=1024)
+NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 2)
+SEGMENT = 64 << 20  # two ranks -> 32 MiB each
+
+
+@pytest.fixture(scope="module")
+def service():
+    apply_client_env()
+    with start_mooncake() as svc:
+        yield svc
+
+
+def extra_for(svc: MooncakeService, **overrides) -> dict:
+    return {**svc.extra_config(SEGMENT), **overrides}
+
+
+@pytest.fixture(scope="module")
+def shared(service):
+    """Backends reused across tests (a Mooncake client's close takes ~1 s): by name."""
+    made: dict[tuple[str, int, str], MooncakeBackend] = {}
+
+    def _get(name: str, *, rank: int = 0, layout: str = "page_first") -> MooncakeBackend:
+        if (name, rank, layout) not in made:
+            backend = MooncakeBackend(config(extra_for(service), rank=rank, layout=layout))
+            backend.register_host_pool(filled_pool(layout, seed=len(made) + 1))
+            made[(name, rank, layout)] = backend
+        return made[(name, rank, layout)]
+
+    yield _get
+    for backend in made.values():
+        backend.close()
+
+
+@pytest.fixture
+def make(service):
+    """Fresh backends, closed after the test."""
+    made: list[MooncakeBackend] = []
+
+    def _make(*, rank: int = 0, layout: str = "page_first", svc: MooncakeService | None = None,
+              **extra) -> MooncakeBackend:
+        backend = MooncakeBackend(config(extra_for(svc or service, **extra), rank=rank,
+                                         layout=layout))
+        made.append(backend)
+        return backend
+
+    yield _make
+    for backend in made:
+        backend.close()
+
+
+def delta(backend: MooncakeBackend, before: StorageStats) -> StorageStats:
+    now = backend.stats().as_dict()
+    return StorageStats(**{k: v - before.as_dict()[k] for k, v in now.items()})
+
+
+def config(extra: dict, *, rank: int = 0, layout: str = "page_first") -> StorageConfig:
+    return StorageConfig(tp_rank=rank, tp_size=2, namespace=NS.fingerprint(), mem_layout=layout,
+                         page_bytes=GEOM.page_bytes, extra_config=extra)
+
+
+def keys(n: int, seed: int) -> list[str]:
+    return [k.hex() for k in page_keys(NS.seed(), list(range(seed, seed + 64 * n)), 64)]
+
+
+def filled_pool(layout: str, seed: int) -> HostPagePool:
+    pool = HostPagePool(GEOM, layout=layout, pin_memory=False)
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=gen))
+    return pool
+
+
+def raw_client(service: MooncakeService):
+    """A plain Mooncake client (no segment) for poking at objects behind the backend."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "",
+                       service.master_address) == 0
+    return store
+
+
+@pytest.mark.parametrize(
+    ("writer_layout", "reader_layout"),
+    [("page_first", "page_first"), ("layer_first", "page_first_direct"),
+     ("page_first_direct", "layer_first")],  # the last two share L3 byte order
+)
+def test_round_trip_bit_exact_through_host_slots(shared, writer_layout, reader_layout):
+    a = shared("a", layout=writer_layout)
+    b = shared("b" if writer_layout == reader_layout else "a", layout=reader_layout)
+    a0, b0 = a.stats(), b.stats()
+    ks = keys(5, seed=1000 + len(writer_layout))
+    assert a.batch_set_v1(ks, [0, 1, 2, 3, 4]) == [True] * 5
+    assert delta(a, a0).set_pages == 5 and delta(a, a0).bytes_written == 5 * GEOM.page_bytes
+    assert b.batch_exists(ks) == 5
+    assert b.batch_get_v1(ks, [7, 6, 5, 4, 3]) == [True] * 5
+    for s, d in zip([0, 1, 2, 3, 4], [7, 6, 5, 4, 3], strict=True):
+        assert torch.equal(a.pool.canonical[s], b.pool.canonical[d])
+    st = delta(b, b0)
+    assert (st.get_hits, st.get_misses, st.corrupt_pages) == (5, 0, 0)
+    assert st.bytes_read == 5 * GEOM.page_bytes and st.exists_queries == 5
+    # a missing page is a plain miss, the others in the batch still load
+    assert b.batch_get_v1([ks[0], keys(1, seed=99_999)[0]], [0, 1]) == [True, False]
+    assert delta(b, b0).get_misses == 1 and delta(b, b0).corrupt_pages == 0
+
+
+def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(shared):
+    backend, other = shared("a"), shared("b")
+    ks = keys(5, seed=3000)
+    assert backend.batch_exists([]) == 0
+    assert backend.batch_set_v1([ks[0], ks[1], ks[3]], [0, 1, 3]) == [True] * 3
+    assert backend.batch_exists(ks) == 2
+    assert backend.batch_exists(ks[3:]) == 1
+    assert backend.batch_exists(ks[2:]) == 0
+    before = backend.stats()
+    assert backend.batch_set_v1([ks[0], ks[2]], [5, 2]) == [True, True]
+    assert delta(backend, before).set_skipped_existing == 1
+    assert delta(backend, before).set_pages == 1
+    # another instance (as another engine's rank 0 would) dedups against the same store
+    before = other.stats()
+    assert other.batch_set_v1(ks[:4], [0, 1, 2, 3]) == [True] * 4
+    assert delta(other, before).set_skipped_existing == 4 and delta(other, before).set_pages == 0
+    # a key twice in one batch is written once
+    before = other.stats()
+    assert other.batch_set_v1([ks[4], ks[4]], [4, 4]) == [True, True]
+    assert delta(other, before).set_pages == 1 and delta(other, before).set_failures == 0
+
+
+_READER = textwrap.dedent("""
+    import json, sys, torch, xxhash
+    from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+    from hicache.tiers.l3.base import StorageConfig
+    from hicache.tiers.l3.mooncake_backend import MooncakeBackend
+    args = json.loads(sys.argv[1])
+    geom = PoolGeometry(**args["geom"])
+    b = MooncakeBackend(StorageConfig(**args["config"]))
+    pool = HostPagePool(geom, layout="page_first_direct", pin_memory=False)
+    b.register_host_pool(pool)
+    n = b.batch_exists(args["keys"])
+    ok = b.batch_get_v1(args["keys"], list(range(len(args["keys"]))))
+    digests = [xxhash.xxh3_64_hexdigest(pool.read_page(i).numpy().tobytes()) if o else None
+               for i, o in enumerate(ok)]
+    print(json.dumps({"exists": n, "ok": ok, "digests": digests}))
+    b.close()
+""")
+
+
+def test_second_process_reads_what_the_first_wrote(shared, service):
+    import xxhash
+
+    writer = shared("a", layout="page_first_direct")
+    pool = writer.pool
+    ks = keys(4, seed=4000)
+    assert writer.batch_set_v1(ks, [4, 5, 6, 7]) == [True] * 4
+    cfg = config(extra_for(service), layout="page_first_direct")
+    args = {"geom": {"num_slots": GEOM.num_slots, "num_layers": GEOM.num_layers,
+                     "blocks_per_page": GEOM.blocks_per_page, "block_bytes": GEOM.block_bytes},
+            "config": {"tp_rank": cfg.tp_rank, "tp_size": cfg.tp_size,
+                       "namespace": cfg.namespace, "mem_layout": cfg.mem_layout,
+                       "page_bytes": cfg.page_bytes, "extra_config": cfg.extra_config},
+            "keys": ks}
+    env = {**os.environ, **service.client_env()}
+    proc = subprocess.run([sys.executable, "-c", _READER, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["exists"] == 4 and result["ok"] == [True] * 4
+    expected = [xxhash.xxh3_64_hexdigest(pool.read_page(s).numpy().tobytes()) for s in (4, 5, 6, 7)]
+    assert result["digests"] == expected
+
+
+def test_corrupt_object_is_a_counted_miss_and_removed(shared, service):
+    backend = shared("a")
+    pool = backend.pool
+    ks = keys(3, seed=5000)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    before = backend.stats()
+    raw = raw_client(service)
+    try:
+        # 1: one payload byte flipped under an intact header
+        obj = bytearray(raw.get(backend.object_key(ks[0])))
+        assert len(obj) == integrity.HEADER_BYTES + GEOM.page_bytes
+        obj[integrity.HEADER_BYTES + 17] ^= 0xFF
+        assert raw.upsert(backend.object_key(ks[0]), bytes(obj)) == 0
+        # 2: a valid object of another page stored under this key
+        other = raw.get(backend.object_key(ks[2]))
+        assert raw.upsert(backend.object_key(ks[1]), other) == 0
+        # 3: a truncated object
+        assert raw.upsert(backend.object_key(ks[2]), other[:-100]) == 0
+
+        assert backend.batch_get_v1(ks, [5, 6, 7]) == [False, False, False]
+        st = delta(backend, before)
+        assert st.corrupt_pages == 3 and st.get_hits == 0 and st.get_misses == 3
+        assert list(raw.batch_is_exist([backend.object_key(k) for k in ks])) == [0, 0, 0]
+        # single-page get verifies too
+        assert backend.batch_set_v1(ks[:1], [0]) == [True]
+        obj = bytearray(raw.get(backend.object_key(ks[0])))
+        obj[-1] ^= 0x01
+        assert raw.upsert(backend.object_key(ks[0]), bytes(obj)) == 0
+        target = torch.zeros(GEOM.page_bytes, dtype=torch.uint8)
+        assert backend.get(ks[0], target) is False and not target.any()
+        assert delta(backend, before).corrupt_pages == 4
+        # the page can be written again and then reads fine
+        assert backend.batch_set_v1(ks[:1], [0]) == [True]
+        assert backend.batch_get_v1(ks[:1], [5]) == [True]
+        assert torch.equal(pool.canonical[0], pool.canonical[5])
+    finally:
+        raw.close()
+
+
+def test_other_tp_rank_does_not_see_the_page(shared):
+    r0, r1 = shared("a", rank=0), shared("a", rank=1)
+    ks = keys(2, seed=6000)
+    assert r0.batch_set_v1(ks, [0, 1]) == [True, True]
+    assert r0.object_key(ks[0]) != r1.object_key(ks[0])
+    before = r1.stats()
+    assert r1.batch_exists(ks) == 0
+    assert r1.batch_get_v1(ks, [0, 1]) == [False, False]
+    assert delta(r1, before).corrupt_pages == 0 and delta(r1, before).get_misses == 2
+
+
+def test_scheduler_instance_single_pages_and_clear(make, shared):
+    scheduler = make()  # no host pool, as the scheduler's instance
+    ks = keys(3, seed=7000)
+    assert scheduler.batch_exists(ks) == 0
+    assert not scheduler._mounted  # only asked exists: it gave no memory to the store
+    worker = shared("a")
+    assert worker.batch_set_v1(ks[:2], [0, 1]) == [True, True]
+    assert scheduler.batch_exists(ks) == 2
+    # get / set on plain tensors go through the staging buffer; a write mounts the segment
+    page = torch.randint(0, 256, (GEOM.page_bytes,), dtype=torch.uint8)
+    assert not scheduler.exists(ks[2])
+    assert scheduler.set(ks[2], page) and scheduler._mounted
+    assert scheduler.exists(ks[2])
+    out = torch.zeros_like(page)
+    assert worker.get(ks[2], out) and torch.equal(out, page)
+    assert scheduler.get(ks[0], out) and torch.equal(out, worker.pool.read_page(0))
+    scheduler.clear()
+    assert scheduler.batch_exists(ks) == 0
+
+
+def test_killed_master_fails_fast_without_raising_and_recovers(make):
+    with start_mooncake() as svc:
+        backend = make(svc=svc)
+        pool = filled_pool("page_first", 10)
+        backend.register_host_pool(pool)
+        ks = keys(3, seed=8000)
+        assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+        svc.kill_master()
+        t0 = time.monotonic()
+        first = backend.batch_get_v1(ks, [3, 4, 5])
+        assert first == [False] * 3
+        assert time.monotonic() - t0 < 6.0  # Mooncake's reconnect (~4.3 s) at worst
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert backend.batch_exists(ks) == 0
+            assert backend.batch_get_v1(ks, [3, 4, 5]) == [False] * 3
+            assert backend.batch_set_v1(keys(2, seed=8100), [6, 7]) == [False, False]
+            assert backend.exists(ks[0]) is False
+            assert backend.get(ks[0], torch.empty(GEOM.page_bytes, dtype=torch.uint8)) is False
+            assert backend.set(ks[0], pool.read_page(0)) is False
+            backend.clear()
+        assert time.monotonic() - t0 < 1.0  # breaker open: no call waits on the dead master
+        assert not backend.master_reachable
+        st = backend.stats()
+        assert st.errors >= 15 and st.get_hits == 0 and st.set_failures >= 6
+        # an empty master comes back on the same port: the prober notices, writes work again
+        svc.restart_master()
+        deadline = time.monotonic() + 15
+        while not backend.master_reachable and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert backend.master_reachable
+        ks2 = keys(2, seed=8200)
+        deadline = time.monotonic() + 10
+        while backend.batch_set_v1(ks2, [6, 7]) != [True, True] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert backend.batch_get_v1(ks2, [3, 4]) == [True, True]
+        assert torch.equal(pool.canonical[3], pool.canonical[6])
+        backend.close()
+
+
+def test_hung_master_is_bounded_by_the_rpc_timeout(make, monkeypatch):
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "1500")  # read at client setup
+    with start_mooncake() as svc:
+        backend = make(svc=svc)
+        backend.register_host_pool(filled_pool("page_first", 11))
+        ks = keys(2, seed=9000)
+        assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
+        os.kill(svc.master.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert backend.batch_exists(ks) == 0
+            assert time.monotonic() - t0 < 4.0
+            t0 = time.monotonic()
+            assert backend.batch_get_v1(ks, [2, 3]) == [False, False]
+            assert backend.batch_set_v1(keys(1, seed=9100), [4]) == [False]
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            os.kill(svc.master.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while not backend.master_reachable and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert backend.batch_get_v1(ks, [2, 3]) == [True, True]
+        backend.close()
+
+
+_CLOSE_AFTER_MASTER_DIED = textwrap.dedent("""
+    import json, os, sys, time
+    from hicache.integration.bench.mooncake_service import start_mooncake
+    from hicache.tiers.l3.base import StorageConfig
+    from hicache.tiers.l3.mooncake_backend import MooncakeBackend
+    with start_mooncake() as svc:
+        b = MooncakeBackend(StorageConfig(0, 1, "ns", "page_first", 4096,
+                                          extra_config=svc.extra_config(16 << 20)))
+        ok = b.set("ab" * 32, __import__("torch").zeros(4096, dtype=__import__("torch").uint8))
+    t0 = time.monotonic()  # master stopped; the breaker never tripped
+    b.close()
+    print(json.dumps({"set": ok, "close_s": time.monotonic() - t0}), flush=True)
+    # Mooncake's exit handler would join the client's heartbeat thread, stuck
+    # pinging the dead master (~10 s); this test only measures close().
+    os._exit(0)
+""")
+
+
+def test_close_after_the_master_is_gone_is_quick(service):
+    env = {**os.environ, **service.client_env()}
+    proc = subprocess.run([sys.executable, "-c", _CLOSE_AFTER_MASTER_DIED], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["set"] is True and result["close_s"] < 2.0
+
+
+def test_unreachable_master_at_start_is_storage_unavailable(service):
+    from hicache.integration.bench.mooncake_service import free_port
+
+    extra = extra_for(service, master_server_address=f"127.0.0.1:{free_port()}")
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailable, match="master_server_address"):
+        MooncakeBackend(config(extra))
+    assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"bogus_key": 1}, "bogus_key"),
+        ({"protocol": "carrier-pigeon"}, "protocol"),
+        ({"global_segment_size": "lots"}, "global_segment_size"),
+        ({"global_segment_size": -5}, "global_segment_size"),
+        ({"local_buffer_size": "12xb"}, "local_buffer_size"),
+        ({"master_server_address": "no-port"}, "master_server_address"),
+        ({"device_name": "{not json"}, "device_name"),
+    ],
+)
+def test_bad_config_names_the_key(service, override, named):
+    with pytest.raises(StorageConfigError, match=named) as err:
+        MooncakeBackend(config(extra_for(service, **override)))
+    if named == "protocol":
+        assert "tcp" in str(err.value)
+    if named == "bogus_key":
+        assert "master_server_address" in str(err.value)  # lists the allowed keys
+
+
+def test_missing_master_and_env_fallbacks(service, monkeypatch):
+    for var in ("MOONCAKE_MASTER", "MOONCAKE_PROTOCOL", "MOONCAKE_GLOBAL_SEGMENT_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(StorageConfigError, match="master_server_address"):
+        MooncakeBackend(config({}))
+    monkeypatch.setenv("MOONCAKE_MASTER", service.master_address)
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "32mb")
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "smoke-signals")
+    with pytest.raises(StorageConfigError, match="protocol"):
+        MooncakeBackend(config({}))
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    backend = create_backend("mooncake", config({}))
+    try:
+        assert isinstance(backend, MooncakeBackend)
+        assert backend.settings.global_segment_size == (32 << 20) // 2  # per TP rank
+        assert backend.settings.master_server_address == service.master_address
+        assert backend.settings.metadata_server == "P2PHANDSHAKE"
+    finally:
+        backend.close()
+
+
+def test_parse_size():
+    assert parse_size("k", 123) == 123
+    assert parse_size("k", "4gb") == 4 << 30
+    assert parse_size("k", "512MB") == 512 << 20
+    assert parse_size("k", "64k") == 64 << 10
+    assert parse_size("k", "1024") == 1024
+    for bad in ("", "1.5gb", "gb", True, None, -1):
+        with pytest.raises(StorageConfigError):
+            parse_size("k", bad)
+
+
+def test_delete_removes_one_page(shared):
+    backend = shared("a")
+    ks = keys(3, seed=9100)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.batch_delete([ks[1], ks[1]]) == 1
+    assert [backend.exists(k) for k in ks] == [True, False, True]

@@ -1,0 +1,257 @@
+"""NixlBackend with real NIXL agents and the POSIX plugin on a temporary directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("nixl._api")
+
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
+from hicache.tiers.l3 import integrity  # noqa: E402
+from hicache.tiers.l3.base import StorageConfig, StorageConfigError  # noqa: E402
+from hicache.tiers.l3.nixl_backend import QUARANTINE_DIR, NixlBackend  # noqa: E402
+
+GEOMETRY = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=1024)
+LAYOUTS = ["page_first", "page_first_direct", "layer_first"]
+
+
+def make(path: Path, layout: str = "page_first_direct", tp_rank: int = 0, **extra):
+    cfg = StorageConfig(tp_rank=tp_rank, tp_size=2, namespace="test-ns", mem_layout=layout,
+                        page_bytes=GEOMETRY.page_bytes, extra_config={"path": str(path), **extra})
+    backend = NixlBackend(cfg)
+    pool = HostPagePool(GEOMETRY, layout=layout, pin_memory=False)
+    backend.register_host_pool(pool)
+    return backend, pool
+
+
+def fill(pool: HostPagePool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=gen))
+
+
+def keys_for(n: int, salt: int = 0) -> list[str]:
+    return [(bytes([salt, i]) * 16).hex() for i in range(n)]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    backend, pool = make(tmp_path)
+    yield backend, pool, tmp_path
+    backend.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_bit_exact(tmp_path, layout):
+    backend, pool = make(tmp_path, layout)
+    fill(pool, 1)
+    keys = keys_for(6)
+    expect = [pool.read_page(s).clone() for s in range(6)]
+    assert backend.batch_set_v1(keys, list(range(6))) == [True] * 6
+    # one file per page: header + payload, named by object_key; no temp files left
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == sorted(backend.object_key(k) for k in keys)
+    for k in keys:
+        assert (tmp_path / backend.object_key(k)).stat().st_size == (
+            integrity.HEADER_BYTES + GEOMETRY.page_bytes)
+
+    pool.buffer.zero_()
+    assert backend.batch_exists(keys) == 6
+    assert backend.batch_exists([*keys[:3], keys_for(1, salt=9)[0], keys[3]]) == 3
+    assert backend.batch_get_v1(keys, list(range(10, 16))) == [True] * 6
+    for i, slot in enumerate(range(10, 16)):
+        assert torch.equal(pool.read_page(slot), expect[i])
+
+    # writing again skips the existing pages
+    assert backend.batch_set_v1(keys[:2], [0, 1]) == [True, True]
+    st = backend.stats()
+    assert st.set_skipped_existing == 2 and st.get_hits == 6 and st.corrupt_pages == 0
+    assert st.bytes_written == st.bytes_read == 6 * GEOMETRY.page_bytes
+    assert st.read_seconds > 0 and st.write_seconds > 0
+
+    # a key never stored is a clean miss
+    assert backend.batch_get_v1(keys_for(1, salt=7), [0]) == [False]
+    assert backend.stats().get_misses == 1
+    backend.clear()
+    assert backend.batch_exists(keys) == 0
+    backend.close()
+
+
+def test_single_page_get_set_with_foreign_tensors(store):
+    backend, _, _ = store
+    value = torch.arange(GEOMETRY.page_bytes, dtype=torch.int64).to(torch.uint8)
+    key = keys_for(1, salt=3)[0]
+    assert backend.set(key, value)
+    assert backend.exists(key)
+    out = torch.zeros_like(value)
+    assert backend.get(key, out)
+    assert torch.equal(out, value)
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, {test_dir!r})
+    from test_nixl_backend import fill, keys_for, make
+    backend, pool = make(Path({path!r}), {layout!r})
+    fill(pool, 42)
+    ok = backend.batch_set_v1(keys_for(5), list(range(5)))
+    backend.close()
+    sys.exit(0 if all(ok) else 3)
+""")
+
+
+def test_other_process_reads_what_one_wrote(tmp_path):
+    # page_first_direct and layer_first share the L3 byte order (and fingerprint),
+    # so the zero-copy writer and the staging reader must agree on every byte.
+    script = _WRITER.format(test_dir=str(Path(__file__).parent), path=str(tmp_path),
+                            layout="page_first_direct")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    ref, ref_pool = make(tmp_path / "unused")
+    fill(ref_pool, 42)
+    expect = [ref_pool.read_page(s).clone() for s in range(5)]
+    ref.close()
+
+    reader, pool = make(tmp_path, "layer_first")  # same L3 byte order, other host layout
+    assert reader.batch_exists(keys_for(5)) == 5
+    assert reader.batch_get_v1(keys_for(5), [11, 12, 13, 14, 15]) == [True] * 5
+    for i in range(5):
+        assert torch.equal(pool.read_page(11 + i), expect[i])
+    reader.close()
+
+
+def _flip_payload(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[integrity.HEADER_BYTES + 777] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 1)
+
+
+def _replace_key(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[24:56] = bytes(range(32))  # magic, version, reserved, length precede the key
+    path.write_bytes(bytes(data))
+
+
+def _append(path: Path) -> None:
+    with path.open("ab") as f:
+        f.write(b"\x00")
+
+
+@pytest.mark.parametrize("damage", [_flip_payload, _truncate, _replace_key, _append])
+def test_corrupt_page_is_a_counted_quarantined_miss(store, damage):
+    backend, pool, root = store
+    fill(pool, 5)
+    keys = keys_for(3)
+    assert backend.batch_set_v1(keys, [0, 1, 2]) == [True] * 3
+    victim = root / backend.object_key(keys[1])
+    damage(victim)
+
+    assert backend.batch_exists(keys) == 3  # existence is only a hint
+    assert backend.batch_get_v1(keys, [5, 6, 7]) == [True, False, True]
+    st = backend.stats()
+    assert st.corrupt_pages == 1 and st.get_misses == 1 and st.get_hits == 2
+    assert not victim.exists()
+    assert [p.name.split(".")[0] for p in (root / QUARANTINE_DIR).iterdir()] == [victim.name]
+    assert backend.batch_exists(keys) == 1
+    assert backend.get(keys[1], torch.empty(GEOMETRY.page_bytes, dtype=torch.uint8)) is False
+
+
+def test_page_deleted_between_exists_and_get_is_clean_miss(store):
+    backend, pool, root = store
+    fill(pool, 6)
+    key = keys_for(1)[0]
+    assert backend.batch_set_v1([key], [0]) == [True]
+    assert backend.exists(key)
+    (root / backend.object_key(key)).unlink()
+    assert backend.batch_get_v1([key], [3]) == [False]
+    st = backend.stats()
+    assert st.get_misses == 1 and st.corrupt_pages == 0 and st.errors == 0
+
+
+def test_other_tp_rank_misses(tmp_path):
+    rank0, pool0 = make(tmp_path, tp_rank=0)
+    rank1, _ = make(tmp_path, tp_rank=1)
+    fill(pool0, 8)
+    keys = keys_for(2)
+    assert rank0.batch_set_v1(keys, [0, 1]) == [True, True]
+    assert rank1.batch_exists(keys) == 0
+    assert rank1.batch_get_v1(keys, [4, 5]) == [False, False]
+    # even under rank 1's file name, rank 0's bytes fail the fingerprint check
+    os.link(tmp_path / rank0.object_key(keys[0]), tmp_path / rank1.object_key(keys[0]))
+    assert rank1.batch_get_v1(keys[:1], [4]) == [False]
+    assert rank1.stats().corrupt_pages == 1
+    assert rank0.batch_get_v1(keys, [6, 7]) == [True, True]
+    rank0.close()
+    rank1.close()
+
+
+def test_transfer_timeout_is_a_miss(tmp_path):
+    backend, pool = make(tmp_path, xfer_timeout_s=1e-9)
+    fill(pool, 9)
+    keys = keys_for(8)
+    # a transfer not finished by its deadline stores nothing and leaves no temp file
+    assert backend.batch_set_v1(keys, list(range(8))) == [False] * 8
+    st = backend.stats()
+    assert st.set_failures == 8 and st.errors >= 1 and st.bytes_written == 0
+    assert backend.batch_exists(keys) == 0
+    # with a sane deadline the parked request is drained and I/O goes on
+    backend.timeout_s = 5.0
+    assert backend.batch_set_v1(keys, list(range(8))) == [True] * 8
+    assert backend.batch_get_v1(keys, list(range(8, 16))) == [True] * 8
+    assert torch.equal(pool.buffer[8:16], pool.buffer[:8])
+    assert not [p for p in tmp_path.iterdir() if ".tmp." in p.name]
+    backend.close()
+
+
+@pytest.mark.parametrize("plugin", ["NO_SUCH_PLUGIN", "GDS"])
+def test_unavailable_plugin_lists_available_ones(tmp_path, plugin):
+    try:
+        backend, _ = make(tmp_path, plugin=plugin)
+    except StorageConfigError as exc:
+        msg = str(exc)
+        assert "plugin" in msg and plugin in msg and "'POSIX'" in msg
+        return
+    backend.close()
+    pytest.skip(f"{plugin} loads on this host")
+
+
+@pytest.mark.parametrize("extra", [{"bogus_key": 1}, {"plugin_params": {"no_such_param": "1"}},
+                                   {"xfer_timeout_s": -1}, {"plugin_params": "x"}])
+def test_bad_extra_config(tmp_path, extra):
+    with pytest.raises(StorageConfigError) as info:
+        make(tmp_path, **extra)
+    key = next(iter(extra))
+    assert key in str(info.value)
+    if key == "bogus_key":
+        assert "plugin_params" in str(info.value) and "path" in str(info.value)
+
+
+def test_plugin_params_pass_through(tmp_path):
+    backend, pool = make(tmp_path, plugin_params={"use_posix_aio": "false"})
+    fill(pool, 11)
+    assert backend.batch_set_v1(keys_for(2), [0, 1]) == [True, True]
+    assert backend.batch_get_v1(keys_for(2), [2, 3]) == [True, True]
+    assert torch.equal(pool.read_page(2), pool.read_page(0))
+    backend.close()
+
+
+def test_delete_removes_one_page(store):
+    backend, pool, _ = store
+    ks = keys_for(3, salt=77)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.batch_delete([ks[1], ks[1]]) == 1
+    assert [backend.exists(k) for k in ks] == [True, False, True]

@@ -1,0 +1,251 @@
+"""The admin endpoint's view of one engine: what ``integration/admin/app.py`` serves.
+
+Contract:
+- ``SchedulerAdmin`` implements ``AdminTarget`` over the scheduler half. It
+  runs in the admin server's threads; every read or change of the tree,
+  the slots or the scheduler's storage instance holds the scheduler lock
+  that the connector also holds around vLLM's calls, so the admin never
+  sees or leaves a half-updated tree and never blocks the engine for longer
+  than one such operation.
+- ``stats()`` merges the scheduler's counters with the workers' (copies,
+  L3 traffic, corrupt pages, queue depths), which arrive with every step's
+  worker report (``record_worker_report``); per-tier fields are in pages
+  and bytes per TP rank, ``recent_*_gbps`` over the last ~10 s.
+- ``flush`` and ``detach_storage`` / ``attach_storage`` change the
+  scheduler (and its own L3 instance) at once; the matching commands reach
+  every worker with the next engine step, where queued backups of flushed
+  pages are dropped and each rank deletes its own shard after any backup
+  already running (an idle engine applies them when it next runs). L3
+  calls run outside the scheduler lock.
+- Client mistakes raise ``AdminError`` with a 4xx code naming the allowed
+  values; a storage backend that cannot be built for ``attach`` is a 400
+  with its configuration error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from hicache.integration.admin.app import AdminError
+from hicache.tiers.l3.base import StorageBackend, StorageConfigError
+
+if TYPE_CHECKING:
+    from hicache.connector.config import HiCacheConfig
+    from hicache.tiers.controller.scheduler import HiCacheScheduler
+    from hicache.tiers.index.plans import WorkerReport
+    from hicache.tiers.index.radix_tree import TreeNode
+
+TIERS = ("l2", "l3", "all")
+RATE_WINDOW_S = 10.0
+
+
+class SchedulerAdmin:
+    """``AdminTarget`` of one engine core (see the module docstring)."""
+
+    def __init__(
+        self,
+        scheduler: HiCacheScheduler,
+        config: HiCacheConfig,
+        *,
+        engine: dict[str, Any],
+        build_storage: Any,
+        l1_pages: int,
+    ) -> None:
+        self.scheduler = scheduler
+        self.hicache_config = config
+        self.engine = engine
+        # (backend name, extra config) -> a scheduler-side StorageBackend
+        self._build_storage = build_storage
+        self.storage_name = config.hicache_storage_backend
+        self._l1_pages = l1_pages
+        self.worker_counters: dict[str, float] = {}
+        self.worker_gauges: dict[str, float] = {}
+        self._samples: deque[tuple[float, float, float]] = deque()
+        self._lock = threading.Lock()
+        self.pending_commands: list[tuple] = []
+
+    # ---- fed by the connector (engine thread) ----------------------------------
+
+    def record_worker_report(self, report: WorkerReport) -> None:
+        with self._lock:
+            for name, value in report.counters.items():
+                self.worker_counters[name] = self.worker_counters.get(name, 0) + value
+            self.worker_gauges.update(report.gauges)
+            now = time.monotonic()
+            c = self.worker_counters
+            self._samples.append((now, c.get("loaded_bytes", 0), c.get("saved_bytes", 0)))
+            while len(self._samples) > 2 and now - self._samples[1][0] > RATE_WINDOW_S:
+                self._samples.popleft()
+
+    def take_commands(self) -> list[tuple]:
+        with self._lock:
+            commands, self.pending_commands = self.pending_commands, []
+        return commands
+
+    # ---- AdminTarget -----------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        return {"hicache": self.hicache_config.to_dict(),
+                "storage_backend": self.storage_name, "engine": dict(self.engine)}
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        with s.lock:
+            st = s.stats
+            page_bytes = s.geometry.page_bytes
+            l2_used, l2_cap = s.slots.num_used, s.slots.capacity
+            inflight = len(s._inflight)
+            counters = st.as_dict()
+        with self._lock:
+            w, g = dict(self.worker_counters), dict(self.worker_gauges)
+            load_gbps, save_gbps = self._rates()
+        tiers: dict[str, dict[str, Any]] = {
+            "l1": {"capacity_pages": self._l1_pages, "hits": st.l1_hit_pages},
+            "l2": {
+                "capacity_pages": l2_cap, "used_pages": l2_used,
+                "capacity_bytes": l2_cap * page_bytes, "used_bytes": l2_used * page_bytes,
+                "hits": st.l2_hit_pages, "misses": st.l2_miss_pages,
+                "evictions": st.evicted_pages,
+                "pages_loaded": st.loaded_pages, "bytes_loaded": int(w.get("loaded_bytes", 0)),
+                "pages_saved": int(w.get("saved_pages", 0)),
+                "bytes_saved": int(w.get("saved_bytes", 0)),
+                "recent_load_gbps": load_gbps, "recent_save_gbps": save_gbps,
+            },
+        }
+        if self.storage_name is not None:
+            tiers["l3"] = {
+                "hits": st.l3_hit_pages, "misses": st.l3_miss_pages,
+                "pages_loaded": int(w.get("l3_fetched_pages", 0)),
+                "bytes_loaded": int(w.get("l3_bytes_read", 0)),
+                "pages_saved": int(w.get("l3_backup_pages", 0)),
+                "bytes_saved": int(w.get("l3_bytes_written", 0)),
+                "corrupt_pages": int(w.get("l3_corrupt_pages", 0)),
+            }
+        return {
+            "tiers": tiers,
+            "queues": {
+                "l3_fetch_requests_inflight": inflight,
+                "l3_fetch_queue": int(g.get("l3_fetch_queue", 0)),
+                "l3_backup_queue_pages": int(g.get("l3_backup_queue_pages", 0)),
+            },
+            "policy": {
+                "write_policy": self.hicache_config.hicache_write_policy,
+                "prefetch_policy": self.hicache_config.hicache_storage_prefetch_policy,
+                "mem_layout": self.hicache_config.hicache_mem_layout,
+                "storage_backend": self.storage_name or "none",
+                "write_through_threshold": self.hicache_config.hicache_write_through_threshold,
+            },
+            "scheduler": {k: v for k, v in counters.items() if isinstance(v, (int, float))},
+            "worker": {k: v for k, v in w.items()},
+        }
+
+    def _rates(self) -> tuple[float, float]:
+        if len(self._samples) < 2:
+            return 0.0, 0.0
+        (t0, l0, s0), (t1, l1, s1) = self._samples[0], self._samples[-1]
+        dt = max(t1 - t0, 1e-9)
+        return (l1 - l0) / dt / 1e9, (s1 - s0) / dt / 1e9
+
+    def flush(self, tiers: list[str], prefix: list[int] | None,
+              cache_salt: str | None) -> dict[str, int]:
+        unknown = sorted(set(tiers) - set(TIERS))
+        if unknown or not tiers:
+            raise AdminError(400, f"unknown tier(s) {unknown or tiers}: allowed values "
+                             f"{list(TIERS)} (L1 is vLLM's own cache: use vLLM's "
+                             "/reset_prefix_cache)")
+        chosen = {"l2", "l3"} if "all" in tiers else set(tiers)
+        if "l3" in chosen and self.storage_name is None and "all" not in tiers:
+            raise AdminError(409, "no L3 storage backend is attached")
+        s = self.scheduler
+        try:
+            with s.lock:
+                counts, l3_op = s.flush(chosen, prefix, cache_salt)
+                storage = s.storage
+        except ValueError as exc:  # token ids out of range
+            raise AdminError(400, f"prefix: {exc}") from exc
+        counts["l3_pages"] = 0
+        if l3_op is not None and storage is not None:
+            # The scheduler's own instance first (lookups miss from now on),
+            # outside the lock: a slow store must not stall the engine.
+            try:
+                if l3_op[0] == "clear":
+                    storage.clear()
+                    counts["l3_pages"] = -1  # all; the store does not count
+                else:
+                    counts["l3_pages"] = storage.batch_delete(l3_op[1])
+            except NotImplementedError as exc:
+                raise AdminError(400, f"L3 backend {self.storage_name!r} cannot flush a prefix "
+                                 f"({exc}); flush all of L3 instead") from exc
+            # Every worker then drops queued backups of those pages and deletes its shard.
+            with self._lock:
+                self.pending_commands.append(l3_op)
+            with s.lock:
+                s.stats.flushed_l3_pages += max(0, counts["l3_pages"])
+        return counts
+
+    def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
+        from hicache.tiers.l3.factory import STORAGE_BACKENDS
+
+        if backend not in STORAGE_BACKENDS:
+            raise AdminError(400, f"backend={backend!r}: allowed values {list(STORAGE_BACKENDS)}")
+        try:
+            instance: StorageBackend = self._build_storage(backend, dict(extra_config))
+        except StorageConfigError as exc:
+            raise AdminError(400, str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - unreachable store: the client's problem
+            raise AdminError(400, f"cannot reach the {backend} store: {exc}") from exc
+        s = self.scheduler
+        with s.lock:
+            old, s.storage = s.storage, instance
+            self.storage_name = backend
+        with self._lock:
+            self.pending_commands.append(("attach", backend, dict(extra_config)))
+        if old is not None:
+            old.close()
+        return {"attached": backend, "workers": "at the next engine step"}
+
+    def detach_storage(self) -> dict[str, Any]:
+        s = self.scheduler
+        with s.lock:
+            if s.storage is None:
+                raise AdminError(409, "no L3 storage backend is attached")
+            old, s.storage = s.storage, None
+            name, self.storage_name = self.storage_name, None
+        with self._lock:
+            self.pending_commands.append(("detach",))
+        old.close()
+        return {"detached": name, "workers": "at the next engine step: queued backups are "
+                "dropped, running I/O finishes first"}
+
+    def tree(self, prefix: list[int] | None, depth: int) -> dict[str, Any]:
+        s = self.scheduler
+        with s.lock:
+            node = s.tree.root
+            if prefix:
+                keys = s.prefix_keys(prefix)
+                match = s.tree.match_prefix(keys)
+                if match.num_pages < len(keys):
+                    raise AdminError(404, f"the first {len(keys)} pages of prefix are not in L2 "
+                                     f"(found {match.num_pages})")
+                node = match.node
+            return {"page_size": s.page_size, "total_pages": s.tree.total_pages(),
+                    "node": _node_view(node, depth, time.monotonic())}
+
+
+MAX_CHILDREN = 32
+
+
+def _node_view(node: TreeNode, depth: int, now: float) -> dict[str, Any]:
+    view: dict[str, Any] = {
+        "id": node.id, "pages": len(node.keys),
+        "first_key": node.keys[0].hex()[:16] if node.keys else None,
+        "lock_ref": node.lock_ref, "hits": node.hit_count,
+        "idle_s": round(now - node.last_access, 3), "children": len(node.children),
+    }
+    if depth > 0 and node.children:
+        kids = sorted(node.children.values(), key=lambda c: -c.last_access)[:MAX_CHILDREN]
+        view["child_nodes"] = [_node_view(c, depth - 1, now) for c in kids]
+    return view

@@ -1,0 +1,245 @@
+"""The L3 storage backend interface (SGLang ``HiCacheStorage``-compatible) and its config.
+
+Contract:
+- One backend instance per process that uses it: each worker (TP rank) has
+  one with its host pool registered (zero-copy ``batch_get_v1`` /
+  ``batch_set_v1`` address pool slots); the scheduler has one without a pool
+  and only asks ``batch_exists``. Instances in different processes, engines
+  or machines sharing one store must see each other's pages.
+- Keys passed in are page keys as 64-char hex strings (SGLang passes hash
+  strings the same way). A backend stores each page under
+  ``object_key(key)``, which appends ``StorageConfig.fingerprint``: pages of
+  another model, dtype, host byte order, page size or TP rank never alias.
+- Every stored page carries the header of ``integrity.py`` and every read
+  verifies it: a page whose key, fingerprint, length or checksum does not
+  match is a miss, counted in ``stats().corrupt_pages`` (and removed or
+  quarantined where the backend can). A read never returns True for bytes
+  it has not verified.
+- ``batch_exists`` returns how many keys exist consecutively from the start.
+  Existence is a hint (a page may vanish before it is read); reads decide.
+- Writes skip keys that already exist (cross-instance dedup). A successful
+  ``set`` is not proof of residency (stores may evict).
+- Methods never raise for an unavailable or failing store: they return
+  False / 0 and count the failure; ``__init__`` raises ``StorageConfigError``
+  for bad configuration (message names the key and the allowed values) and
+  ``StorageUnavailable`` when the store cannot be reached at start.
+- Thread-safety: a worker calls one backend from one I/O thread; the
+  scheduler from its own thread. Backends need not be re-entrant.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hicache.tiers.l2.host_pool import HostPagePool
+
+# Bytes of a page in L3 follow the host pool's slot order; layouts whose
+# slots hold the same order share L3 pages.
+BYTE_ORDER = {"layer_first": "LBB", "page_first": "BLB", "page_first_direct": "LBB"}
+
+
+class StorageConfigError(ValueError):
+    """hicache_storage_backend or its extra config is invalid."""
+
+
+class StorageUnavailable(RuntimeError):
+    """The store could not be reached or set up."""
+
+
+def checked_extra(config: StorageConfig, allowed: Iterable[str], backend: str) -> dict[str, Any]:
+    """``config.extra_config`` as a dict, or StorageConfigError naming unknown keys."""
+    extra, allowed = dict(config.extra_config), tuple(allowed)
+    unknown = sorted(set(extra) - set(allowed))
+    if unknown:
+        raise StorageConfigError(
+            f"unknown hicache_storage_backend_extra_config key(s) {unknown} for the {backend} "
+            f"backend; allowed keys: {sorted(allowed)}"
+        )
+    return extra
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """What a backend needs to know about the engine (SGLang's HiCacheStorageConfig)."""
+
+    tp_rank: int
+    tp_size: int
+    # namespace fingerprint (model, KV dtype, vLLM layout, page size, TP size)
+    namespace: str
+    # host pool layout: layer_first | page_first | page_first_direct
+    mem_layout: str
+    page_bytes: int
+    # MLA: the latent pages are the same on every rank, so the fingerprint
+    # (hence the object key) leaves the rank out: one shard shared by all.
+    is_mla: bool = False
+    model_name: str = ""
+    # hicache_storage_backend_extra_config minus the keys HiCache consumes
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def fingerprint(self) -> bytes:
+        """16 bytes naming everything that must match for a stored page to be usable."""
+        h = hashlib.sha256(b"hicache-l3-v1")
+        # MLA pages are identical on every rank: one shard, shared by all ranks.
+        rank = "mla" if self.is_mla else str(self.tp_rank)
+        for part in (self.namespace, BYTE_ORDER.get(self.mem_layout, self.mem_layout),
+                     str(self.page_bytes), rank, str(self.tp_size)):
+            h.update(len(part).to_bytes(4, "little") + part.encode())
+        return h.digest()[:16]
+
+    @functools.cached_property
+    def key_suffix(self) -> str:
+        return self.fingerprint.hex()[:16]
+
+
+@dataclass
+class StorageStats:
+    """Counters of one backend instance (pages are whole pages)."""
+
+    get_pages: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    corrupt_pages: int = 0
+    set_pages: int = 0
+    set_skipped_existing: int = 0
+    set_failures: int = 0
+    exists_queries: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    evicted_pages: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StorageBackend(ABC):
+    """Base class of every L3 backend; subclasses implement get / set / exists."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        self.config = config
+        self.pool: HostPagePool | None = None
+        self._stats = StorageStats()
+        self._stats_lock = threading.Lock()
+
+    # ---- keys ---------------------------------------------------------------
+
+    def object_key(self, key: str) -> str:
+        """Name of ``key``'s page object in the store."""
+        return f"{key}_{self.config.key_suffix}"
+
+    @staticmethod
+    def page_key_bytes(key: str) -> bytes:
+        return bytes.fromhex(key)
+
+    # ---- host pool ----------------------------------------------------------
+
+    def register_host_pool(self, pool: HostPagePool) -> None:
+        """Zero-copy backends register the pool's buffer with their transport here."""
+        if pool.geometry.page_bytes != self.config.page_bytes:
+            raise StorageConfigError(
+                f"host pool pages are {pool.geometry.page_bytes} B, backend configured for "
+                f"{self.config.page_bytes} B"
+            )
+        self.pool = pool
+
+    def _require_pool(self) -> HostPagePool:
+        if self.pool is None:
+            raise RuntimeError("batch_get_v1/batch_set_v1 need register_host_pool first")
+        return self.pool
+
+    # ---- single pages (SGLang: get / set / exists) ---------------------------
+
+    @abstractmethod
+    def get(self, key: str, target: torch.Tensor) -> bool:
+        """Read page ``key`` into ``target`` (1-D uint8 CPU tensor of page_bytes), verified."""
+
+    @abstractmethod
+    def set(self, key: str, value: torch.Tensor) -> bool:
+        """Store ``value`` (1-D uint8 CPU tensor of page_bytes) as page ``key``."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether page ``key`` is (probably) stored."""
+
+    # ---- batches --------------------------------------------------------------
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        return [self.set(k, v) for k, v in zip(keys, values, strict=True)]
+
+    def batch_exists(self, keys: list[str]) -> int:
+        """Number of keys that exist consecutively from the first."""
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        """Read pages straight into host pool slots; False per page not loaded.
+
+        Default: through ``get`` on the slot's contiguous page view, or a
+        staging page for layouts whose slots are not contiguous.
+        """
+        pool = self._require_pool()
+        results = []
+        for key, slot in zip(keys, host_slots, strict=True):
+            view = pool.page_view(slot)
+            if view is not None:
+                results.append(self.get(key, view))
+                continue
+            staging = torch.empty(pool.geometry.page_bytes, dtype=torch.uint8)
+            ok = self.get(key, staging)
+            if ok:
+                pool.write_page(slot, staging)
+            results.append(ok)
+        return results
+
+    def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        """Store pages straight from host pool slots; False per page not stored."""
+        pool = self._require_pool()
+        values = [pool.read_page(slot) for slot in host_slots]
+        return self.batch_set(keys, values)
+
+    # ---- maintenance ----------------------------------------------------------
+
+    def delete(self, key: str) -> bool:
+        """Remove page ``key`` (this rank's object); True if it was there.
+
+        Used to flush a prefix. Not part of SGLang's interface: a third-party
+        backend without it makes prefix flushes of L3 fail with a clear error.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot delete single pages")
+
+    def batch_delete(self, keys: list[str]) -> int:
+        """Remove these pages; returns how many were there."""
+        return sum(1 for key in keys if self.delete(key))
+
+    def clear(self) -> None:
+        """Remove every page this backend can see (all namespaces it owns)."""
+        return None
+
+    def stats(self) -> StorageStats:
+        with self._stats_lock:
+            return StorageStats(**self._stats.as_dict())
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def close(self) -> None:
+        """Release connections and registrations; the instance is unusable after."""
+        return None

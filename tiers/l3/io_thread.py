@@ -1,0 +1,285 @@
+"""Worker-side L3 I/O: one thread fetches L3 pages for waiting requests and backs up new L2 pages.
+
+Contract:
+- ``submit_fetch(fetch)``: L3 pages are read into their reserved L2 slots
+  in order, in batches, until one fails, the fetch's deadline passes
+  (``timeout_s`` from submission; None = no deadline; 0 = best effort: stop
+  at the second ``poll`` after submission, i.e. after about one engine
+  step) or the store errs. Then every page of the plan that is in L2 (its
+  L2 pages whose slots still hold their keys, then the fetched L3 pages) is
+  copied into the request's vLLM blocks, on this thread. ``poll`` returns
+  finished fetches as ``FetchResult``: how many L3 pages arrived (a prefix)
+  and the blocks that were not filled, for vLLM to recompute.
+- ``submit_backup(pages)``: (page key, slot) pairs just written to L2 are
+  copied to L3 in the background (``batch_set_v1``), after pending fetches.
+  A slot must not be overwritten while its backup reads it: the worker
+  calls ``release_slots`` before writing to L2 slots, which drops queued
+  backups of those slots and waits for a running one (bounded by the
+  backend's own timeouts). Without this a backup could store another
+  page's bytes, with a valid checksum, under this page's key.
+- ``submit_removal(keys)`` (admin flush): drops queued backups of those
+  pages and deletes them from this rank's store after the backup already
+  running, so a flushed page is not written back later.
+- Fetches run first, then removals, then backups; a fetch never waits for
+  the backup queue.
+- Nothing raises into the engine: a backend exception fails that batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from hicache.tiers.index.plans import PagePlan, RequestFetch
+from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.l3.base import StorageBackend
+
+logger = logging.getLogger(__name__)
+
+BATCH_PAGES = 32
+
+
+@dataclass
+class FetchResult:
+    req_id: str
+    fetched_pages: int
+    error_block_ids: set[int]
+    seconds: float
+
+
+@dataclass
+class StorageIOStats:
+    fetches: int = 0
+    fetched_pages: int = 0
+    fetch_failed_pages: int = 0
+    fetch_deadline_misses: int = 0
+    max_fetch_seconds: float = 0.0
+    backup_pages: int = 0
+    backup_failed_pages: int = 0
+    backups_dropped: int = 0
+    deleted_pages: int = 0
+    backup_queue_pages: int = 0
+    fetch_queue: int = 0
+
+
+@dataclass
+class _Job:
+    fetch: RequestFetch
+    submitted: float
+    polls: int = 0
+    cancel: bool = False
+    result: FetchResult | None = None
+    slots: set[int] = field(default_factory=set)
+
+
+class StorageIO:
+    """The L3 I/O thread of one worker; see the module docstring."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        pool: HostPagePool,
+        load_pages: Callable[[list[PagePlan]], None],
+    ) -> None:
+        self.backend = backend
+        self.pool = pool
+        self._load_pages = load_pages
+        self.stats = StorageIOStats()
+        self._cv = threading.Condition()
+        self._fetch_q: deque[_Job] = deque()
+        self._backup_q: deque[list[tuple[bytes, int]]] = deque()
+        self._running_backup: set[int] = set()
+        self._removals: deque[list[bytes] | None] = deque()
+        self._jobs: list[_Job] = []  # submitted, not yet returned by poll
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
+        self._thread.start()
+
+    # ---- called by the worker (engine thread) ----------------------------------
+
+    def submit_fetch(self, fetch: RequestFetch) -> None:
+        job = _Job(fetch, time.monotonic(), slots={p.slot for p in fetch.l3_pages})
+        with self._cv:
+            self._drop_backups(lambda _, s: s in job.slots)
+            self._jobs.append(job)
+            self._fetch_q.append(job)
+            self._cv.notify_all()
+
+    def submit_backup(self, pages: list[tuple[bytes, int]]) -> None:
+        if not pages:
+            return
+        with self._cv:
+            self._backup_q.append(list(pages))
+            self._cv.notify_all()
+
+    def release_slots(self, slots: Iterable[int]) -> None:
+        """Make ``slots`` safe to overwrite: drop queued backups of them, wait for a running one."""
+        wanted = set(slots)
+        with self._cv:
+            self._drop_backups(lambda _, s: s in wanted)
+            while self._running_backup & wanted:
+                self._cv.wait()
+
+    def poll(self) -> list[FetchResult]:
+        done: list[FetchResult] = []
+        with self._cv:
+            for job in self._jobs:
+                job.polls += 1
+                if job.fetch.timeout_s == 0 and job.polls >= 2:
+                    job.cancel = True
+            for job in [j for j in self._jobs if j.result is not None]:
+                self._jobs.remove(job)
+                done.append(job.result)  # type: ignore[arg-type]
+        return done
+
+    def submit_removal(self, keys: list[bytes] | None) -> None:
+        """Delete pages from L3 (None = everything) after any running backup, and
+        drop the queued backups of those pages (or all), so none lands later."""
+        with self._cv:
+            wanted = None if keys is None else set(keys)
+            self._drop_backups(lambda k, _: wanted is None or k in wanted)
+            self._removals.append(keys)
+            self._cv.notify_all()
+
+    def cancel_backups(self) -> None:
+        """Forget every queued backup (detaching the store)."""
+        with self._cv:
+            self._drop_backups(lambda _k, _s: True)
+
+    def queue_depths(self) -> tuple[int, int]:
+        with self._cv:
+            return len(self._fetch_q), sum(len(b) for b in self._backup_q)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Finish queued backups (within ``timeout_s``), cancel fetches, stop the thread."""
+        with self._cv:
+            self._stopping = True
+            for job in self._jobs:
+                job.cancel = True
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("HiCache L3: backups still running after %.0f s at shutdown", timeout_s)
+
+    # ---- the I/O thread --------------------------------------------------------
+
+    def _drop_backups(self, drop: Callable[[bytes, int], bool]) -> None:
+        """Remove queued (page key, slot) backups for which ``drop`` is true; caller holds _cv."""
+        kept: deque[list[tuple[bytes, int]]] = deque()
+        for batch in self._backup_q:
+            rest = [(k, s) for k, s in batch if not drop(k, s)]
+            self.stats.backups_dropped += len(batch) - len(rest)
+            if rest:
+                kept.append(rest)
+        self._backup_q = kept
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._fetch_q or self._backup_q or self._removals or self._stopping):
+                    self._cv.wait()
+                removal: list[bytes] | None | bool = False
+                if self._fetch_q:
+                    job: _Job | None = self._fetch_q.popleft()
+                    backup = None
+                elif self._removals:
+                    job, backup, removal = None, None, self._removals.popleft()
+                elif self._backup_q:
+                    job, backup = None, self._backup_q.popleft()
+                    self._running_backup = {s for _, s in backup}
+                else:
+                    return  # stopping, nothing left
+            try:
+                if job is not None:
+                    self._fetch(job)
+                elif removal is not False:
+                    self._remove(removal)  # type: ignore[arg-type]
+                else:
+                    self._backup(backup or [])
+            finally:
+                with self._cv:
+                    self._running_backup = set()
+                    self._cv.notify_all()
+
+    def _remove(self, keys: list[bytes] | None) -> None:
+        try:
+            if keys is None:
+                self.backend.clear()
+            else:
+                self.stats.deleted_pages += self.backend.batch_delete([k.hex() for k in keys])
+        except Exception:  # noqa: BLE001 - reported, never raised into the engine
+            logger.exception("HiCache L3: flush on this rank failed")
+
+    def _backup(self, pages: list[tuple[bytes, int]]) -> None:
+        for i in range(0, len(pages), BATCH_PAGES):
+            batch = pages[i : i + BATCH_PAGES]
+            # A slot may have been reused since (dropped backups cover queued
+            # ones; this covers a key the worker invalidated meanwhile).
+            batch = [(k, s) for k, s in batch if self.pool.holds(s, k)]
+            if not batch:
+                continue
+            try:
+                ok = self.backend.batch_set_v1([k.hex() for k, _ in batch], [s for _, s in batch])
+            except Exception:  # noqa: BLE001 - a failing L3 never reaches the engine
+                logger.exception("HiCache L3: backup of %d pages failed", len(batch))
+                ok = [False] * len(batch)
+            good = sum(1 for x in ok if x)
+            self.stats.backup_pages += good
+            self.stats.backup_failed_pages += len(batch) - good
+
+    def _fetch(self, job: _Job) -> None:
+        fetch = job.fetch
+        deadline = None if fetch.timeout_s is None else job.submitted + fetch.timeout_s
+        errors: set[int] = set(fetch.unloadable_block_ids)
+        loadable: list[PagePlan] = []
+        failed = False
+        for page in fetch.l2_pages:
+            if failed or not self.pool.holds(page.slot, page.key):
+                failed = True
+                errors.update(page.block_ids)
+            else:
+                loadable.append(page)
+        fetched = 0
+        pages = list(fetch.l3_pages)
+        while not failed and fetched < len(pages):
+            if job.cancel or (deadline is not None and fetch.timeout_s != 0
+                              and time.monotonic() > deadline):
+                self.stats.fetch_deadline_misses += 1
+                break
+            batch = pages[fetched : fetched + BATCH_PAGES]
+            for page in batch:
+                self.pool.set_key(page.slot, None)
+            try:
+                ok = self.backend.batch_get_v1([p.key.hex() for p in batch],
+                                               [p.slot for p in batch])
+            except Exception:  # noqa: BLE001 - a failing L3 is a miss
+                logger.exception("HiCache L3: fetch of %d pages failed", len(batch))
+                ok = [False] * len(batch)
+            n = 0
+            while n < len(batch) and ok[n]:
+                self.pool.set_key(batch[n].slot, batch[n].key)
+                n += 1
+            fetched += n
+            if n < len(batch):
+                break
+        for page in pages[fetched:]:
+            errors.update(page.block_ids)
+        loadable.extend(pages[:fetched])
+        if loadable:
+            try:
+                self._load_pages(loadable)
+            except Exception:  # noqa: BLE001 - recompute instead
+                logger.exception("HiCache: L2 -> L1 copy of a fetched prefix failed")
+                for page in loadable:
+                    errors.update(page.block_ids)
+        self.stats.fetches += 1
+        self.stats.fetched_pages += fetched
+        self.stats.fetch_failed_pages += len(pages) - fetched
+        result = FetchResult(fetch.req_id, fetched, errors, time.monotonic() - job.submitted)
+        self.stats.max_fetch_seconds = max(self.stats.max_fetch_seconds, result.seconds)
+        with self._cv:
+            job.result = result

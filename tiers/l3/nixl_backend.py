@@ -1,0 +1,516 @@
+"""L3 backend that moves pages between the host pool and files through a NIXL agent.
+
+Contract (on top of ``base.py``):
+- One NIXL agent per instance, with the plugin named by extra-config
+  ``plugin`` (default ``POSIX``). The plugin must load and support FILE and
+  DRAM memory; otherwise ``__init__`` raises ``StorageConfigError`` naming
+  the key, the requested plugin and the plugins the agent has.
+- Extra-config keys (anything else is a ``StorageConfigError``):
+    ``plugin``         NIXL plugin name (POSIX, GDS, GDS_MT, ...).
+    ``plugin_params``  dict of plugin init parameters, passed to
+                       ``create_backend`` as strings (POSIX: ``use_uring``,
+                       ``use_aio``, ``use_posix_aio``, ...); names are checked
+                       against the plugin's own parameter list.
+    ``path``           directory of page files (default env
+                       ``HICACHE_NIXL_STORAGE_DIR``, else ``/tmp/hicache_nixl``).
+    ``xfer_timeout_s`` deadline of one batch transfer (default 5 s); a
+                       transfer past it or failing makes its pages misses.
+    ``max_batch_pages`` pages per NIXL transfer request (default 256).
+- One file per page and rank, named ``object_key(key)``: the 128-byte
+  integrity header followed by the payload. Writes go to a temporary name in
+  the same directory and are renamed into place, so readers see whole pages
+  or nothing. Every read checks the file size and ``integrity.verify``; a
+  mismatch is a miss counted in ``corrupt_pages`` and the file is moved to
+  ``<path>/quarantine``.
+- Zero copy: the registered pool buffer is the DRAM side of the transfer for
+  layouts whose slots are contiguous (page_first, page_first_direct); a
+  small registered header buffer holds the headers. ``get`` / ``set`` on
+  any other tensor (layer_first through the base class) go through a
+  registered one-page staging buffer. O_DIRECT is not offered: the 128-byte
+  header puts the payload at an unaligned file offset.
+- No I/O problem raises from get / set / exists / batch_*: they return False
+  (or a shorter count) and count the failure in ``errors``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.l3 import integrity
+from hicache.tiers.l3.base import (
+    StorageBackend,
+    StorageConfig,
+    StorageConfigError,
+    StorageUnavailable,
+    checked_extra,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PLUGIN = "POSIX"
+DEFAULT_DIR = "/tmp/hicache_nixl"
+DIR_ENV = "HICACHE_NIXL_STORAGE_DIR"
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MAX_BATCH = 256
+ALLOWED_KEYS = ("plugin", "plugin_params", "path", "xfer_timeout_s", "max_batch_pages")
+QUARANTINE_DIR = "quarantine"
+_TMP_MARK = ".tmp."
+HDR = integrity.HEADER_BYTES
+
+
+class _Page:
+    """One page of a batch: its key, file, and where its payload lives in DRAM."""
+
+    __slots__ = ("key", "path", "addr", "view", "fd", "tmp", "ok")
+
+    def __init__(self, key: str, path: str, addr: int, view: torch.Tensor) -> None:
+        self.key = key
+        self.path = path
+        self.addr = addr
+        self.view = view
+        self.fd = -1
+        self.tmp = ""
+        self.ok = False
+
+
+class NixlBackend(StorageBackend):
+    """Page files written and read by a NIXL agent (POSIX plugin by default)."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        extra = checked_extra(config, ALLOWED_KEYS, "nixl")
+        self.plugin = str(extra.get("plugin", DEFAULT_PLUGIN))
+        self.path = str(extra.get("path") or os.environ.get(DIR_ENV) or DEFAULT_DIR)
+        self.timeout_s = _positive(extra, "xfer_timeout_s", DEFAULT_TIMEOUT_S, float)
+        self.max_batch = int(_positive(extra, "max_batch_pages", DEFAULT_MAX_BATCH, int))
+        params = extra.get("plugin_params", {})
+        if not isinstance(params, dict):
+            raise StorageConfigError(
+                "hicache_storage_backend_extra_config.plugin_params must be a dict of plugin "
+                f"init parameters, got {type(params).__name__}"
+            )
+        self._quarantine = os.path.join(self.path, QUARANTINE_DIR)
+        try:
+            os.makedirs(self._quarantine, exist_ok=True)
+        except OSError as exc:
+            raise StorageUnavailable(f"nixl backend cannot create {self.path!r}: {exc}") from exc
+
+        self._lock = threading.Lock()
+        self._name = f"hicache-nixl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._agent = self._make_agent({str(k): str(v) for k, v in params.items()})
+        self._regs: list[Any] = []
+        self._pool_reg: Any = None
+        self._pool_span = (0, 0)
+        # Headers of one transfer request, registered once.
+        self._headers = torch.zeros(self.max_batch * HDR, dtype=torch.uint8)
+        self._regs.append(self._register_dram(self._headers))
+        self._staging: torch.Tensor | None = None
+        # timed-out requests still running: (xfer handle, file registration, fds)
+        self._parked: list[tuple[Any, Any, list[int]]] = []
+        self._closed = False
+
+    # ---- setup ----------------------------------------------------------------
+
+    def _make_agent(self, params: dict[str, str]) -> Any:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise StorageConfigError(
+                "hicache_storage_backend='nixl' needs the nixl package "
+                f"(pip install nixl==1.5.1): {exc}"
+            ) from exc
+        agent = nixl_agent(self._name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        available = list(agent.get_plugin_list())
+        if self.plugin not in available:
+            raise StorageConfigError(
+                f"hicache_storage_backend_extra_config.plugin={self.plugin!r} is not a NIXL "
+                f"plugin on this host; available plugins: {available}"
+            )
+        allowed = agent.get_plugin_params(self.plugin)
+        bad = sorted(set(params) - set(allowed))
+        if bad:
+            raise StorageConfigError(
+                f"hicache_storage_backend_extra_config.plugin_params keys {bad} are not "
+                f"parameters of plugin {self.plugin!r}; allowed: {sorted(allowed)}"
+            )
+        try:
+            agent.create_backend(self.plugin, params)
+        except Exception as exc:  # nixl raises its own error types from C++
+            raise StorageConfigError(
+                f"hicache_storage_backend_extra_config.plugin={self.plugin!r} failed to load "
+                f"({type(exc).__name__}: {exc}); available plugins: {available}"
+            ) from exc
+        mems = set(agent.get_backend_mem_types(self.plugin))
+        if not {"FILE_SEG", "DRAM_SEG"} <= mems:
+            raise StorageConfigError(
+                f"hicache_storage_backend_extra_config.plugin={self.plugin!r} supports "
+                f"{sorted(mems)}; the nixl backend needs FILE_SEG and DRAM_SEG (file plugins "
+                f"such as POSIX, GDS, GDS_MT); available plugins: {available}"
+            )
+        return agent
+
+    def _register_dram(self, tensor: torch.Tensor) -> Any:
+        desc = [(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0, "")]
+        return self._agent.register_memory(desc, "DRAM", backends=[self.plugin])
+
+    def register_host_pool(self, pool: HostPagePool) -> None:
+        super().register_host_pool(pool)
+        with self._lock:
+            if self._pool_reg is not None:
+                self._agent.deregister_memory(self._pool_reg, backends=[self.plugin])
+            self._pool_reg = self._register_dram(pool.buffer)
+            self._pool_span = (pool.buffer.data_ptr(), pool.buffer.data_ptr() + pool.nbytes)
+
+    def _dram_of(self, tensor: torch.Tensor) -> int | None:
+        """Address of ``tensor`` if it lies in the registered pool buffer."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        lo, hi = self._pool_span
+        addr = tensor.data_ptr()
+        return addr if lo <= addr and addr + self.config.page_bytes <= hi else None
+
+    def _staging_page(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(self.config.page_bytes, dtype=torch.uint8)
+            self._regs.append(self._register_dram(self._staging))
+        return self._staging
+
+    # ---- paths ----------------------------------------------------------------
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self.path, self.object_key(key))
+
+    # ---- single pages -----------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        self._count(exists_queries=1)
+        return os.path.exists(self._file(key))
+
+    def get(self, key: str, target: torch.Tensor) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            addr = self._dram_of(target)
+            if addr is not None:
+                return self._read([_Page(key, self._file(key), addr, target)])[0]
+            staging = self._staging_page()
+            ok = self._read([_Page(key, self._file(key), staging.data_ptr(), staging)])[0]
+            if ok:
+                target.view(-1).copy_(staging)
+            return ok
+
+    def set(self, key: str, value: torch.Tensor) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            if self._skip_existing(key):
+                return True
+            addr = self._dram_of(value)
+            if addr is None:
+                view = self._staging_page()
+                view.copy_(value.reshape(-1))
+                addr = view.data_ptr()
+            else:
+                view = value
+            return self._write([_Page(key, self._file(key), addr, view)])[0]
+
+    # ---- batches ----------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str]) -> int:
+        self._count(exists_queries=len(keys))
+        for i, key in enumerate(keys):
+            if not os.path.exists(self._file(key)):
+                return i
+        return len(keys)
+
+    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        pool = self._require_pool()
+        if pool.page_view(0) is None:
+            return super().batch_get_v1(keys, host_slots)
+        pages = self._slot_pages(pool, keys, host_slots)
+        with self._lock:
+            return self._chunked(self._read, pages)
+
+    def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        pool = self._require_pool()
+        if pool.page_view(0) is None:
+            return super().batch_set_v1(keys, host_slots)
+        results = [True] * len(keys)
+        todo: list[tuple[int, _Page]] = []
+        with self._lock:
+            all_pages = self._slot_pages(pool, keys, host_slots)
+            for i, page in enumerate(all_pages):
+                if not self._skip_existing(page.key):
+                    todo.append((i, page))
+            done = self._chunked(self._write, [p for _, p in todo])
+        for (i, _), ok in zip(todo, done, strict=True):
+            results[i] = ok
+        return results
+
+    def _slot_pages(self, pool: HostPagePool, keys: list[str], slots: list[int]) -> list[_Page]:
+        pages = []
+        for key, slot in zip(keys, slots, strict=True):
+            view = pool.page_view(slot)
+            assert view is not None
+            pages.append(_Page(key, self._file(key), view.data_ptr(), view))
+        return pages
+
+    def _chunked(self, fn: Callable[[list[_Page]], list[bool]], pages: list[_Page]) -> list[bool]:
+        out: list[bool] = []
+        for start in range(0, len(pages), self.max_batch):
+            out.extend(fn(pages[start:start + self.max_batch]))
+        return out
+
+    def _skip_existing(self, key: str) -> bool:
+        if os.path.exists(self._file(key)):
+            self._count(set_pages=1, set_skipped_existing=1)
+            return True
+        return False
+
+    # ---- transfers ----------------------------------------------------------------
+
+    def _read(self, pages: list[_Page]) -> list[bool]:
+        """Read up to ``max_batch`` pages (header + payload) in one transfer, then verify."""
+        t0 = time.perf_counter()
+        size = HDR + self.config.page_bytes
+        live: list[_Page] = []
+        try:
+            for page in pages:
+                try:
+                    page.fd = os.open(page.path, os.O_RDONLY)
+                    file_size = os.fstat(page.fd).st_size
+                except OSError:
+                    continue  # not stored (or removed since exists): a clean miss
+                if file_size != size:
+                    self._quarantine_page(page, "file size is not header + page")
+                    continue
+                live.append(page)
+            if live and self._transfer("READ", live):
+                page_key = self.page_key_bytes
+                fp = self.config.fingerprint
+                for i, page in enumerate(live):
+                    header = self._headers[i * HDR:(i + 1) * HDR]
+                    reason = integrity.verify(header, page_key(page.key), fp, page.view)
+                    if reason is None:
+                        page.ok = True
+                    else:
+                        self._quarantine_page(page, reason)
+        finally:
+            for page in pages:
+                if page.fd >= 0:
+                    os.close(page.fd)
+                    page.fd = -1
+        hits = sum(p.ok for p in pages)
+        self._count(get_pages=len(pages), get_hits=hits, get_misses=len(pages) - hits,
+                    bytes_read=hits * self.config.page_bytes,
+                    read_seconds=time.perf_counter() - t0)
+        return [p.ok for p in pages]
+
+    def _write(self, pages: list[_Page]) -> list[bool]:
+        """Write up to ``max_batch`` pages to temporary files in one transfer, then rename."""
+        t0 = time.perf_counter()
+        fp = self.config.fingerprint
+        live: list[_Page] = []
+        slots: list[int] = []  # header slot of each live page (its index in ``pages``)
+        try:
+            for i, page in enumerate(pages):
+                try:
+                    head = integrity.pack_header(self.page_key_bytes(page.key), fp, page.view)
+                    self._headers[i * HDR:(i + 1) * HDR].copy_(
+                        torch.frombuffer(bytearray(head), dtype=torch.uint8))
+                    page.tmp = f"{page.path}{_TMP_MARK}{self._name}"
+                    page.fd = os.open(page.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                except (OSError, ValueError) as exc:
+                    logger.warning("nixl backend: cannot prepare %s: %s", page.path, exc)
+                    self._count(errors=1)
+                    continue
+                live.append(page)
+                slots.append(i)
+            if live and self._transfer("WRITE", live, header_index=slots):
+                for page in live:
+                    os.close(page.fd)
+                    page.fd = -1
+                    try:
+                        os.replace(page.tmp, page.path)
+                        page.ok = True
+                    except OSError as exc:
+                        logger.warning("nixl backend: rename to %s failed: %s", page.path, exc)
+                        self._count(errors=1)
+        finally:
+            for page in pages:
+                if page.fd >= 0:
+                    os.close(page.fd)
+                    page.fd = -1
+                if page.tmp and not page.ok:
+                    with contextlib.suppress(OSError):
+                        os.unlink(page.tmp)
+        stored = sum(p.ok for p in pages)
+        self._count(set_pages=len(pages), set_failures=len(pages) - stored,
+                    bytes_written=stored * self.config.page_bytes,
+                    write_seconds=time.perf_counter() - t0)
+        return [p.ok for p in pages]
+
+    def _transfer(self, op: str, pages: list[_Page], header_index: list[int] | None = None
+                  ) -> bool:
+        """One NIXL request moving header + payload of every page; False on error or timeout.
+
+        A request past its deadline is not cancelled by NIXL (release returns
+        while I/O may still run), so it is parked with its file descriptors
+        and registrations; no new request starts until parked ones finished,
+        which keeps late bytes out of buffers in use.
+        """
+        if not self._drain_parked():
+            self._count(errors=1)
+            return False
+        agent = self._agent
+        n = self.config.page_bytes
+        idx = header_index or list(range(len(pages)))
+        hbase = self._headers.data_ptr()
+        file_reg = None
+        handle = None
+        try:
+            file_reg = agent.register_memory(
+                [(0, HDR + n, p.fd, "") for p in pages], "FILE", backends=[self.plugin])
+            dram: list[tuple[int, int, int]] = []
+            files: list[tuple[int, int, int]] = []
+            for i, page in zip(idx, pages, strict=True):
+                dram += [(hbase + i * HDR, HDR, 0), (page.addr, n, 0)]
+                files += [(0, HDR, page.fd), (HDR, n, page.fd)]
+            handle = agent.initialize_xfer(
+                op, agent.get_xfer_descs(dram, "DRAM"), agent.get_xfer_descs(files, "FILE"),
+                self._name, backends=[self.plugin])
+            state = self._wait(handle, agent.transfer(handle))
+            if state == "PROC":
+                logger.warning("nixl backend: %s of %d pages timed out after %.3f s",
+                               op, len(pages), self.timeout_s)
+                self._count(errors=1)
+                self._parked.append((handle, file_reg, [p.fd for p in pages]))
+                for page in pages:
+                    page.fd = -1
+                handle = file_reg = None
+                return False
+            if state != "DONE":
+                logger.warning("nixl backend: %s of %d pages ended in state %s",
+                               op, len(pages), state)
+                self._count(errors=1)
+                return False
+            return True
+        except Exception as exc:  # nixl errors are C++ exceptions of several types
+            logger.warning("nixl backend: %s of %d pages failed: %s", op, len(pages), exc)
+            self._count(errors=1)
+            return False
+        finally:
+            self._release(handle, file_reg, [])
+
+    def _wait(self, handle: Any, state: str) -> str:
+        """Poll ``handle`` until it leaves PROC or ``xfer_timeout_s`` passed."""
+        deadline = time.monotonic() + self.timeout_s
+        while state == "PROC" and time.monotonic() <= deadline:
+            state = self._agent.check_xfer_state(handle)
+        return state
+
+    def _drain_parked(self) -> bool:
+        """Finish timed-out requests (waiting up to the deadline each); True when none is left."""
+        still: list[tuple[Any, Any, list[int]]] = []
+        for handle, file_reg, fds in self._parked:
+            try:
+                state = self._wait(handle, "PROC")
+            except Exception:  # a failed request is finished too
+                state = "ERR"
+            if state == "PROC":
+                still.append((handle, file_reg, fds))
+            else:
+                self._release(handle, file_reg, fds)
+        self._parked = still
+        if still:
+            logger.warning("nixl backend: %d timed-out request(s) still running; no new I/O",
+                           len(still))
+        return not still
+
+    def _release(self, handle: Any, file_reg: Any, fds: list[int]) -> None:
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                self._agent.release_xfer_handle(handle)
+        if file_reg is not None:
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(file_reg, backends=[self.plugin])
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _quarantine_page(self, page: _Page, reason: str) -> None:
+        """Count ``page`` as corrupt and move its file aside (unless it was replaced)."""
+        logger.warning("nixl backend: corrupt page %s: %s", page.path, reason)
+        self._count(corrupt_pages=1)
+        try:
+            if os.stat(page.path).st_ino != os.fstat(page.fd).st_ino:
+                return  # someone stored a fresh copy meanwhile
+            dest = os.path.join(self._quarantine,
+                                f"{os.path.basename(page.path)}.{time.time_ns()}")
+            os.replace(page.path, dest)
+        except OSError:
+            pass
+
+    # ---- maintenance ------------------------------------------------------------
+
+    def delete(self, key: str) -> bool:
+        try:
+            os.unlink(self._file(key))
+        except OSError:
+            return False
+        return True
+
+    def clear(self) -> None:
+        """Remove every page file (and temporary and quarantined file) in the directory."""
+        for folder in (self.path, self._quarantine):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                full = os.path.join(folder, name)
+                if os.path.isfile(full):
+                    with contextlib.suppress(OSError):
+                        os.unlink(full)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._drain_parked():
+                # Buffers a request may still write must outlive it: leak rather than free.
+                logger.error("nixl backend: closing with I/O in flight; keeping its buffers")
+                return
+            for reg in [*self._regs, self._pool_reg]:
+                if reg is not None:
+                    with contextlib.suppress(Exception):
+                        self._agent.deregister_memory(reg, backends=[self.plugin])
+            self._regs = []
+            self._pool_reg = None
+            self._pool_span = (0, 0)
+            self._agent = None  # drops the agent and its plugin
+
+
+def _positive(extra: dict[str, Any], key: str, default: float, kind: type) -> float:
+    value = extra.get(key, default)
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number <= 0:
+        raise StorageConfigError(
+            f"hicache_storage_backend_extra_config.{key}={value!r} must be a positive "
+            f"{kind.__name__}"
+        )
+    return number
