@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.integration.bench.trace import TraceRecord
+from hicache.tiers.controller.policies import WRITE_POLICY_NAMES
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, token_block_hashes
 from hicache.tiers.index.plans import WorkerReport
-from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.l2.geometry import PoolGeometry
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+WRITE_POLICIES = WRITE_POLICY_NAMES
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ class SimEngine:
                 # Engine steps ran since the last event: the queue's head was looked up.
                 req, keys = self._prepare(waiting[0][0])
                 local = self.l1.match(keys[: (req.num_tokens - 1) // self.config.block_size])
-                self.sched.get_num_new_matched_tokens(req, local * self.config.block_size)  # type: ignore[arg-type]
+                self.sched.get_num_new_matched_tokens(req, local * self.config.block_size)
             if kind == 0:
                 self._finish(obj)
             else:
@@ -355,7 +356,7 @@ class SimEngine:
         local = hit_blocks * cfg.block_size
         lookup = None
         if self.sched is not None:
-            lookup = self.sched.get_num_new_matched_tokens(req, local)  # type: ignore[arg-type]
+            lookup = self.sched.get_num_new_matched_tokens(req, local)
         total_blocks = -(-len(tokens) // cfg.block_size)
         blocks = self.l1.allocate(block_keys[:hit_blocks], total_blocks - hit_blocks)
         if blocks is None:
@@ -379,7 +380,7 @@ class SimEngine:
         assert sched is not None
         st = sched.stats
         before = (st.l1_hit_pages, st.l2_hit_pages, st.l3_hit_pages)
-        sched.update_state_after_alloc(req, [], external)  # type: ignore[arg-type]
+        sched.update_state_after_alloc(req, [], external)
         if is_async:
             # The worker fetches every L3 page (a simulated store never fails).
             meta = sched.build_connector_meta({})
@@ -407,7 +408,7 @@ class SimEngine:
                 self._backup(self.sched.build_connector_meta(
                     {req.request_id: computed - req.num_computed_tokens}))
             req.num_computed_tokens = computed
-            self.sched.request_finished(req, list(range(1, computed // cfg.block_size + 1)))  # type: ignore[arg-type]
+            self.sched.request_finished(req, list(range(1, computed // cfg.block_size + 1)))
             self._backup(self.sched.build_connector_meta({}))
         seed = self._l1_seed + (req.cache_salt or "").encode()
         self.l1.grow(running.blocks, -(-computed // cfg.block_size))

@@ -1,17 +1,241 @@
-"""Policy names: the one list of what ``hicache_write_policy`` and
-``hicache_storage_prefetch_policy`` accept.
+"""Policies: the names ``hicache_write_policy`` and ``hicache_storage_prefetch_policy``
+accept, and the small object behind each name.
 
-The connector config (``connector/config.py``) validates against these
-``Literal`` types, and the controller maps each name to the small object that
-implements it. Names and meanings follow SGLang HiCache.
+The connector config (``connector/config.py``) validates against the
+``Literal`` types; the controller turns a name into its object with
+``make_write_policy`` / ``make_prefetch_policy`` / ``make_eviction_policy``
+(an unknown name is a ValueError naming the allowed values). A new policy is
+a new class and a registry entry, never an ``if`` on a name. Names and
+meanings follow SGLang HiCache:
+
+- Write policy: when a page computed in L1 (vLLM's KV cache) is copied to
+  L2. ``write_through`` copies every full page as soon as its KV is
+  complete; ``write_through_selective`` copies a page once at least
+  ``threshold`` requests computed it (a bounded LRU remembers the counts);
+  ``write_back`` copies nothing while a request runs and everything when it
+  finishes, the moment vLLM may evict its blocks (vLLM does not tell a
+  connector when it actually evicts one).
+- Prefetch policy: how long an L3 fetch may hold its request back.
+  ``wait_complete`` waits for every page, ``best_effort`` takes what arrived
+  by the worker's next poll, ``timeout`` waits
+  ``min(max, base + per_ki_token x tokens / 1024)`` seconds.
+- Eviction policy: which unlocked L2 pages make room. ``lru`` is the tree's
+  leaf-first LRU (a leaf longer than needed loses only its tail pages).
+
+Policies decide; they move nothing and never touch a request's state.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, TypeVar, get_args
+
+from hicache.tiers.index.page_keys import PageKey
+from hicache.tiers.index.radix_tree import HiRadixTree
 
 WritePolicyName = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicyName = Literal["best_effort", "wait_complete", "timeout"]
+EvictionPolicyName = Literal["lru"]
 
 WRITE_POLICY_NAMES: tuple[str, ...] = get_args(WritePolicyName)
 PREFETCH_POLICY_NAMES: tuple[str, ...] = get_args(PrefetchPolicyName)
+EVICTION_POLICY_NAMES: tuple[str, ...] = get_args(EvictionPolicyName)
+
+
+# ---- write -----------------------------------------------------------------------
+
+
+class WritePolicy(ABC):
+    """When pages computed in L1 are copied to L2."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def configured(cls, *, threshold: int, l2_pages: int) -> WritePolicy:
+        """This policy with the write settings (``hicache_write_through_threshold``,
+        the L2 pool's size in pages); most policies have none."""
+        return cls()
+
+    def running_requests(self, num_scheduled_tokens: Mapping[str, int]) -> Mapping[str, int]:
+        """Of this step's scheduled tokens per request, those whose complete pages are
+        stored at the end of the step (a finished request's pages are always stored)."""
+        return num_scheduled_tokens
+
+    def pages_worth_storing(self, keys: Sequence[PageKey], counted: int) -> int:
+        """How many leading pages of ``keys`` (one request's pages, in prefix order,
+        ready to store) to store; ``keys[counted:]`` are new since the request last
+        asked. Always a prefix, so L2 stays prefix-closed."""
+        return len(keys)
+
+
+class WriteThrough(WritePolicy):
+    """Store every full page as soon as its KV is complete."""
+
+    name = "write_through"
+
+
+class WriteBack(WritePolicy):
+    """Store a request's pages only when it finishes (when L1 may evict them)."""
+
+    name = "write_back"
+
+    def running_requests(self, num_scheduled_tokens: Mapping[str, int]) -> Mapping[str, int]:
+        return {}
+
+
+@dataclass
+class WriteThroughSelective(WritePolicy):
+    """Store a page once ``threshold`` requests computed it.
+
+    Counts live in an LRU of at most ``capacity`` pages, so a page that is
+    not computed again is eventually forgotten. Every request that computes
+    page i also computed the pages before it, so counts never grow along a
+    prefix chain and cutting at the first page below the threshold keeps L2
+    prefix-closed.
+    """
+
+    name: ClassVar[str] = "write_through_selective"
+    threshold: int = 2
+    capacity: int = 4096
+    _hits: OrderedDict[PageKey, int] = field(default_factory=OrderedDict, repr=False)
+
+    @classmethod
+    def configured(cls, *, threshold: int, l2_pages: int) -> WritePolicy:
+        # Remember several times more pages than L2 holds: a page evicted from
+        # L2 keeps its count and comes back at its next computation.
+        return cls(threshold, capacity=max(4096, 8 * l2_pages))
+
+    def pages_worth_storing(self, keys: Sequence[PageKey], counted: int) -> int:
+        hits = self._hits
+        for key in keys[counted:]:
+            hits[key] = hits.get(key, 0) + 1
+            hits.move_to_end(key)
+        while len(hits) > self.capacity:
+            hits.popitem(last=False)
+        for i, key in enumerate(keys):
+            if hits.get(key, 0) < self.threshold:
+                return i
+        return len(keys)
+
+
+def make_write_policy(name: str, *, threshold: int = 2, l2_pages: int = 0) -> WritePolicy:
+    """The write policy called ``name``; ``threshold`` and ``l2_pages`` (the L2 pool's
+    size, which bounds the selective policy's memory) matter to the selective one."""
+    return _lookup(WRITE_POLICIES, name, "write policy").configured(
+        threshold=threshold, l2_pages=l2_pages)
+
+
+# ---- prefetch --------------------------------------------------------------------
+
+
+class PrefetchPolicy(ABC):
+    """How long an L3 fetch may hold its request back before it goes on with what
+    arrived (the rest is recomputed)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def configured(cls, settings: Mapping[str, float]) -> PrefetchPolicy:
+        """This policy with the hicache storage settings; most policies have none."""
+        return cls()
+
+    @abstractmethod
+    def timeout_s(self, tokens: int) -> float | None:
+        """Seconds a fetch of ``tokens`` L3 tokens may take; None = until every page
+        arrived, 0 = whatever arrived by the worker's next poll."""
+
+
+class BestEffort(PrefetchPolicy):
+    """Never wait: use what arrived by the worker's next poll."""
+
+    name = "best_effort"
+
+    def timeout_s(self, tokens: int) -> float | None:
+        return 0.0
+
+
+class WaitComplete(PrefetchPolicy):
+    """Wait until every page arrived (or failed)."""
+
+    name = "wait_complete"
+
+    def timeout_s(self, tokens: int) -> float | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Timeout(PrefetchPolicy):
+    """Wait in proportion to the fetch's size, up to a cap."""
+
+    name: ClassVar[str] = "timeout"
+    # Seconds any fetch may take (hicache prefetch_timeout_base).
+    base_s: float = 2.0
+    # Further seconds per 1024 tokens fetched (prefetch_timeout_per_ki_token).
+    per_ki_token_s: float = 0.1
+    # Cap on the whole (prefetch_timeout_max).
+    max_s: float = 30.0
+
+    @classmethod
+    def configured(cls, settings: Mapping[str, float]) -> PrefetchPolicy:
+        return cls(settings.get("prefetch_timeout_base", cls.base_s),
+                   settings.get("prefetch_timeout_per_ki_token", cls.per_ki_token_s),
+                   settings.get("prefetch_timeout_max", cls.max_s))
+
+    def timeout_s(self, tokens: int) -> float | None:
+        return min(self.max_s, self.base_s + self.per_ki_token_s * tokens / 1024)
+
+
+def make_prefetch_policy(name: str, settings: Mapping[str, float] | None = None,
+                         ) -> PrefetchPolicy:
+    """The prefetch policy called ``name``; ``settings`` holds the hicache storage
+    settings (``prefetch_timeout_base`` / ``_per_ki_token`` / ``_max``; absent = default)."""
+    return _lookup(PREFETCH_POLICIES, name, "prefetch policy").configured(settings or {})
+
+
+# ---- eviction --------------------------------------------------------------------
+
+
+class EvictionPolicy(ABC):
+    """Which unlocked L2 pages leave to make room; locked pages never do."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def evict(self, tree: HiRadixTree, num_pages: int) -> list[int]:
+        """Remove up to ``num_pages`` pages from ``tree``; returns their host slots."""
+
+
+class LeafFirstLRU(EvictionPolicy):
+    """Unlocked leaves, least recently used first; a long leaf loses only its tail,
+    so the reusable head of a long history survives (the tree's own order)."""
+
+    name = "lru"
+
+    def evict(self, tree: HiRadixTree, num_pages: int) -> list[int]:
+        return tree.evict(num_pages)
+
+
+def make_eviction_policy(name: str = "lru") -> EvictionPolicy:
+    return _lookup(EVICTION_POLICIES, name, "eviction policy")()
+
+
+# ---- registries ------------------------------------------------------------------
+
+WRITE_POLICIES: dict[str, type[WritePolicy]] = {
+    p.name: p for p in (WriteThrough, WriteThroughSelective, WriteBack)}
+PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {
+    p.name: p for p in (BestEffort, WaitComplete, Timeout)}
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LeafFirstLRU,)}
+
+_P = TypeVar("_P")
+
+
+def _lookup(registry: Mapping[str, _P], name: str, what: str) -> _P:
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; allowed values: "
+                         f"{', '.join(registry)}") from None

@@ -1,9 +1,10 @@
 """L2 host page pool: the bytes of cached pages, owned by one worker (TP rank).
 
 Contract:
-- ``PoolGeometry`` is computed identically in the scheduler and in every
-  worker from the engine's KV-cache shape and the configured budget, so slot
-  numbers chosen by the scheduler are valid on every rank.
+- The pool's shape is a ``PoolGeometry`` (``tiers/l2/geometry.py``, plain
+  arithmetic the scheduler shares), computed identically in the scheduler
+  and in every worker, so slot numbers chosen by the scheduler are valid on
+  every rank.
 - ``HostPagePool`` allocates exactly ``geometry.buffer_bytes`` once (pinned
   when CUDA is available) and never grows: host memory stays within budget.
 - Layouts order (slot, layer, block-in-page) units of one engine block's
@@ -27,11 +28,13 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-GB = 1_000_000_000  # SGLang's hicache_size unit
+from hicache.tiers.l2.geometry import GB, PoolGeometry
+
+# PoolGeometry and GB live in the torch-free geometry module; importers of this
+# module get them here too.
+__all__ = ["GB", "LAYOUT_DIMS", "HostPagePool", "PoolGeometry"]
 
 # layout -> buffer dim order, in canonical dims (0 slot, 1 layer, 2 block, 3 byte)
 LAYOUT_DIMS: dict[str, tuple[int, int, int, int]] = {
@@ -39,55 +42,6 @@ LAYOUT_DIMS: dict[str, tuple[int, int, int, int]] = {
     "page_first": (0, 2, 1, 3),
     "page_first_direct": (0, 1, 2, 3),
 }
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    """Shape of the L2 pool; identical on the scheduler and every worker."""
-
-    # Number of page slots in the pool.
-    num_slots: int
-    # KV layers copied per page (attention layers of the engine).
-    num_layers: int
-    # Engine KV blocks per page (page_size // block_size).
-    blocks_per_page: int
-    # Bytes of one engine block in one layer.
-    block_bytes: int
-
-    @property
-    def page_bytes(self) -> int:
-        return self.num_layers * self.blocks_per_page * self.block_bytes
-
-    @property
-    def buffer_bytes(self) -> int:
-        return self.num_slots * self.page_bytes
-
-    @classmethod
-    def for_budget(
-        cls,
-        *,
-        num_layers: int,
-        blocks_per_page: int,
-        block_bytes: int,
-        l1_num_blocks: int,
-        hicache_size_gb: float,
-        hicache_ratio: float,
-    ) -> PoolGeometry:
-        """Size the pool by ``hicache_size_gb`` if > 0, else by ``hicache_ratio`` x L1."""
-        page_bytes = num_layers * blocks_per_page * block_bytes
-        if hicache_size_gb > 0:
-            budget = int(hicache_size_gb * GB)
-            source = f"hicache_size={hicache_size_gb} GB"
-        else:
-            budget = int(hicache_ratio * l1_num_blocks * num_layers * block_bytes)
-            source = f"hicache_ratio={hicache_ratio} x L1 ({l1_num_blocks} blocks)"
-        num_slots = budget // page_bytes
-        if num_slots < 1:
-            raise ValueError(
-                f"L2 budget of {budget} bytes ({source}) is smaller than one page "
-                f"of {page_bytes} bytes; raise hicache_size or hicache_ratio"
-            )
-        return cls(num_slots, num_layers, blocks_per_page, block_bytes)
 
 
 class HostPagePool:

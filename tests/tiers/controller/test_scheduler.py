@@ -1,8 +1,7 @@
 """Scheduler half without an engine: plans for stores, loads, mid-page starts and odd counts.
 
-vLLM's Request is replaced by a plain object with the attributes the
-scheduler half reads (request_id, all_token_ids, num_tokens,
-num_computed_tokens, cache_salt, lora_request); everything else is real.
+vLLM's Request is replaced by the simulator's ``SimRequest``, which has what
+the scheduler half reads (``SchedulerRequest``); everything else is real.
 """
 
 import pytest
@@ -10,7 +9,8 @@ from support.fakes import request
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
-from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.index.plans import WorkerReport
+from hicache.tiers.l2.geometry import PoolGeometry
 
 BS = 4  # tokens per vLLM block
 PAGE = 8  # tokens per page: 2 blocks
@@ -184,3 +184,36 @@ def test_pages_flushed_between_lookup_and_allocation_are_recomputed(sched):
     assert [p.block_ids for p in load.pages] == [(9, 10)]
     assert load.unloadable_block_ids == (11, 12, 13, 14)
     sched.tree.check_invariants()
+
+
+def test_unknown_policy_names_are_refused():
+    with pytest.raises(ValueError, match="unknown write policy 'lru'"):
+        make_scheduler(write_policy="lru")
+    with pytest.raises(ValueError, match="unknown prefetch policy 'never'"):
+        make_scheduler(prefetch_policy="never")
+
+
+def test_bad_slots_leave_l2_at_the_next_step_once_unlocked(sched):
+    prefill(sched, request("a", range(100, 124)), [1, 2, 3, 4, 5, 6])  # 3 pages
+    again = request("b", list(range(100, 124)) + [1])
+    assert sched.get_num_new_matched_tokens(again, 0) == (3 * PAGE, False)
+    sched.update_state_after_alloc(again, [9, 10, 11, 12, 13, 14, 15], 3 * PAGE)
+    slots = sched.tree.match_prefix(sched.prefix_keys(range(100, 124))).host_slots
+    sched.on_worker_report(WorkerReport(bad_slots={slots[1]}))
+    sched.build_connector_meta({})  # the load still holds the page: kept for now
+    assert sched.tree.total_pages() == 3 and sched.stats.bad_slots_reported == 0
+    sched.build_connector_meta({})  # the bad page and the page below it go
+    assert sched.tree.total_pages() == 1 == sched.slots.num_used
+    assert sched.stats.bad_slots_reported == 1
+    sched.tree.check_invariants()
+
+
+def test_reset_waits_until_pending_loads_are_planned(sched):
+    prefill(sched, request("a", range(100, 116)), [1, 2, 3, 4])
+    again = request("b", list(range(100, 116)) + [1])
+    assert sched.get_num_new_matched_tokens(again, 0) == (2 * PAGE, False)
+    sched.update_state_after_alloc(again, [5, 6, 7, 8, 9], 2 * PAGE)
+    assert sched.reset() is False and sched.tree.total_pages() == 2
+    sched.build_connector_meta({})
+    assert sched.reset() is True
+    assert sched.tree.total_pages() == 0 == sched.slots.num_used

@@ -4,8 +4,9 @@ in L2, and the L3 operation it plans; locked pages are skipped; per-tier lookup 
 from support.fakes import keys_of, request
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.commands import ClearStore, DeletePages
 from hicache.tiers.index.page_keys import KeyNamespace
-from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.l2.geometry import PoolGeometry
 
 BS, PAGE = 4, 8
 GEOM = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
@@ -75,7 +76,7 @@ def test_flush_all_skips_locked_pages():
     assert counts["l2_pages"] == 0 and counts["skipped_locked"] == 5
     sched.build_connector_meta({})  # the load is planned, the lock released
     assert sched.flush({"l2"}, None)[0]["l2_pages"] == 5
-    assert sched.flush({"l2", "l3"}, None)[1] == ("clear",)
+    assert sched.flush({"l2", "l3"}, None)[1] == ClearStore()
     assert sched.slots.num_used == 0
 
 
@@ -84,9 +85,9 @@ def test_l3_prefix_flush_names_the_flushed_pages_and_the_prefix_end():
     serve(sched, "a", A)
     _, op = sched.flush({"l2", "l3"}, A[:24])
     keys = pages_of(A)
-    assert op == ("delete", [k.hex() for k in keys[2:]])
+    assert op == DeletePages(tuple(keys[2:]))
     # Nothing of A's tail in L2 any more: L3 still loses the prefix's last page.
-    assert sched.flush({"l3"}, A[:24])[1] == ("delete", [keys[2].hex()])
+    assert sched.flush({"l3"}, A[:24])[1] == DeletePages((keys[2],))
 
 
 def test_lookup_counters_per_tier():

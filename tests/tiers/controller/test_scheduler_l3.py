@@ -6,7 +6,8 @@ from support.fakes import keys_of, request
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
-from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l2.geometry import PoolGeometry
+from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 
@@ -141,5 +142,29 @@ def test_flush_between_lookup_and_allocation_keeps_the_async_contract(tmp_path):
     assert fetch.l2_pages == () and fetch.l3_pages == ()
     assert fetch.unloadable_block_ids == tuple(range(10, 22))
     sched.on_worker_report(WorkerReport(fetched={"r": [0]}))
-    assert not sched._inflight
+    assert not sched.fetches.in_flight
     sched.tree.check_invariants()
+
+
+def test_best_effort_fetch_stops_at_the_workers_next_poll(tmp_path):
+    tokens = list(range(500, 517))
+    store_pages(tmp_path, tokens)
+    sched = scheduler(tmp_path, prefetch_policy="best_effort")
+    req = request("r", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * PAGE, True)
+    sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 2 * PAGE)
+    assert sched.build_connector_meta({}).fetches[0].timeout_s == 0.0
+
+
+class DownStore:
+    """An L3 store that cannot be reached."""
+
+    def batch_exists(self, keys: list[str]) -> int:
+        raise ConnectionError("store down")
+
+
+def test_failing_l3_lookup_is_a_miss(tmp_path):
+    sched = scheduler(tmp_path)
+    sched.storage = DownStore()
+    assert sched.get_num_new_matched_tokens(request("r", list(range(600, 633))), 0) == (0, False)
+    assert sched.stats.l3_lookups == 1 and sched.stats.l3_lookup_errors == 1

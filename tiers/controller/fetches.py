@@ -1,0 +1,168 @@
+"""L3 hits: the lookup past the L2 match, and the life of each fetch from L3 into L2.
+
+Contract:
+- L3 is not mirrored in the tree: it is asked on demand, as SGLang does
+  (its ``batch_exists`` before every prefetch). The lookup asks the
+  scheduler's own view of the store (``L3Store``: one backend, or
+  ``RankShards``, the shortest run over every rank's shard; MLA has one
+  shared shard), so no rank is promised pages it lacks. Runs shorter than
+  ``prefetch_threshold`` tokens are not worth a fetch, and no more pages are
+  promised than L2 could hold now. A failing store is a miss, never an
+  engine error.
+- Such a hit is asynchronous: vLLM parks the request in
+  WAITING_FOR_REMOTE_KVS; the L2 prefix it extends stays locked and L2
+  slots are reserved for the L3 pages (``reserve``), and the worker fetches
+  and loads on its I/O thread within the prefetch policy's timeout
+  (``policies.py``).
+- Every L3 page after the L2 match is fetched, also those vLLM's own prefix
+  cache covers (no blocks to fill), so what enters the tree is a contiguous
+  extension of the locked prefix.
+- When every TP rank has reported the fetch, the pages all of them got (the
+  minimum) enter the tree, L2-resident; the other reserved slots are freed
+  and the prefix unlocked (``L2Manager.publish_fetched``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hicache.tiers.controller.l2_manager import L2Manager
+from hicache.tiers.controller.policies import PrefetchPolicy
+from hicache.tiers.controller.stats import SchedulerStats
+from hicache.tiers.index.page_keys import PageKey
+from hicache.tiers.index.plans import PagePlan, RequestFetch
+from hicache.tiers.index.radix_tree import MatchResult, TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+class L3Store(Protocol):
+    """The scheduler's view of L3 (a ``StorageBackend`` or ``RankShards``). The
+    scheduler only looks pages up; the admin flushes and swaps it."""
+
+    def batch_exists(self, keys: list[str]) -> int:
+        """How many leading ``keys`` (hex page keys) the store holds."""
+        ...
+
+    def batch_delete(self, keys: list[str]) -> int: ...
+
+    def clear(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class InflightFetch:
+    """The scheduler's side of a ``RequestFetch`` until every rank reported it."""
+
+    # End of the locked L2 prefix the fetch extends (root: none).
+    node: TreeNode
+    prefix_keys: list[PageKey]
+    # The L3 pages, in order, and the L2 slots reserved for them.
+    keys: list[PageKey]
+    slots: list[int]
+    # Pages fetched, one entry per rank that reported.
+    reports: list[int] = field(default_factory=list)
+
+
+class L3Fetches:
+    """L3 lookups and the fetches in flight (see the module docstring)."""
+
+    def __init__(self, l2: L2Manager, stats: SchedulerStats, *, storage: L3Store | None,
+                 policy: PrefetchPolicy, settings: dict[str, float], page_size: int,
+                 tp_size: int) -> None:
+        self.l2 = l2
+        # None = no L3; the admin may attach or detach one at any time.
+        self.storage = storage
+        self.policy = policy
+        # hicache storage settings; ``prefetch_threshold`` (tokens) is read at
+        # every lookup, so it may be changed on a live scheduler.
+        self.settings = settings
+        self.page_size = page_size
+        self.tp_size = tp_size
+        self.in_flight: dict[str, InflightFetch] = {}
+        self._stats = stats
+        self._planned: list[RequestFetch] = []
+
+    def is_fetching(self, req_id: str) -> bool:
+        return req_id in self.in_flight
+
+    def lookup(self, keys: Sequence[PageKey]) -> int:
+        """Pages of ``keys`` that L3 holds consecutively and that are worth fetching."""
+        if self.storage is None or not keys:
+            return 0
+        threshold = -(-int(self.settings.get("prefetch_threshold", 256)) // self.page_size)
+        if len(keys) < max(1, threshold):
+            return 0
+        self._stats.l3_lookups += 1
+        try:
+            found = self.storage.batch_exists([k.hex() for k in keys])
+        except Exception:  # noqa: BLE001 - a failing L3 is a miss, never an engine error
+            logger.exception("HiCache: L3 lookup failed; treating as a miss")
+            self._stats.l3_lookup_errors += 1
+            return 0
+        # The fetched pages need L2 slots: never promise more than L2 can hold now.
+        found = min(found, self.l2.room())
+        return found if found >= max(1, threshold) else 0
+
+    def reserve(self, req_id: str, node: TreeNode, pages: int) -> list[int]:
+        """Lock the L2 prefix ending at ``node`` (until the fetch ends) and reserve
+        slots for ``pages`` L3 pages after it; [] when L2 has no room now."""
+        self.l2.tree.lock(node)
+        if not pages:
+            return []
+        slots = self.l2.allocate(pages) or []
+        if not slots:
+            logger.warning("HiCache: no L2 room for %d L3 pages of request %s; "
+                           "recomputing them", pages, req_id)
+        return slots
+
+    def start(self, req_id: str, match: MatchResult, keys: Sequence[PageKey],
+              l3_slots: list[int], pages: Sequence[PagePlan],
+              unloadable: tuple[int, ...]) -> RequestFetch:
+        """Plan the fetch of the L3 pages reserved by ``reserve`` after ``match``:
+        ``pages`` are the copies of the hit into the request's blocks (L2 pages
+        first, then L3 pages), ``keys`` the request's page keys."""
+        slots = list(match.host_slots) + l3_slots
+        mine = set(l3_slots)
+        planned = {p.slot: p for p in pages}
+        l3_plans = tuple(
+            planned.get(slots[page], PagePlan(slots[page], keys[page], 0, ()))
+            for page in range(match.num_pages, len(slots))
+        )
+        fetch = RequestFetch(
+            req_id, tuple(p for p in pages if p.slot not in mine), l3_plans, unloadable,
+            self.policy.timeout_s(len(l3_slots) * self.page_size),
+        )
+        self._planned.append(fetch)
+        self.in_flight[req_id] = InflightFetch(
+            match.node, list(keys[: match.num_pages]),
+            list(keys[match.num_pages : match.num_pages + len(l3_slots)]), l3_slots,
+        )
+        return fetch
+
+    def take(self) -> list[RequestFetch]:
+        """The fetches planned since the last plan."""
+        planned, self._planned = self._planned, []
+        return planned
+
+    def on_report(self, fetched: Mapping[str, list[int]]) -> None:
+        """Record the ranks' fetch reports; end each fetch every rank has reported."""
+        for req_id, counts in fetched.items():
+            fetch = self.in_flight.get(req_id)
+            if fetch is None:
+                continue
+            fetch.reports.extend(counts)
+            if len(fetch.reports) >= self.tp_size:
+                self._finish(req_id, min(fetch.reports))
+
+    def _finish(self, req_id: str, fetched: int) -> None:
+        """Every rank has the fetch's first ``fetched`` L3 pages in L2: publish them."""
+        fetch = self.in_flight.pop(req_id)
+        self._stats.l3_fetched_pages += fetched
+        self._stats.l3_failed_pages += len(fetch.slots) - fetched
+        self.l2.publish_fetched(fetch.node, fetch.prefix_keys, fetch.keys, fetch.slots,
+                                fetched)

@@ -1,0 +1,114 @@
+"""Flush (the admin endpoint's): drop cached pages from L2 and plan their removal from L3.
+
+Contract:
+- ``prefix_keys`` keys a plain-token prompt exactly as its requests get
+  keyed (through the engine's own block hashes: ``PrefixHasher``), so a
+  flush or a tree view by prefix finds the pages those requests stored.
+- Without a prefix, every page goes (L2), and L3 is cleared.
+- With a prefix, a page is flushed when its tokens extend the prefix: when
+  the prefix ends on a page boundary, its last page and every page after
+  it; when it ends mid-page, every page after its last full page (page keys
+  hash whole pages, so siblings that share the full pages are flushed too).
+- Pages in use by a load or fetch stay in L2 (counted as skipped).
+- The L3 removal is ``ClearStore()`` or ``DeletePages(keys)`` (tiers/index/commands.py): the
+  flushed pages plus, for a page-aligned prefix, its last page (which makes
+  every later page unreachable by lookups, even ones this engine never saw).
+  The caller runs it outside the scheduler lock, on its own storage instance
+  and on every worker (each holds its rank's shard).
+- Live requests forget which of their pages are in L2 and match again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hicache.tiers.controller.l2_manager import L2Manager
+from hicache.tiers.controller.requests import RequestTable
+from hicache.tiers.controller.stats import SchedulerStats
+from hicache.tiers.index.commands import ClearStore, DeletePages, L3Removal
+from hicache.tiers.index.page_keys import PageKey, block_page_keys, token_block_hashes
+
+# (token ids, cache salt, LoRA name) -> the engine's block hashes of that prompt.
+PrefixHasher = Callable[[Sequence[int], "str | None", "str | None"], list[bytes]]
+
+
+class StandInPrefixHasher:
+    """The engine-free prefix hasher: ``token_block_hashes`` over blocks of
+    ``block_size`` tokens, the same hashes ``SimRequest`` gets."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def __call__(self, tokens: Sequence[int], cache_salt: str | None,
+                 lora_name: str | None) -> list[bytes]:
+        return token_block_hashes(tokens, self.block_size, cache_salt, lora_name)
+
+
+class Flusher:
+    """Flushes L2 pages by prefix or all of them (see the module docstring)."""
+
+    def __init__(self, l2: L2Manager, requests: RequestTable, stats: SchedulerStats, *,
+                 seed: bytes, page_size: int, hashes_per_page: int,
+                 prefix_hasher: PrefixHasher) -> None:
+        self.l2 = l2
+        self.page_size = page_size
+        self._requests = requests
+        self._stats = stats
+        self._seed = seed
+        self._hashes_per_page = hashes_per_page
+        self._prefix_hasher = prefix_hasher
+
+    def prefix_keys(self, prefix: Sequence[int], cache_salt: str | None = None,
+                    lora_name: str | None = None) -> list[PageKey]:
+        """Keys of the full pages of a plain-token prompt, as its requests get them."""
+        hashes = self._prefix_hasher(list(prefix), cache_salt, lora_name)
+        return block_page_keys(self._seed, hashes, self._hashes_per_page)
+
+    def flush(self, tiers: set[str], prefix: Sequence[int] | None,
+              cache_salt: str | None = None, lora_name: str | None = None,
+              ) -> tuple[dict[str, int], L3Removal | None]:
+        """Flush ``tiers`` ("l2", "l3") of all pages or those below ``prefix``;
+        (L2 counts, the L3 removal or None)."""
+        counts = {"l2_pages": 0, "skipped_locked": 0}
+        l3_op: L3Removal | None = None
+        tree = self.l2.tree
+        if prefix is None:
+            if "l2" in tiers:
+                slots = [s for n in tree.iter_nodes() for s in (n.host_slots or ())]
+                counts["l2_pages"], counts["skipped_locked"] = self.l2.remove(slots)
+            if "l3" in tiers:
+                l3_op = ClearStore()
+        else:
+            keys = self.prefix_keys(prefix, cache_salt, lora_name)
+            aligned = bool(keys) and len(prefix) % self.page_size == 0
+            match = tree.match_prefix(keys)
+            victims: list[int] = []
+            if match.num_pages == len(keys):
+                if aligned:
+                    victims = [match.host_slots[-1]]
+                else:
+                    victims = [c.host_slots[0] for c in match.node.children.values()
+                               if c.host_slots]
+            removed_keys = self._keys_below(victims)
+            if "l2" in tiers and victims:
+                counts["l2_pages"], counts["skipped_locked"] = self.l2.remove(victims)
+            if "l3" in tiers:
+                doomed = dict.fromkeys(removed_keys + ([keys[-1]] if aligned else []))
+                l3_op = DeletePages(tuple(doomed))
+        self._requests.forget_stored()
+        self._stats.flushed_l2_pages += counts["l2_pages"]
+        self._stats.flush_skipped_locked += counts["skipped_locked"]
+        return counts, l3_op
+
+    def _keys_below(self, slots: Sequence[int]) -> list[PageKey]:
+        """Keys of the pages in ``slots`` and of every page below them in the tree."""
+        wanted, keys = set(slots), []
+        stack = [(self.l2.tree.root, False)]
+        while stack:
+            node, inside = stack.pop()
+            for i, slot in enumerate(node.host_slots or ()):
+                if inside or slot in wanted:
+                    inside = True
+                    keys.append(node.keys[i])
+            stack.extend((child, inside) for child in node.children.values())
+        return keys

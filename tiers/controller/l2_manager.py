@@ -1,0 +1,153 @@
+"""L2 placement: which pages the host pool holds, in which slots, and what leaves it.
+
+Contract:
+- ``L2Manager`` owns the HiRadixTree (the index of L2-resident pages) and the
+  slot allocator, and keeps them exact: every slot is either free or held by
+  exactly one page of the tree (or reserved for a fetch or store in flight).
+- Room is made by the eviction policy (``policies.py``; leaf-first LRU), and
+  only from unlocked pages: a caller locks the prefix it is about to extend
+  before it allocates, so the prefix survives the eviction.
+- ``plan_store`` publishes pages in the tree as soon as their store is
+  planned: the worker runs steps in order and finishes a step's stores
+  before a later step's loads (see tiers/index/plans.py), so a hit on a page
+  never reads a slot before its bytes are there.
+- A page that holds vLLM's null block (a sliding window's dropped blocks) is
+  never stored; the store ends at the first such page, keeping L2
+  prefix-closed.
+- Slots a worker found unusable (failed store, key mismatch) are dropped
+  with every page below them at the next step; pages locked by a load or
+  fetch are dropped once unlocked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from hicache.tiers.controller.policies import EvictionPolicy, LeafFirstLRU
+from hicache.tiers.controller.stats import SchedulerStats
+from hicache.tiers.index.page_keys import PageKey
+from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan
+from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.slot_allocator import SlotAllocator
+
+
+class L2Manager:
+    """The tree and the slots of the L2 host pool (see the module docstring)."""
+
+    def __init__(self, num_slots: int, blocks_per_page: int, stats: SchedulerStats,
+                 eviction: EvictionPolicy | None = None) -> None:
+        self.tree = HiRadixTree()
+        self.slots = SlotAllocator(num_slots)
+        self.eviction = eviction or LeafFirstLRU()
+        self.blocks_per_page = blocks_per_page
+        self._stats = stats
+        self._bad_slots: set[int] = set()
+
+    def room(self) -> int:
+        """Pages that could be allocated now: free slots plus unlocked pages."""
+        return self.slots.num_free + self.tree.evictable_pages()
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` slots, evicting unlocked pages as needed; None (nothing taken) if short."""
+        short = n - self.slots.num_free
+        if short > 0:
+            freed = self.eviction.evict(self.tree, short)
+            self.slots.free(freed)
+            self._stats.evicted_pages += len(freed)
+        return self.slots.alloc(n)
+
+    def plan_store(self, keys: Sequence[PageKey], block_ids: Sequence[int],
+                   ) -> list[PagePlan] | None:
+        """Store the pages of ``keys`` beyond the prefix already in L2, from
+        ``block_ids`` (the request's blocks): allocate their slots and publish them.
+
+        Returns the copies to plan ([] when nothing is missing or storable),
+        or None when L2 has no room now (the caller may try again later).
+        """
+        bpp = self.blocks_per_page
+        match = self.tree.match_prefix(keys)
+        # Only pages whose blocks all hold real KV now: a sliding window puts
+        # vLLM's null block where it no longer reaches, and the tree must stay
+        # prefix-closed, so the first page that lost a block ends the store.
+        for page in range(match.num_pages, len(keys)):
+            blocks = block_ids[page * bpp : (page + 1) * bpp]
+            if len(blocks) < bpp or NULL_BLOCK_ID in blocks:
+                self._stats.store_skipped_pages += len(keys) - page
+                keys = keys[:page]
+                break
+        if match.num_pages >= len(keys):
+            return []
+        need = len(keys) - match.num_pages
+        # The prefix we extend must survive the eviction that makes room for it.
+        self.tree.lock(match.node)
+        try:
+            slots = self.allocate(need)
+        finally:
+            self.tree.unlock(match.node)
+        if slots is None:
+            self._stats.store_skipped_pages += need
+            return None
+        inserted = self.tree.insert(keys, list(match.host_slots) + slots)
+        leftover = set(inserted.unused_slots) & set(slots)
+        if leftover:  # cannot happen single-threaded; keep the allocator exact anyway
+            self.slots.free(sorted(leftover))
+        plans = []
+        for i, slot in enumerate(slots):
+            if slot in leftover:
+                continue
+            page = match.num_pages + i
+            blocks = tuple(block_ids[page * bpp : (page + 1) * bpp])
+            plans.append(PagePlan(slot, keys[page], 0, blocks))
+        self._stats.stored_pages += len(plans)
+        self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)
+        return plans
+
+    def publish_fetched(self, node: TreeNode, prefix_keys: Sequence[PageKey],
+                        keys: Sequence[PageKey], slots: Sequence[int], fetched: int) -> None:
+        """An L3 fetch ended: its first ``fetched`` pages (``keys``, in their reserved
+        ``slots``) extend the locked prefix ``node`` in the tree; unlock it and free
+        every reserved slot that no page of the tree holds."""
+        unused = list(slots[fetched:])
+        attached = node is self.tree.root or node.parent is not None
+        if fetched and attached:
+            # The prefix is locked, hence still resident.
+            prefix = self.tree.match_prefix(prefix_keys)
+            assert prefix.num_pages == len(prefix_keys), "locked prefix left L2"
+            mine = set(slots)
+            inserted = self.tree.insert(list(prefix_keys) + list(keys[:fetched]),
+                                        prefix.host_slots + list(slots[:fetched]))
+            unused += [s for s in inserted.unused_slots if s in mine]
+        elif fetched:
+            unused = list(slots)
+        self.tree.unlock(node)
+        if unused:
+            self.slots.free(sorted(set(unused)))
+
+    def remove(self, slots: Iterable[int]) -> tuple[int, int]:
+        """Drop the pages in ``slots`` and every page below them; (freed, kept locked)."""
+        freed, kept = self.tree.remove_slots(slots)
+        self.slots.free(freed)
+        return len(freed), len(kept)
+
+    def report_bad_slots(self, slots: Iterable[int]) -> None:
+        self._bad_slots.update(slots)
+
+    def drop_bad_slots(self) -> bool:
+        """Forget pages whose slots a worker could not use, so they are not hit again;
+        True when any were reported (requests must match L2 again)."""
+        if not self._bad_slots:
+            return False
+        bad = self._bad_slots
+        freed, self._bad_slots = self.tree.remove_slots(bad)  # locked ones: next step
+        self.slots.free(freed)
+        self._stats.bad_slots_reported += len(bad - self._bad_slots)
+        return True
+
+    def reset(self) -> bool:
+        """Drop every page; False (nothing dropped) while any page is locked."""
+        try:
+            freed = self.tree.reset()
+        except RuntimeError:
+            return False
+        self.slots.free(freed)
+        return True

@@ -1,0 +1,94 @@
+"""The write path: which pages computed in L1 are copied to L2, and when.
+
+Contract:
+- Every step, each running request the write policy lets store
+  (``policies.py``) stores the pages whose KV is complete by the end of the
+  step and whose tokens are known; a finished request stores what is left
+  of it (write_back: everything) and asks vLLM to keep its blocks until the
+  worker has copied them (``release_after_store``, reported back by the
+  worker in ``finished_sending``).
+- A request remembers how many of its leading pages are in L2
+  (``RequestState.stored_pages``), so a page is planned once; that count is
+  only advanced when the store was planned or nothing was missing, so a
+  store refused for lack of room is tried again at the next step.
+- Slots, eviction and publishing belong to ``L2Manager.plan_store``; the
+  pages planned here go into the next ``StepPlan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from hicache.tiers.controller.l2_manager import L2Manager
+from hicache.tiers.controller.policies import WritePolicy
+from hicache.tiers.controller.requests import RequestState, RequestTable
+from hicache.tiers.index.plans import PagePlan
+
+
+class StorePlanner:
+    """Plans L1 -> L2 copies by the write policy (see the module docstring)."""
+
+    def __init__(self, l2: L2Manager, policy: WritePolicy, *, page_size: int,
+                 block_ids_of: Callable[[str], Sequence[int]]) -> None:
+        self.l2 = l2
+        self.policy = policy
+        self.page_size = page_size
+        # req_id -> the request's vLLM block ids (KV cache group 0).
+        self._block_ids_of = block_ids_of
+        # Stores of finished requests, for the next plan, and those requests.
+        self._deferred: list[PagePlan] = []
+        self._release_after_store: list[str] = []
+
+    def has_pending(self) -> bool:
+        return bool(self._deferred)
+
+    def plan_step(self, requests: RequestTable, num_scheduled_tokens: Mapping[str, int],
+                  ) -> tuple[list[PagePlan], list[str]]:
+        """This step's stores (finished requests' first) and the finished requests
+        whose blocks wait for them."""
+        stores, release = self._deferred, self._release_after_store
+        self._deferred, self._release_after_store = [], []
+        for req_id, n in self.policy.running_requests(num_scheduled_tokens).items():
+            state = requests.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            ready = min(request.num_computed_tokens + n, len(request.all_token_ids))
+            ready_pages = ready // self.page_size
+            if ready_pages > state.stored_pages:
+                stores.extend(self._store(state, ready_pages, self._block_ids_of(req_id)))
+        return stores, release
+
+    def plan_finished(self, state: RequestState, block_ids: Sequence[int]) -> bool:
+        """Plan what is left of a finished request; True = vLLM keeps its blocks until
+        the next plan's stores are done.
+
+        For write_back this is where every page of the request is copied: its
+        blocks are about to become evictable in vLLM's prefix cache. vLLM does
+        not tell a connector when it actually evicts a cached block, so this
+        approximates "copy on L1 eviction" by "copy when L1 may evict".
+        """
+        request = state.request
+        ready = min(request.num_computed_tokens, len(request.all_token_ids))
+        ready_pages = min(ready // self.page_size, len(block_ids) // self.l2.blocks_per_page)
+        if ready_pages <= state.stored_pages:
+            return False
+        plans = self._store(state, ready_pages, block_ids)
+        if not plans:
+            return False
+        self._deferred.extend(plans)
+        self._release_after_store.append(request.request_id)
+        return True
+
+    def _store(self, state: RequestState, ready_pages: int, block_ids: Sequence[int],
+               ) -> list[PagePlan]:
+        """Copies of the request's pages in [in-L2 prefix, ready_pages) worth storing."""
+        keys = state.page_keys()[:ready_pages]
+        worth = self.policy.pages_worth_storing(keys, state.counted_pages)
+        state.counted_pages = max(state.counted_pages, len(keys))
+        keys = keys[:worth]
+        plans = self.l2.plan_store(keys, block_ids)
+        if plans is None:
+            return []
+        state.stored_pages = ready_pages
+        return plans

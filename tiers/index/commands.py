@@ -1,0 +1,49 @@
+"""Storage commands: the admin's L3 actions that every worker applies, carried in a ``StepPlan``.
+
+Contract (see DESIGN.md "Admin"):
+- The admin view (tiers/controller/admin.py) changes the scheduler's own
+  L3 instance at once and queues the matching command; the connector puts
+  the queued commands into the next step's plan, and each worker applies
+  them once, before that step's loads and fetches (connector/worker.py).
+- Commands are plain frozen dataclasses (they cross process boundaries with
+  the plan). Page keys stay ``bytes`` here; only the backend boundary
+  (tiers/l3/) spells them as the store's string keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.tiers.index.page_keys import PageKey
+
+
+@dataclass(frozen=True)
+class DeletePages:
+    """Drop queued backups of ``keys`` and delete them from this rank's L3 shard."""
+
+    keys: tuple[PageKey, ...]
+
+
+@dataclass(frozen=True)
+class ClearStore:
+    """Drop every queued backup and clear this rank's L3 shard."""
+
+
+@dataclass(frozen=True)
+class AttachStore:
+    """Replace this rank's L3 backend with ``backend`` built from ``extra_config``."""
+
+    backend: str
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DetachStore:
+    """Drop queued backups, finish running I/O and close this rank's L3 backend."""
+
+
+# What an L3 flush asks of the store.
+L3Removal = DeletePages | ClearStore
+StorageCommand = DeletePages | ClearStore | AttachStore | DetachStore
