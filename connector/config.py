@@ -1,157 +1,155 @@
 """HiCache configuration: parse and validate ``kv_connector_extra_config``.
 
 Contract: ``HiCacheConfig.from_extra_config(dict)`` either returns a frozen,
-fully validated config or raises ``HiCacheConfigError`` whose message names
-the offending key and its allowed values. Names follow SGLang's server flags
-where the concept is shared (``--hicache-ratio`` -> ``hicache_ratio``).
-Keys of features that are not implemented yet are rejected as unknown rather
-than silently ignored.
+fully validated config (a pydantic model: strict types, unknown keys
+rejected) or raises ``HiCacheConfigError`` whose message names the
+offending key, what it allows and the bad value. Each field's type is the
+one statement of what it accepts: the policy, layout, io-backend and
+storage-backend names are ``Literal`` types defined where they are
+implemented. Names follow SGLang's server flags where the concept is shared
+(``--hicache-ratio`` -> ``hicache_ratio``). Keys of features that are not
+implemented yet are rejected as unknown rather than silently ignored. The
+admin token is a ``SecretStr``: it shows in no repr, log or ``to_dict``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any, Literal
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-IO_BACKENDS = ("kernel", "direct")
-LOAD_FAILURE_POLICIES = ("recompute", "fail")
-STORAGE_BACKENDS = ("file", "mooncake", "nixl", "dynamic")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-# Keys of hicache_storage_backend_extra_config that HiCache itself consumes
-# (SGLang's names and defaults, v0.5.12); the rest goes to the backend.
-PREFETCH_KEYS: dict[str, float] = {
-    "prefetch_threshold": 256,
-    "prefetch_timeout_base": 2.0,
-    "prefetch_timeout_per_ki_token": 0.1,
-    "prefetch_timeout_max": 30.0,
-}
+from pydantic import (
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveInt,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+
+from hicache.kernels.io_backend import IoBackendName
+from hicache.tiers.controller.policies import PrefetchPolicyName, WritePolicyName
+from hicache.tiers.l2.geometry import MemLayoutName
+from hicache.tiers.l3.factory import StorageBackendName
+from hicache.tiers.settings import Settings, explain
+
+# vLLM's kv_transfer_config.kv_load_failure_policy values.
+LoadFailurePolicyName = Literal["recompute", "fail"]
 
 
 class HiCacheConfigError(ValueError):
     """A ``kv_connector_extra_config`` entry is unknown or has a bad value."""
 
 
-@dataclass(frozen=True)
-class HiCacheConfig:
+class StorageExtraConfig(Settings):
+    """``hicache_storage_backend_extra_config``: HiCache's own prefetch keys (SGLang's
+    names and defaults, v0.5.12); every other key goes to the storage backend."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prefetch_threshold: NonNegativeFloat = Field(
+        256, description="tokens an L3 hit must cover to be fetched")
+    prefetch_timeout_base: NonNegativeFloat = Field(
+        2.0, description="seconds a timeout-policy fetch may wait, plus per_ki_token")
+    prefetch_timeout_per_ki_token: NonNegativeFloat = Field(
+        0.1, description="seconds per 1024 fetched tokens a timeout-policy fetch may wait")
+    prefetch_timeout_max: NonNegativeFloat = Field(
+        30.0, description="the most seconds a timeout-policy fetch may wait")
+
+
+# Keys of hicache_storage_backend_extra_config that HiCache consumes, with their defaults.
+PREFETCH_KEYS: dict[str, float] = {
+    name: field.default for name, field in StorageExtraConfig.model_fields.items()
+}
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class HiCacheConfig(Settings):
     """Effective HiCache settings; one field per accepted extra-config key."""
 
-    # Tokens per cached page; a multiple of vLLM's block size. None = block size.
-    page_size: int | None = None
-    # L2 host pool size as a multiple of the L1 (vLLM KV cache) size; used
-    # when hicache_size is 0.
-    hicache_ratio: float = 2.0
-    # L2 host pool size in GB (1e9 bytes) per TP rank; 0 = use hicache_ratio.
-    hicache_size: float = 0.0
-    # When pages are copied L1 -> L2: write_through copies every full page as
-    # soon as its KV is computed; write_through_selective once
-    # hicache_write_through_threshold requests have computed it; write_back
-    # when its request finishes (its blocks become evictable in vLLM's cache).
-    hicache_write_policy: str = "write_through"
-    # Requests that must compute a page before write_through_selective keeps it.
-    hicache_write_through_threshold: int = 2
-    # Byte layout of the L2 host pool (see tiers/l2/host_pool.py): layer_first,
-    # page_first or page_first_direct; SGLang's current default is page_first.
-    hicache_mem_layout: str = "page_first"
-    # How bytes move between L1 and L2: kernel = one GPU copy kernel over many
-    # pages and layers; direct = one slice copy per contiguous run and layer.
-    # On CPU both resolve to the direct path. Default direct until the GPU
-    # kernel ships (SGLang's default is kernel).
-    hicache_io_backend: str = "direct"
-    # What vLLM does when a load fails: recompute the affected tokens
-    # (default; a cache miss costs time, never correctness) or fail the request.
-    # Sets vLLM's kv_transfer_config.kv_load_failure_policy.
-    hicache_load_failure_policy: str = "recompute"
-    # L3: file | mooncake | nixl | dynamic; None = no L3.
-    hicache_storage_backend: str | None = None
-    # Backend settings (a JSON object or its string), plus HiCache's own
-    # prefetch_threshold (tokens) and prefetch_timeout_{base,per_ki_token,max} (s).
-    hicache_storage_backend_extra_config: dict[str, Any] = field(default_factory=dict)
-    # How long a request waits for its L3 pages: best_effort = what arrived
-    # by the next engine step; wait_complete = all of them; timeout = until
-    # min(max, base + per_ki_token * tokens / 1024) seconds.
-    hicache_storage_prefetch_policy: str = "timeout"
-    # Admin HTTP endpoint in the scheduler process (0 = off). With several
-    # engine cores (data parallel) core i listens on port + i.
-    hicache_admin_host: str = "127.0.0.1"
-    hicache_admin_port: int = 8790
-    # Bearer token for the admin endpoint (else $HICACHE_ADMIN_TOKEN).
-    hicache_admin_token: str | None = None
+    page_size: PositiveInt | None = Field(
+        None, description="tokens per cached page, a multiple of vLLM's block size; "
+        "null = the block size")
+    hicache_ratio: float = Field(
+        2.0, gt=0, description="L2 host pool size as a multiple of the L1 (vLLM KV cache) "
+        "size; used when hicache_size is 0")
+    hicache_size: float = Field(
+        0.0, ge=0, description="L2 host pool size in GB (1e9 bytes) per TP rank; "
+        "0 = use hicache_ratio")
+    # write_through copies every full page as soon as its KV is computed;
+    # write_through_selective once hicache_write_through_threshold requests have
+    # computed it; write_back when its request finishes (its blocks become
+    # evictable in vLLM's cache).
+    hicache_write_policy: WritePolicyName = Field(
+        "write_through", description="when pages are copied L1 -> L2")
+    hicache_write_through_threshold: PositiveInt = Field(
+        2, description="requests that must compute a page before write_through_selective "
+        "keeps it")
+    # SGLang's current default is page_first.
+    hicache_mem_layout: MemLayoutName = Field(
+        "page_first", description="byte layout of the L2 host pool")
+    # kernel = one GPU copy kernel over many pages and layers; direct = one slice
+    # copy per contiguous run and layer. On CPU both resolve to the direct path.
+    # Default direct until the GPU kernel ships (SGLang's default is kernel).
+    hicache_io_backend: IoBackendName = Field(
+        "direct", description="how bytes move between L1 and L2")
+    # recompute: a cache miss costs time, never correctness.
+    hicache_load_failure_policy: LoadFailurePolicyName = Field(
+        "recompute", description="what vLLM does when a load fails (sets vLLM's "
+        "kv_transfer_config.kv_load_failure_policy)")
+    hicache_storage_backend: StorageBackendName | None = Field(
+        None, description="the L3 store; null = no L3")
+    hicache_storage_backend_extra_config: StorageExtraConfig = Field(
+        default_factory=StorageExtraConfig,
+        description="backend settings (a JSON object or its string) plus HiCache's "
+        "prefetch_threshold (tokens) and prefetch_timeout_{base,per_ki_token,max} (s)")
+    # best_effort = what arrived by the next engine step; wait_complete = all of
+    # them; timeout = until min(max, base + per_ki_token * tokens / 1024) seconds.
+    hicache_storage_prefetch_policy: PrefetchPolicyName = Field(
+        "timeout", description="how long a request waits for its L3 pages")
+    hicache_admin_host: NonEmptyStr = Field(
+        "127.0.0.1", description="address of the admin HTTP endpoint")
+    hicache_admin_port: int = Field(
+        8790, ge=0, le=65535, description="port of the admin HTTP endpoint in the "
+        "scheduler process; 0 turns it off; engine core i (data parallel) listens on port + i")
+    hicache_admin_token: Annotated[SecretStr, Field(min_length=1)] | None = Field(
+        None, description="bearer token for the admin endpoint (else $HICACHE_ADMIN_TOKEN)")
+
+    @field_validator("hicache_admin_host", mode="before")
+    @classmethod
+    def _null_host_is_default(cls, value: Any) -> Any:
+        return cls.model_fields["hicache_admin_host"].default if value is None else value
+
+    @field_validator("hicache_storage_backend_extra_config", mode="before")
+    @classmethod
+    def _json_string_is_an_object(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
 
     @classmethod
     def allowed_keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return tuple(cls.model_fields)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> HiCacheConfig:
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(cls.allowed_keys()))
-        if unknown:
-            raise HiCacheConfigError(
-                f"unknown kv_connector_extra_config key(s) {unknown} for HiCacheConnector; "
-                f"allowed keys: {sorted(cls.allowed_keys())}"
-            )
-        values: dict[str, Any] = {}
-        if extra.get("page_size") is not None:
-            values["page_size"] = _positive_int(extra, "page_size")
-        if "hicache_write_through_threshold" in extra:
-            values["hicache_write_through_threshold"] = _positive_int(
-                extra, "hicache_write_through_threshold"
-            )
-        for key in ("hicache_ratio", "hicache_size"):
-            if key in extra:
-                values[key] = _number(extra, key)
-        if values.get("hicache_ratio", 1.0) <= 0:
-            raise HiCacheConfigError(
-                f"hicache_ratio must be > 0 (got {values['hicache_ratio']!r})"
-            )
-        if values.get("hicache_size", 0.0) < 0:
-            raise HiCacheConfigError(
-                f"hicache_size must be >= 0 GB; 0 means 'use hicache_ratio' "
-                f"(got {values['hicache_size']!r})"
-            )
-        for key, allowed in (
-            ("hicache_write_policy", WRITE_POLICIES),
-            ("hicache_mem_layout", MEM_LAYOUTS),
-            ("hicache_io_backend", IO_BACKENDS),
-            ("hicache_load_failure_policy", LOAD_FAILURE_POLICIES),
-            ("hicache_storage_prefetch_policy", PREFETCH_POLICIES),
-        ):
-            if key in extra:
-                values[key] = _choice(extra, key, allowed)
-        if extra.get("hicache_storage_backend") is not None:
-            values["hicache_storage_backend"] = _choice(
-                extra, "hicache_storage_backend", STORAGE_BACKENDS
-            )
-        if "hicache_admin_port" in extra:
-            port = extra["hicache_admin_port"]
-            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-                raise HiCacheConfigError(
-                    f"hicache_admin_port must be an integer in [0, 65535]; 0 turns the admin "
-                    f"endpoint off (got {port!r})"
-                )
-            values["hicache_admin_port"] = port
-        for key in ("hicache_admin_host", "hicache_admin_token"):
-            if extra.get(key) is not None:
-                if not isinstance(extra[key], str) or not extra[key]:
-                    raise HiCacheConfigError(f"{key} must be a non-empty string (got {extra[key]!r})")
-                values[key] = extra[key]
-        if "hicache_storage_backend_extra_config" in extra:
-            values["hicache_storage_backend_extra_config"] = _storage_extra(
-                extra["hicache_storage_backend_extra_config"]
-            )
-        return cls(**values)
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            raise HiCacheConfigError(explain(
+                exc, cls, unknown="kv_connector_extra_config key(s) for HiCacheConnector:",
+            )) from None
 
     def prefetch_setting(self, key: str) -> float:
         """prefetch_threshold / prefetch_timeout_* with SGLang's defaults."""
-        return float(self.hicache_storage_backend_extra_config.get(key, PREFETCH_KEYS[key]))
+        return float(getattr(self.hicache_storage_backend_extra_config, key))
 
     def backend_extra_config(self) -> dict[str, Any]:
         """The extra config the storage backend sees (HiCache's own keys removed)."""
-        return {k: v for k, v in self.hicache_storage_backend_extra_config.items()
-                if k not in PREFETCH_KEYS}
+        return dict(self.hicache_storage_backend_extra_config.model_extra or {})
 
     def resolved_page_size(self, block_size: int) -> int:
         """Page size in tokens for an engine whose KV block holds ``block_size`` tokens."""
@@ -174,7 +172,9 @@ class HiCacheConfig:
           strides as well as anything would.
         - page_first_direct + kernel -> direct (SGLang v0.5.12's rule).
         """
-        layout, io, notes = self.hicache_mem_layout, self.hicache_io_backend, []
+        layout: str = self.hicache_mem_layout
+        io: str = self.hicache_io_backend
+        notes: list[str] = []
         if io == "kernel" and not cuda:
             io = "direct"
             notes.append("hicache_io_backend=kernel needs CUDA; using direct copies on CPU")
@@ -187,49 +187,10 @@ class HiCacheConfig:
         return layout, io, notes
 
     def to_dict(self) -> dict[str, Any]:
-        """Every setting; the admin token is never included (only whether one is set)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["hicache_admin_token"] = "<set>" if self.hicache_admin_token else None
-        return d
-
-
-def _storage_extra(value: Any) -> dict[str, Any]:
-    key = "hicache_storage_backend_extra_config"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise HiCacheConfigError(f"{key} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise HiCacheConfigError(f"{key} must be a JSON object (got {value!r})")
-    for name in PREFETCH_KEYS:
-        if name in value:
-            number = value[name]
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0:
-                raise HiCacheConfigError(
-                    f"{key}.{name} must be a number >= 0 (got {number!r})"
-                )
-    return dict(value)
-
-
-def _positive_int(extra: dict[str, Any], key: str) -> int:
-    value = extra[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HiCacheConfigError(f"{key} must be a positive integer (got {value!r})")
-    return value
-
-
-def _number(extra: dict[str, Any], key: str) -> float:
-    value = extra[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise HiCacheConfigError(f"{key} must be a number (got {value!r})")
-    return float(value)
-
-
-def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
-    value = extra[key]
-    if value not in allowed:
-        raise HiCacheConfigError(
-            f"{key}={value!r} is not supported; allowed values: {list(allowed)}"
-        )
-    return value
+        """Every setting as given (plain JSON values); the admin token is never
+        included, only whether one is set."""
+        d = self.model_dump(exclude={"hicache_admin_token", "hicache_storage_backend_extra_config"})
+        d["hicache_storage_backend_extra_config"] = \
+            self.hicache_storage_backend_extra_config.model_dump(exclude_unset=True)
+        d["hicache_admin_token"] = "<set>" if self.hicache_admin_token is not None else None
+        return {name: d[name] for name in self.allowed_keys()}

@@ -21,11 +21,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal, get_args
 
 import torch
 
 from hicache.kernels import block_copy, cpu_copy, gpu_copy
 from hicache.kernels.block_copy import BlockTransfer
+
+# SGLang's io backend names; the connector config's hicache_io_backend accepts these.
+IoBackendName = Literal["kernel", "direct"]
 
 # (engine layers, pool canonical view, transfer, layer indices or None = all)
 CopyFn = Callable[[Sequence[torch.Tensor], torch.Tensor, BlockTransfer, Sequence[int] | None],
@@ -55,8 +59,9 @@ GPU_KERNEL = CopyPath("gpu-kernel", gpu_copy.save_blocks, gpu_copy.load_blocks,
 
 
 def select(io_backend: str, device_type: str) -> CopyPath:
-    if io_backend not in ("direct", "kernel"):
-        raise ValueError(f"unknown io backend {io_backend!r}; allowed: ['direct', 'kernel']")
+    if io_backend not in get_args(IoBackendName):
+        raise ValueError(
+            f"unknown io backend {io_backend!r}; allowed: {list(get_args(IoBackendName))}")
     if device_type == "cpu" and cpu_copy.available():
         return CPU_BATCH
     if io_backend == "kernel" and device_type != "cpu":

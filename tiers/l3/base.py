@@ -22,7 +22,9 @@ Contract:
 - Methods never raise for an unavailable or failing store: they return
   False / 0 and count the failure; ``__init__`` raises ``StorageConfigError``
   for bad configuration (message names the key and the allowed values) and
-  ``StorageUnavailable`` when the store cannot be reached at start.
+  ``StorageUnavailable`` when the store cannot be reached at start. A
+  backend's extra config is a ``Settings`` model next to it, read with
+  ``validate_extra``.
 - Thread-safety: a worker calls one backend from one I/O thread; the
   scheduler from its own thread. Backends need not be re-entrant.
 """
@@ -33,17 +35,22 @@ import functools
 import hashlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from pydantic import ValidationError
 
 from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.settings import Settings, explain
 
 # Bytes of a page in L3 follow the host pool's slot order; layouts whose
 # slots hold the same order share L3 pages.
 BYTE_ORDER = {"layer_first": "LBB", "page_first": "BLB", "page_first_direct": "LBB"}
+# The connector config key whose value (less HiCache's own keys) a backend sees.
+EXTRA_CONFIG = "hicache_storage_backend_extra_config"
+SettingsT = TypeVar("SettingsT", bound=Settings)
 
 
 class StorageConfigError(ValueError):
@@ -54,16 +61,19 @@ class StorageUnavailable(RuntimeError):
     """The store could not be reached or set up."""
 
 
-def checked_extra(config: StorageConfig, allowed: Iterable[str], backend: str) -> dict[str, Any]:
-    """``config.extra_config`` as a dict, or StorageConfigError naming unknown keys."""
-    extra, allowed = dict(config.extra_config), tuple(allowed)
-    unknown = sorted(set(extra) - set(allowed))
-    if unknown:
-        raise StorageConfigError(
-            f"unknown hicache_storage_backend_extra_config key(s) {unknown} for the {backend} "
-            f"backend; allowed keys: {sorted(allowed)}"
-        )
-    return extra
+def validate_extra(extra: Mapping[str, Any], model: type[SettingsT], backend: str) -> SettingsT:
+    """A backend's extra config (``StorageConfig.extra_config``) validated by ``model``.
+
+    Raises StorageConfigError naming each bad key as
+    ``hicache_storage_backend_extra_config.<key>`` with what it allows.
+    """
+    try:
+        return model.model_validate(dict(extra))
+    except ValidationError as exc:
+        raise StorageConfigError(explain(
+            exc, model, prefix=f"{EXTRA_CONFIG}.",
+            unknown=f"{EXTRA_CONFIG} key(s) for the {backend} backend:",
+        )) from None
 
 
 @dataclass(frozen=True)

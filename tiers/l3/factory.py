@@ -2,27 +2,56 @@
 
 Contract: ``create_backend(name, config)`` imports the backend lazily (so a
 missing optional dependency only matters to whoever selects it) and returns
-a ``StorageBackend``. ``dynamic`` loads a third-party class as SGLang does:
-``extra_config`` names ``module_path`` and ``class_name`` (``backend_name``
-optional, for logs); the class must subclass ``StorageBackend`` and is built
-as ``cls(config)`` with those loader keys removed from ``extra_config``. Errors are ``StorageConfigError`` naming the key and the
-allowed values.
+a ``StorageBackend``. ``StorageBackendName`` is the one list of names (the
+connector config's ``hicache_storage_backend`` accepts exactly these).
+``dynamic`` loads a third-party class as SGLang does: ``extra_config``
+names ``module_path`` and ``class_name`` (``backend_name`` and
+``interface_v1`` optional; see ``DynamicLoaderConfig``); the class must
+subclass ``StorageBackend`` and is built as ``cls(config)`` with the loader
+keys removed from ``extra_config`` and every other key passed through.
+Errors are ``StorageConfigError`` naming the key and the allowed values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import Literal, get_args
 
-from hicache.tiers.l3.base import StorageBackend, StorageConfig, StorageConfigError
+from pydantic import ConfigDict, Field
 
+from hicache.tiers.l3.base import (
+    EXTRA_CONFIG,
+    StorageBackend,
+    StorageConfig,
+    StorageConfigError,
+    validate_extra,
+)
+from hicache.tiers.settings import Settings
+
+StorageBackendName = Literal["file", "mooncake", "nixl", "dynamic"]
+STORAGE_BACKENDS: tuple[str, ...] = get_args(StorageBackendName)
 BACKENDS: dict[str, str] = {
     "file": "hicache.tiers.l3.file_backend:FileBackend",
     "mooncake": "hicache.tiers.l3.mooncake_backend:MooncakeBackend",
     "nixl": "hicache.tiers.l3.nixl_backend:NixlBackend",
 }
-STORAGE_BACKENDS = (*BACKENDS, "dynamic")
-LOADER_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+
+
+class DynamicLoaderConfig(Settings):
+    """The ``dynamic`` backend's loader keys; every other key goes to the loaded class."""
+
+    model_config = ConfigDict(extra="allow")
+
+    module_path: str = Field(min_length=1, description="importable module holding the class")
+    class_name: str = Field(min_length=1, description="a StorageBackend subclass in module_path")
+    backend_name: str | None = Field(None, description="a name for logs (SGLang's key)")
+    interface_v1: bool | int | None = Field(
+        None, description="SGLang's flag for batch_get_v1/batch_set_v1; every HiCache "
+        "backend has them")
+
+
+LOADER_KEYS: tuple[str, ...] = tuple(DynamicLoaderConfig.model_fields)
 
 
 def create_backend(name: str, config: StorageConfig) -> StorageBackend:
@@ -39,26 +68,18 @@ def create_backend(name: str, config: StorageConfig) -> StorageBackend:
 
 
 def _dynamic(config: StorageConfig) -> StorageBackend:
-    extra = dict(config.extra_config)
-    missing = [k for k in ("module_path", "class_name") if not extra.get(k)]
-    if missing:
-        raise StorageConfigError(
-            f"hicache_storage_backend='dynamic' needs hicache_storage_backend_extra_config "
-            f"keys {missing} (module_path: importable module, class_name: a StorageBackend "
-            "subclass in it)"
-        )
+    loader = validate_extra(config.extra_config, DynamicLoaderConfig, "dynamic")
     try:
-        module = importlib.import_module(extra["module_path"])
+        module = importlib.import_module(loader.module_path)
     except ImportError as exc:
         raise StorageConfigError(
-            f"hicache_storage_backend_extra_config.module_path={extra['module_path']!r} "
+            f"{EXTRA_CONFIG}.module_path={loader.module_path!r} "
             f"cannot be imported: {exc}"
         ) from exc
-    cls = getattr(module, extra["class_name"], None)
+    cls = getattr(module, loader.class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
         raise StorageConfigError(
-            f"hicache_storage_backend_extra_config.class_name={extra['class_name']!r} is not "
-            f"a StorageBackend subclass in {extra['module_path']!r}"
+            f"{EXTRA_CONFIG}.class_name={loader.class_name!r} is not "
+            f"a StorageBackend subclass in {loader.module_path!r}"
         )
-    rest = {k: v for k, v in extra.items() if k not in LOADER_KEYS}
-    return cls(dataclasses.replace(config, extra_config=rest))
+    return cls(dataclasses.replace(config, extra_config=dict(loader.model_extra or {})))

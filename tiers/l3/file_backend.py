@@ -1,8 +1,9 @@
 """File L3 backend: one checksummed file per page and rank in a directory, crash-safe.
 
 Contract (on top of base.py's):
-- Directory: extra-config ``path``, else ``$HICACHE_FILE_STORAGE_DIR``, else
-  ``/tmp/hicache``. Pages live in ``<dir>/pages/<object_key>.page``:
+- Extra-config keys: ``FileExtraConfig`` (anything else is a
+  ``StorageConfigError``). Directory: ``path``, else
+  ``$HICACHE_FILE_STORAGE_DIR``, else ``/tmp/hicache``. Pages live in ``<dir>/pages/<object_key>.page``:
   ``integrity`` header (page key, storage fingerprint, xxh3 checksum) then
   the payload exactly as the host pool slot holds it.
 - Writes are atomic: the page is written to ``<dir>/tmp/`` under a name
@@ -38,19 +39,33 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from pydantic import Field, NonNegativeFloat
 
 from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import (
     StorageBackend,
     StorageConfig,
     StorageConfigError,
-    checked_extra,
+    validate_extra,
 )
+from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 GB = 1_000_000_000
-ALLOWED_KEYS = ("path", "capacity_gb", "fsync")
+DIR_ENV = "HICACHE_FILE_STORAGE_DIR"
+DEFAULT_DIR = "/tmp/hicache"
+
+
+class FileExtraConfig(Settings):
+    """The file backend's ``hicache_storage_backend_extra_config``."""
+
+    path: str | None = Field(
+        None, description=f"directory of the pages; empty or null = ${DIR_ENV}, "
+        f"else {DEFAULT_DIR}")
+    capacity_gb: NonNegativeFloat = Field(
+        0, description="GB (1e9 bytes) the pages may take; 0 = unlimited")
+    fsync: bool = Field(False, description="fsync every page file before it is renamed in")
 
 
 class FileBackend(StorageBackend):
@@ -58,22 +73,8 @@ class FileBackend(StorageBackend):
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
-        extra = checked_extra(config, ALLOWED_KEYS, "file")
-        path = extra.get("path") or os.environ.get("HICACHE_FILE_STORAGE_DIR") or "/tmp/hicache"
-        if not isinstance(path, str):
-            raise StorageConfigError(f"hicache_storage_backend_extra_config.path must be a "
-                                     f"directory path string (got {path!r})")
-        capacity = extra.get("capacity_gb", 0)
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or capacity < 0:
-            raise StorageConfigError(
-                "hicache_storage_backend_extra_config.capacity_gb must be a number >= 0 "
-                f"(0 = unlimited; got {capacity!r})"
-            )
-        fsync = extra.get("fsync", False)
-        if not isinstance(fsync, bool):
-            raise StorageConfigError(
-                f"hicache_storage_backend_extra_config.fsync must be true or false (got {fsync!r})"
-            )
+        extra = validate_extra(config.extra_config, FileExtraConfig, "file")
+        path = extra.path or os.environ.get(DIR_ENV) or DEFAULT_DIR
         self.root = Path(path)
         self.pages_dir = self.root / "pages"
         self.tmp_dir = self.root / "tmp"
@@ -86,8 +87,8 @@ class FileBackend(StorageBackend):
                 f"hicache_storage_backend_extra_config.path={path!r} is not a usable "
                 f"directory: {exc}"
             ) from exc
-        self.capacity_bytes = int(capacity * GB)
-        self.fsync = fsync
+        self.capacity_bytes = int(extra.capacity_gb * GB)
+        self.fsync = extra.fsync
         self._fingerprint = config.fingerprint
         self._file_bytes = integrity.HEADER_BYTES + config.page_bytes
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, LRU order

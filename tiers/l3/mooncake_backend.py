@@ -1,9 +1,9 @@
 """L3 backend on a Mooncake Store cluster (``mooncake.store.MooncakeDistributedStore``).
 
 Contract (on top of ``base.py``):
-- Extra-config keys, SGLang's names (anything else is a ``StorageConfigError``
-  naming the key and the allowed keys); each falls back to the environment
-  variable SGLang documents, then to a default:
+- Extra-config keys, SGLang's names (``MooncakeExtraConfig``; anything else is a
+  ``StorageConfigError`` naming the key and the allowed keys); each falls back
+  to the environment variable SGLang documents (``ENV_VARS``), then to a default:
     ``master_server_address``  ``MOONCAKE_MASTER``            required, "host:port"
     ``local_hostname``         ``MOONCAKE_LOCAL_HOSTNAME``    "localhost"
     ``metadata_server``        ``MOONCAKE_TE_META_DATA_SERVER`` "P2PHANDSHAKE"
@@ -71,35 +71,36 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import BeforeValidator, Field, field_validator
 
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import (
+    EXTRA_CONFIG,
     StorageBackend,
     StorageConfig,
     StorageConfigError,
     StorageUnavailable,
-    checked_extra,
+    validate_extra,
 )
+from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 HEADER = integrity.HEADER_BYTES
-# key -> (environment variable or None, default)
-CONFIG_KEYS: dict[str, tuple[str | None, str | None]] = {
-    "master_server_address": ("MOONCAKE_MASTER", None),
-    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
-    "metadata_server": ("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"),
-    "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "4gb"),
-    "local_buffer_size": (None, "16mb"),
-    "protocol": ("MOONCAKE_PROTOCOL", "tcp"),
-    "device_name": ("MOONCAKE_DEVICE", ""),
+# extra-config key -> the environment variable SGLang documents as its fallback
+ENV_VARS: dict[str, str] = {
+    "master_server_address": "MOONCAKE_MASTER",
+    "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "device_name": "MOONCAKE_DEVICE",
 }
-PROTOCOLS = ("tcp", "rdma")
 DEFAULT_RPC_TIMEOUT_MS = "5000"
 DEFAULT_SETUP_RETRIES = "2"
 PROBE_INTERVAL_S = 0.5
@@ -119,79 +120,96 @@ def _is_rpc_failure(rc: int) -> bool:
     return -999 <= rc <= -900
 
 
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string like ``"4gb"`` / ``"512MB"`` / ``"1048576"``."""
-    if isinstance(value, bool):
-        value = None
-    if isinstance(value, int) and value >= 0:
+def _to_bytes(value: Any) -> int:
+    """Bytes from an int or a string like ``"4gb"`` / ``"512MB"`` / ``"1048576"`` (binary units)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
         m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)b?\s*", value.lower())
         if m:
             return int(m.group(1)) * _UNITS[m.group(2)]
-    raise StorageConfigError(
-        f"hicache_storage_backend_extra_config.{key}={value!r} is not a size; allowed values: "
-        "a non-negative int of bytes or a string like '4gb', '512mb', '64kb'"
-    )
+    raise ValueError("not a size; allowed values: a non-negative int of bytes or a string "
+                     "like '4gb', '512mb', '64kb'")
+
+
+def parse_size(key: str, value: Any) -> int:
+    """``_to_bytes`` for extra-config ``key``; StorageConfigError naming it if not a size."""
+    try:
+        return _to_bytes(value)
+    except ValueError as exc:
+        raise StorageConfigError(f"{EXTRA_CONFIG}.{key}={value!r}: {exc}") from None
+
+
+ByteSize = Annotated[int, BeforeValidator(_to_bytes)]
+_SIZE = "int bytes or '<n>[kb|mb|gb|tb]' (binary units)"
+
+
+def _env(key: str) -> str:
+    return f"env {ENV_VARS[key]}"
+
+
+class MooncakeExtraConfig(Settings):
+    """The mooncake backend's ``hicache_storage_backend_extra_config`` (SGLang's keys),
+    after the environment fallbacks of ``ENV_VARS``."""
+
+    master_server_address: str = Field(
+        pattern=r"^[^\s:]+:\d{1,5}$",
+        description=f"'host:port' of a running mooncake_master; {_env('master_server_address')}")
+    local_hostname: str = Field(
+        "localhost", min_length=1,
+        description=f"address this client advertises; {_env('local_hostname')}")
+    metadata_server: str = Field(
+        "P2PHANDSHAKE", min_length=1,
+        description=f"transfer-engine metadata server; {_env('metadata_server')}")
+    global_segment_size: ByteSize = Field(
+        4 << 30, description=f"memory the engine contributes to the store, split over its TP "
+        f"ranks: {_SIZE}; {_env('global_segment_size')}")
+    local_buffer_size: ByteSize = Field(16 << 20, description=f"client buffer: {_SIZE}")
+    protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description=f"transfer protocol; {_env('protocol')}")
+    device_name: str = Field(
+        "", description="device name, '' (auto) or a JSON object mapping TP rank to "
+        f"device name; {_env('device_name')}")
+
+    @field_validator("device_name")
+    @classmethod
+    def _json_object_if_braced(cls, value: str) -> str:
+        if value.strip().startswith("{"):
+            try:
+                if not isinstance(json.loads(value), dict):
+                    raise ValueError
+            except ValueError:
+                raise ValueError("starts with '{' but is not a JSON object") from None
+        return value
 
 
 @dataclass(frozen=True)
 class MooncakeSettings:
-    """The resolved client settings of one backend instance."""
+    """The resolved client settings of one backend instance (one TP rank)."""
 
     master_server_address: str
     local_hostname: str
     metadata_server: str
+    # this rank's share of the engine's global segment, in bytes
     global_segment_size: int
     local_buffer_size: int
     protocol: str
+    # this rank's device ('' = auto)
     device_name: str
 
     @classmethod
     def from_config(cls, config: StorageConfig) -> MooncakeSettings:
-        extra = checked_extra(config, CONFIG_KEYS, "mooncake")
-        raw: dict[str, Any] = {}
-        for key, (env, default) in CONFIG_KEYS.items():
-            if key in extra and extra[key] is not None:
-                raw[key] = extra[key]
-            elif env is not None and os.environ.get(env):
+        raw = {k: v for k, v in config.extra_config.items() if v is not None}
+        for key, env in ENV_VARS.items():
+            if key not in raw and os.environ.get(env):
                 raw[key] = os.environ[env]
-            else:
-                raw[key] = default
-        master = raw["master_server_address"]
-        if not isinstance(master, str) or not re.fullmatch(r"[^\s:]+:\d{1,5}", master):
-            raise StorageConfigError(
-                f"hicache_storage_backend_extra_config.master_server_address={master!r} "
-                "(env MOONCAKE_MASTER) is required; allowed values: 'host:port' of a "
-                "running mooncake_master"
-            )
-        for key in ("local_hostname", "metadata_server", "device_name"):
-            if not isinstance(raw[key], str) or (key != "device_name" and not raw[key]):
-                raise StorageConfigError(
-                    f"hicache_storage_backend_extra_config.{key}={raw[key]!r} must be a "
-                    "non-empty string" + (" (or empty for device_name)" if key == "device_name"
-                                          else "")
-                )
-        protocol = raw["protocol"]
-        if protocol not in PROTOCOLS:
-            raise StorageConfigError(
-                f"hicache_storage_backend_extra_config.protocol={protocol!r}; allowed values: "
-                f"{list(PROTOCOLS)}"
-            )
-        device = raw["device_name"]
+        extra = validate_extra(raw, MooncakeExtraConfig, "mooncake")
+        device = extra.device_name
         if device.strip().startswith("{"):
-            try:
-                device = str(json.loads(device).get(str(config.tp_rank), ""))
-            except (ValueError, AttributeError) as exc:
-                raise StorageConfigError(
-                    f"hicache_storage_backend_extra_config.device_name={raw['device_name']!r} "
-                    "is not valid JSON; allowed values: a device name, '' (auto) or a JSON "
-                    "object mapping TP rank to device name"
-                ) from exc
-        segment = parse_size("global_segment_size", raw["global_segment_size"])
-        buffer = parse_size("local_buffer_size", raw["local_buffer_size"])
-        return cls(master, raw["local_hostname"], raw["metadata_server"],
-                   segment // max(config.tp_size, 1), buffer, protocol, device)
+            device = str(json.loads(device).get(str(config.tp_rank), ""))
+        return cls(extra.master_server_address, extra.local_hostname, extra.metadata_server,
+                   extra.global_segment_size // max(config.tp_size, 1), extra.local_buffer_size,
+                   extra.protocol, device)
 
 
 def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:

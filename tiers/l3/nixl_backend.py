@@ -5,7 +5,7 @@ Contract (on top of ``base.py``):
   ``plugin`` (default ``POSIX``). The plugin must load and support FILE and
   DRAM memory; otherwise ``__init__`` raises ``StorageConfigError`` naming
   the key, the requested plugin and the plugins the agent has.
-- Extra-config keys (anything else is a ``StorageConfigError``):
+- Extra-config keys (``NixlExtraConfig``; anything else is a ``StorageConfigError``):
     ``plugin``         NIXL plugin name (POSIX, GDS, GDS_MT, ...).
     ``plugin_params``  dict of plugin init parameters, passed to
                        ``create_backend`` as strings (POSIX: ``use_uring``,
@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import integrity
@@ -52,8 +53,9 @@ from hicache.tiers.l3.base import (
     StorageConfig,
     StorageConfigError,
     StorageUnavailable,
-    checked_extra,
+    validate_extra,
 )
+from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +64,25 @@ DEFAULT_DIR = "/tmp/hicache_nixl"
 DIR_ENV = "HICACHE_NIXL_STORAGE_DIR"
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BATCH = 256
-ALLOWED_KEYS = ("plugin", "plugin_params", "path", "xfer_timeout_s", "max_batch_pages")
 QUARANTINE_DIR = "quarantine"
 _TMP_MARK = ".tmp."
 HDR = integrity.HEADER_BYTES
+
+
+class NixlExtraConfig(Settings):
+    """The nixl backend's ``hicache_storage_backend_extra_config``."""
+
+    plugin: str = Field(DEFAULT_PLUGIN, min_length=1,
+                        description="NIXL plugin name (POSIX, GDS, GDS_MT, ...)")
+    plugin_params: dict[str, Any] = Field(
+        default_factory=dict, description="plugin init parameters, passed as strings")
+    path: str | None = Field(
+        None, description=f"directory of the page files; empty or null = ${DIR_ENV}, "
+        f"else {DEFAULT_DIR}")
+    xfer_timeout_s: PositiveFloat = Field(
+        DEFAULT_TIMEOUT_S, description="deadline of one batch transfer, in seconds")
+    max_batch_pages: PositiveInt = Field(
+        DEFAULT_MAX_BATCH, description="pages per NIXL transfer request")
 
 
 class _Page:
@@ -88,17 +105,12 @@ class NixlBackend(StorageBackend):
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
-        extra = checked_extra(config, ALLOWED_KEYS, "nixl")
-        self.plugin = str(extra.get("plugin", DEFAULT_PLUGIN))
-        self.path = str(extra.get("path") or os.environ.get(DIR_ENV) or DEFAULT_DIR)
-        self.timeout_s = _positive(extra, "xfer_timeout_s", DEFAULT_TIMEOUT_S, float)
-        self.max_batch = int(_positive(extra, "max_batch_pages", DEFAULT_MAX_BATCH, int))
-        params = extra.get("plugin_params", {})
-        if not isinstance(params, dict):
-            raise StorageConfigError(
-                "hicache_storage_backend_extra_config.plugin_params must be a dict of plugin "
-                f"init parameters, got {type(params).__name__}"
-            )
+        extra = validate_extra(config.extra_config, NixlExtraConfig, "nixl")
+        self.plugin = extra.plugin
+        self.path = extra.path or os.environ.get(DIR_ENV) or DEFAULT_DIR
+        self.timeout_s = extra.xfer_timeout_s
+        self.max_batch = extra.max_batch_pages
+        params = extra.plugin_params
         self._quarantine = os.path.join(self.path, QUARANTINE_DIR)
         try:
             os.makedirs(self._quarantine, exist_ok=True)
@@ -501,16 +513,3 @@ class NixlBackend(StorageBackend):
             self._pool_span = (0, 0)
             self._agent = None  # drops the agent and its plugin
 
-
-def _positive(extra: dict[str, Any], key: str, default: float, kind: type) -> float:
-    value = extra.get(key, default)
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        number = 0
-    if number <= 0:
-        raise StorageConfigError(
-            f"hicache_storage_backend_extra_config.{key}={value!r} must be a positive "
-            f"{kind.__name__}"
-        )
-    return number

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -170,6 +171,42 @@ def test_bad_config_names_the_key(tmp_path):
         create_backend("s3", config(tmp_path))
     with pytest.raises(StorageConfigError, match="module_path"):
         create_backend("dynamic", config(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        ({"capacity_gb": -1}, "hicache_storage_backend_extra_config.capacity_gb must be a "
+                              "number >= 0 (got -1)"),
+        ({"capacity_gb": True}, "capacity_gb must be a number >= 0 (got True)"),
+        ({"fsync": "yes"}, "hicache_storage_backend_extra_config.fsync must be true or false"),
+        ({"path": 7}, "hicache_storage_backend_extra_config.path must be a string or null"),
+        ({"bogus": 1, "other": 2}, "unknown hicache_storage_backend_extra_config key(s) for the "
+                                   "file backend: ['bogus', 'other']; allowed keys: "
+                                   "['capacity_gb', 'fsync', 'path']"),
+    ],
+)
+def test_bad_extra_config_message(tmp_path, extra, expect):
+    cfg = dataclasses.replace(config(tmp_path), extra_config={"path": str(tmp_path), **extra})
+    with pytest.raises(StorageConfigError) as err:
+        FileBackend(cfg)
+    assert expect in str(err.value)
+
+
+def test_dynamic_loader_keys_are_checked_and_the_rest_passes_through(tmp_path):
+    with pytest.raises(StorageConfigError) as err:
+        create_backend("dynamic", config(tmp_path, module_path="hicache.tiers.l3.file_backend"))
+    assert "hicache_storage_backend_extra_config.class_name is required" in str(err.value)
+    with pytest.raises(StorageConfigError, match="module_path must be a non-empty string"):
+        create_backend("dynamic", config(tmp_path, module_path="", class_name="FileBackend"))
+    with pytest.raises(StorageConfigError, match="cannot be imported"):
+        create_backend("dynamic", config(tmp_path, module_path="no.such.module",
+                                         class_name="FileBackend"))
+    backend = create_backend("dynamic", config(
+        tmp_path, module_path="hicache.tiers.l3.file_backend", class_name="FileBackend",
+        backend_name="mine", interface_v1=1, fsync=True))
+    assert isinstance(backend, FileBackend) and backend.fsync and backend.root == tmp_path
+    assert backend.config.extra_config == {"path": str(tmp_path), "fsync": True}
 
 
 def test_dynamic_backend_loads_a_third_party_class(tmp_path):

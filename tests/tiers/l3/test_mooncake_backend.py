@@ -35,7 +35,12 @@ from hicache.tiers.l3.base import (  # noqa: E402
     StorageUnavailable,
 )
 from hicache.tiers.l3.factory import create_backend  # noqa: E402
-from hicache.tiers.l3.mooncake_backend import MooncakeBackend, parse_size  # noqa: E402
+from hicache.tiers.l3.mooncake_backend import (  # noqa: E402
+    ENV_VARS,
+    MooncakeBackend,
+    MooncakeSettings,
+    parse_size,
+)
 
 GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=1024)
 NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 2)
@@ -389,6 +394,8 @@ def test_unreachable_master_at_start_is_storage_unavailable(service):
         ({"local_buffer_size": "12xb"}, "local_buffer_size"),
         ({"master_server_address": "no-port"}, "master_server_address"),
         ({"device_name": "{not json"}, "device_name"),
+        ({"local_hostname": ""}, "local_hostname"),
+        ({"protocol": 6}, "protocol"),
     ],
 )
 def test_bad_config_names_the_key(service, override, named):
@@ -419,6 +426,30 @@ def test_missing_master_and_env_fallbacks(service, monkeypatch):
         assert backend.settings.metadata_server == "P2PHANDSHAKE"
     finally:
         backend.close()
+
+
+def test_settings_resolve_env_devices_and_the_rank_share(monkeypatch):
+    """Extra config over environment over default; no master needed to resolve them."""
+    for var in ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MOONCAKE_MASTER", "10.0.0.1:50051")
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "1gb")
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "rdma")
+    devices = json.dumps({"0": "mlx5_0", "1": "mlx5_1"})
+    rank1 = StorageConfig(1, 2, NS.fingerprint(), "page_first", GEOM.page_bytes, extra_config={
+        "device_name": devices, "local_buffer_size": 4096, "protocol": None})
+    assert MooncakeSettings.from_config(rank1) == MooncakeSettings(
+        "10.0.0.1:50051", "localhost", "P2PHANDSHAKE", (1 << 30) // 2, 4096, "rdma", "mlx5_1")
+    rank0 = StorageConfig(0, 2, NS.fingerprint(), "page_first", GEOM.page_bytes, extra_config={
+        "master_server_address": "master:1", "protocol": "tcp", "device_name": "{}"})
+    settings = MooncakeSettings.from_config(rank0)
+    assert (settings.master_server_address, settings.protocol) == ("master:1", "tcp")
+    assert settings.device_name == "" and settings.local_buffer_size == 16 << 20
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "a lot")
+    with pytest.raises(StorageConfigError) as err:
+        MooncakeSettings.from_config(rank0)
+    assert "hicache_storage_backend_extra_config.global_segment_size='a lot': not a size" \
+        in str(err.value) and "MOONCAKE_GLOBAL_SEGMENT_SIZE" in str(err.value)
 
 
 def test_parse_size():

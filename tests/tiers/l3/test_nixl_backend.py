@@ -230,7 +230,9 @@ def test_unavailable_plugin_lists_available_ones(tmp_path, plugin):
 
 
 @pytest.mark.parametrize("extra", [{"bogus_key": 1}, {"plugin_params": {"no_such_param": "1"}},
-                                   {"xfer_timeout_s": -1}, {"plugin_params": "x"}])
+                                   {"xfer_timeout_s": -1}, {"plugin_params": "x"},
+                                   {"xfer_timeout_s": "soon"}, {"max_batch_pages": 0},
+                                   {"max_batch_pages": 2.5}, {"plugin": ""}])
 def test_bad_extra_config(tmp_path, extra):
     with pytest.raises(StorageConfigError) as info:
         make(tmp_path, **extra)
@@ -238,6 +240,9 @@ def test_bad_extra_config(tmp_path, extra):
     assert key in str(info.value)
     if key == "bogus_key":
         assert "plugin_params" in str(info.value) and "path" in str(info.value)
+    rule = {"xfer_timeout_s": "a number > 0", "max_batch_pages": "a positive integer"}
+    if key in rule:
+        assert f"hicache_storage_backend_extra_config.{key} must be {rule[key]}" in str(info.value)
 
 
 def test_plugin_params_pass_through(tmp_path):
