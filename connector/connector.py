@@ -21,9 +21,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
+from pydantic import SecretStr
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -31,7 +32,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.connector.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
+from hicache.connector.config import (
+    PREFETCH_KEYS,
+    HiCacheConfig,
+    HiCacheConfigError,
+    LoadFailurePolicyName,
+)
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
 from hicache.connector.vllm_keys import (
     VllmPrefixHasher,
@@ -39,13 +45,8 @@ from hicache.connector.vllm_keys import (
     hash_block_size,
     key_namespace,
 )
-from hicache.connector.vllm_metrics import (
-    EXPORTED,
-    HiCacheKVStats,
-    HiCachePromMetrics,
-    l3_source,
-)
-from hicache.connector.worker import HiCacheWorker, increments
+from hicache.connector.vllm_metrics import HiCacheKVStats, HiCachePromMetrics, l3_source
+from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.controller.admin import SchedulerAdmin
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.l2.host_pool import PoolGeometry
@@ -88,7 +89,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._scheduler: HiCacheScheduler | None = None
         self._worker: HiCacheWorker | None = None
         self._admin: SchedulerAdmin | None = None
-        self._stats_reported: dict[str, float] = {}
+        # Scheduler side: the workers' reported counters and latencies not yet
+        # handed to vLLM (see connector/vllm_metrics.py).
+        self._kv_stats = HiCacheKVStats()
         self._admin_server: Any = None
         namespace = key_namespace(vllm_config, kv_cache_config, page_size)
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
@@ -178,7 +181,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         from hicache.integration.admin.app import AdminServer
 
         port += vllm_config.parallel_config.data_parallel_rank or 0
-        token = self.config.hicache_admin_token or os.environ.get("HICACHE_ADMIN_TOKEN")
+        token = self.config.hicache_admin_token
+        if token is None and os.environ.get("HICACHE_ADMIN_TOKEN"):
+            token = SecretStr(os.environ["HICACHE_ADMIN_TOKEN"])
         server = AdminServer(self._admin, token)
         try:
             server.start(self.config.hicache_admin_host, port)
@@ -255,12 +260,15 @@ class HiCacheConnector(KVConnectorBase_V1):
         return HiCacheStepMetadata.wrap(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' merged report of a step: to the scheduler (bad slots, finished
+        fetches), the admin view and vLLM's stats (counters, latencies)."""
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, HiCacheWorkerReport):
             with self.hicache_scheduler.lock:
                 self.hicache_scheduler.on_worker_report(report)
             if self._admin is not None:
                 self._admin.record_worker_report(report)
+            self._kv_stats.record(report.counters, report.observations)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -331,17 +339,16 @@ class HiCacheConnector(KVConnectorBase_V1):
         return (released or None), (received or None)
 
     def get_kv_connector_stats(self) -> HiCacheKVStats | None:
-        if self._worker is None:
+        """Scheduler side: the reports recorded since vLLM last asked; workers report
+        through ``build_connector_worker_meta`` only, so they return None here."""
+        if self._scheduler is None or self._kv_stats.is_empty():
             return None
-        now = self._worker.counters()
-        deltas = {k: v for k, v in increments(now, self._stats_reported).items()
-                  if k in EXPORTED}
-        self._stats_reported = now
-        return HiCacheKVStats(data=deltas) if deltas else None
+        stats, self._kv_stats = self._kv_stats, HiCacheKVStats()
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheKVStats:
-        return HiCacheKVStats(data=dict(data or {}))
+        return HiCacheKVStats.from_payload(data)
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any,
@@ -430,7 +437,7 @@ def apply_load_failure_policy(own: Any, policy: str) -> None:
             f'"kv_load_failure_policy": "{policy}" at the top level of --kv-transfer-config '
             f"(next to \"kv_connector\": \"MultiConnector\"), or set "
             f"hicache_load_failure_policy to {parent.kv_load_failure_policy!r}; allowed "
-            f"values: recompute, fail"
+            f"values: {', '.join(get_args(LoadFailurePolicyName))}"
         )
     own.kv_load_failure_policy = policy
 

@@ -1,13 +1,23 @@
-"""HiCache counters in vLLM's own stats pipeline and Prometheus ``/metrics``.
+"""HiCache's worker counters and latencies in vLLM's stats pipeline and ``/metrics``.
 
 Contract:
-- Each worker's ``get_kv_connector_stats`` returns ``HiCacheKVStats`` with the
-  increments of its counters (``HiCacheWorker.counters``) since the last
-  call; vLLM sums them over ranks (``aggregate``) and hands them to its
-  frontend loggers.
-- ``HiCachePromMetrics`` (from ``build_prom_metrics``) turns them into
-  counters in vLLM's ``/metrics``: ``vllm:hicache_<name>_total`` per engine,
-  with vLLM's own labels (model name, engine index).
+- One path: each worker sends its counter increments and latency
+  observations once per step in its ``WorkerReport`` (connector/worker.py);
+  vLLM merges the ranks' reports; the scheduler-side connector feeds the
+  merged report to the admin view and to ``HiCacheKVStats.record``, and
+  returns the recorded stats from its ``get_kv_connector_stats`` (vLLM asks
+  the scheduler-side connector every step, after ``update_connector_output``).
+  Worker-side connectors return no stats of their own, so every number
+  reaches vLLM exactly once, the same numbers the admin endpoint shows.
+- ``HiCacheKVStats.data`` is ``{key: counter increment | [observations]}``
+  for the rows of ``tiers/metrics.py`` marked ``engine``; ``aggregate``
+  adds increments and concatenates observations, ``reduce`` gives vLLM's
+  log line (every counter, and count / mean / max seconds of each latency
+  observed), ``is_empty`` is true when nothing moved.
+- ``HiCachePromMetrics`` (from ``build_prom_metrics``) registers one vLLM
+  counter or histogram per engine row, named ``vllm:<name>``, with vLLM's
+  per-engine labels (model name, engine index), and ``observe`` adds a
+  payload to the engine's children.
 - Tier attribution of cached prompt tokens goes through vLLM's
   ``get_external_cache_hit_sources`` (``vllm:prompt_tokens_cached_by_source``):
   L2 hits are ``host``, L3 hits ``disk`` (file, nixl) or ``p2p`` (mooncake's
@@ -16,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,20 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.utils import create_metric_per_engine
 
-# Worker counters exported to vLLM (HiCacheWorker.counters) and their help text.
-EXPORTED = {
-    "loaded_bytes": "Bytes copied from the HiCache L2 host pool into vLLM's KV cache",
-    "saved_bytes": "Bytes copied from vLLM's KV cache into the HiCache L2 host pool",
-    "load_errors": "vLLM blocks HiCache could not load (recomputed)",
-    "save_errors": "L2 pages whose store failed",
-    "l3_fetched_pages": "Pages read from the HiCache L3 store",
-    "l3_fetch_failed_pages": "L3 pages not fetched (missing, corrupt, late, failed)",
-    "l3_backup_pages": "Pages written to the HiCache L3 store",
-    "l3_bytes_read": "Payload bytes read from the HiCache L3 store",
-    "l3_bytes_written": "Payload bytes written to the HiCache L3 store",
-    "l3_corrupt_pages": "L3 pages rejected by the page key or checksum check",
-}
+from hicache.tiers.metrics import ENGINE_METRICS
 
 L3_SOURCES = {"file": CacheHitSource.DISK, "nixl": CacheHitSource.DISK,
               "mooncake": CacheHitSource.P2P}
@@ -49,38 +49,77 @@ def l3_source(backend: str | None) -> CacheHitSource:
 
 @dataclass
 class HiCacheKVStats(KVConnectorStats):
-    """Counter increments of one interval, summed over ranks."""
+    """Counter increments and latency observations of one interval, over every rank."""
 
     def reset(self) -> None:
         self.data = {}
 
+    def record(self, counters: Mapping[str, float],
+               observations: Mapping[str, list[float]]) -> None:
+        """Add one merged worker report (keys no engine row names are not exported)."""
+        for key, value in counters.items():
+            spec = ENGINE_METRICS.get(key)
+            if spec is not None and spec.kind == "counter" and value:
+                self.data[key] = self.data.get(key, 0) + value
+        for key, values in observations.items():
+            spec = ENGINE_METRICS.get(key)
+            if spec is not None and spec.kind == "histogram" and values:
+                self.data.setdefault(key, []).extend(values)
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in (other.data or {}).items():
-            self.data[name] = self.data.get(name, 0) + value
+        for key, value in (other.data or {}).items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {name: self.data.get(name, 0) for name in EXPORTED}
+        out: dict[str, int | float] = {}
+        for key, spec in ENGINE_METRICS.items():
+            value = self.data.get(key)
+            if spec.kind == "counter":
+                out[key] = value or 0
+            elif value:
+                out[f"{key}_count"] = len(value)
+                out[f"{key}_mean"] = round(sum(value) / len(value), 6)
+                out[f"{key}_max"] = round(max(value), 6)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
+    @classmethod
+    def from_payload(cls, data: Mapping[str, Any] | None) -> HiCacheKVStats:
+        """Stats from a payload vLLM moved between processes (lists copied, so
+        ``aggregate`` never grows a payload another logger still reads)."""
+        return cls(data={k: list(v) if isinstance(v, list) else v
+                         for k, v in (data or {}).items()})
+
 
 class HiCachePromMetrics(KVConnectorPromMetrics):
-    """One vLLM counter per exported HiCache counter, per engine."""
+    """One vLLM counter or histogram per engine row of tiers/metrics.py, per engine."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, Any]] = {}
-        for name, doc in EXPORTED.items():
-            counter = self._counter_cls(name=f"vllm:hicache_{name}", documentation=doc,
-                                        labelnames=labelnames)
-            self._counters[name] = {idx: counter.labels(*values)
-                                    for idx, values in per_engine_labelvalues.items()}
+        self._children: dict[str, dict[int, Any]] = {}
+        for key, spec in ENGINE_METRICS.items():
+            if spec.kind == "counter":
+                metric = self._counter_cls(name=spec.engine_name, documentation=spec.help,
+                                           labelnames=labelnames)
+            else:  # engine rows are counters and histograms (tiers/metrics.py)
+                metric = self._histogram_cls(name=spec.engine_name, documentation=spec.help,
+                                             labelnames=labelnames, buckets=list(spec.buckets))
+            self._children[key] = create_metric_per_engine(metric, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            per_engine = self._counters.get(name)
-            if per_engine is not None and value and engine_idx in per_engine:
-                per_engine[engine_idx].inc(value)
+        for key, value in transfer_stats_data.items():
+            child = self._children.get(key, {}).get(engine_idx)
+            if child is None:
+                continue
+            if isinstance(value, list):
+                for seconds in value:
+                    child.observe(seconds)
+            elif value:
+                child.inc(value)

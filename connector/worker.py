@@ -23,6 +23,12 @@ Contract:
   then backed up to L3 (whatever the write policy chose for L2 is what
   reaches L3). A backend that cannot start leaves this rank without L3:
   its fetches fail and vLLM recomputes.
+- Counters and latencies (connector/worker_stats.py) leave the worker once
+  per step, in ``take_report``: counter increments since the previous
+  report, latency observations (copy time of the step's L2 loads and
+  stores, time of each finished L3 fetch), changed queue depths. That
+  report feeds both the admin view and vLLM's stats
+  (connector/vllm_metrics.py).
 """
 
 from __future__ import annotations
@@ -30,36 +36,21 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from hicache.connector.metadata import HiCacheWorkerReport
+from hicache.connector.worker_stats import CopyClock, CounterDeltas, WorkerStats
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
 from hicache.kernels.layer_pipeline import LayerPipeline
+from hicache.tiers.index.commands import AttachStore, ClearStore, DeletePages
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.l3.io_thread import FetchResult, StorageIO
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerStats:
-    """Counters of one worker (pages are L2 pages; blocks are vLLM blocks)."""
-
-    loaded_blocks: int = 0
-    loaded_bytes: int = 0
-    saved_pages: int = 0
-    saved_bytes: int = 0
-    load_errors: int = 0
-    save_errors: int = 0
-    # Layer-wise overlap actually used: waits for one layer's load, and layer
-    # saves started during the forward pass (not at its end).
-    layer_waits: int = 0
-    layer_saves_in_forward: int = 0
 
 
 class HiCacheWorker:
@@ -84,6 +75,8 @@ class HiCacheWorker:
         self.pool: HostPagePool | None = None
         self.layers: list[torch.Tensor] = []
         self.stats = WorkerStats()
+        self._load_clock = CopyClock()
+        self._store_clock = CopyClock()
         self._load_errors: set[int] = set()
         self._bad_slots: set[int] = set()
         self._released: set[str] = set()
@@ -103,7 +96,7 @@ class HiCacheWorker:
         self.storage: StorageBackend | None = None
         self.storage_io: StorageIO | None = None
         self._fetched: dict[str, list[int]] = {}
-        self._reported: dict[str, float] = {}
+        self._deltas = CounterDeltas()
         self._gauges_reported: dict[str, float] = {}
         self._commands_applied: object = None
         self._retired: list[FetchResult] = []
@@ -134,6 +127,7 @@ class HiCacheWorker:
             # Side stream + per-layer events; copies only enqueue (never block the host).
             self._pipeline.shutdown()
             self._pipeline = LayerPipeline(layers[0].device)
+            self._load_clock, self._store_clock = CopyClock(cuda=True), CopyClock(cuda=True)
         geometry = PoolGeometry(
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
@@ -214,7 +208,7 @@ class HiCacheWorker:
             return
         transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
         self._loading = block_ids
-        load = self._copy_fn("load")
+        load = self._load_clock.wrap(self._copy_fn("load"))
         self._pipeline.start_load(
             lambda layer: load(pool.canonical, self.layers, transfer, [layer]), len(self.layers)
         )
@@ -253,7 +247,7 @@ class HiCacheWorker:
         self._saved_layers.add(index)
         self.stats.layer_saves_in_forward += 1
         pool = self._require_pool()
-        save = self._copy_fn("save")
+        save = self._store_clock.wrap(self._copy_fn("save"))
         self._pipeline.submit("save", lambda: save(self.layers, pool.canonical, transfer, [index]))
 
     def finish_step(self, meta: StepPlan) -> None:
@@ -265,15 +259,19 @@ class HiCacheWorker:
             transfer = self._store_transfer(meta)
             rest = [i for i in range(len(self.layers)) if i not in self._saved_layers]
             if rest:
-                save = self._copy_fn("save")
+                save = self._store_clock.wrap(self._copy_fn("save"))
                 self._pipeline.submit(
                     "save", lambda: save(self.layers, pool.canonical, transfer, rest)
                 )
         failures = {kind for kind, _ in self._pipeline.drain()}
+        load_seconds = self._load_clock.take_seconds()
+        store_seconds = self._store_clock.take_seconds()
         if self._loading:
             if "load" in failures:
                 self._load_errors.update(self._loading)
             else:
+                if load_seconds is not None:
+                    self.stats.observe("l2_load_seconds", load_seconds)
                 self.stats.loaded_blocks += len(self._loading)
                 self.stats.loaded_bytes += (
                     len(self._loading) * self.geometry.block_bytes * len(self.layers)
@@ -288,6 +286,8 @@ class HiCacheWorker:
                 if self.storage_io is not None and self.l3_writer:
                     self.storage_io.submit_backup([(p.key, p.slot) for p in meta.stores])
                 self.stats.saved_pages += len(meta.stores)
+                if store_seconds is not None:
+                    self.stats.observe("l2_store_seconds", store_seconds)
                 self.stats.saved_bytes += len(meta.stores) * pool.geometry.page_bytes
         self._released.update(meta.release_after_store)
         self._loading, self._saved_layers, self._stores_of = [], set(), None
@@ -333,6 +333,7 @@ class HiCacheWorker:
         if self.storage_io is not None:
             results.extend(self.storage_io.poll())
         for result in results:
+            self.stats.observe("l3_fetch_seconds", result.seconds)
             self._released_recv.add(result.req_id)
             self._load_errors.update(result.error_block_ids)
             self._fetched[result.req_id] = [result.fetched_pages]
@@ -340,13 +341,15 @@ class HiCacheWorker:
         return received
 
     def counters(self) -> dict[str, float]:
-        """Cumulative counters of this rank (L2 copies, L3 traffic)."""
+        """Cumulative counters of this rank (L2 copies, L3 traffic of every backend
+        attached since start); keys are the ``worker`` rows of tiers/metrics.py."""
         st = self.stats
         out: dict[str, float] = {
             "loaded_blocks": st.loaded_blocks, "loaded_bytes": st.loaded_bytes,
             "saved_pages": st.saved_pages, "saved_bytes": st.saved_bytes,
             "load_errors": st.load_errors, "save_errors": st.save_errors,
         }
+        out.update(self._l3_retired)
         for name, value in self._l3_counters().items():
             out[name] = self._l3_retired.get(name, 0) + value
         return out
@@ -371,14 +374,16 @@ class HiCacheWorker:
         return {"l3_fetch_queue": fetches, "l3_backup_queue_pages": backups}
 
     def take_report(self) -> HiCacheWorkerReport | None:
-        now = self.counters()
-        deltas = increments(now, self._reported)
+        """This step's report: bad slots, finished fetches, counter increments since
+        the last report, latency observations, changed queue depths (None: nothing)."""
+        deltas = self._deltas.take(self.counters())
+        observations = self.stats.take_observations()
         gauges = {k: v for k, v in self.gauges().items() if self._gauges_reported.get(k) != v}
-        if not (self._bad_slots or self._fetched or deltas or gauges):
+        if not (self._bad_slots or self._fetched or deltas or gauges or observations):
             return None
-        self._reported.update(now)
         self._gauges_reported.update(gauges)
-        report = HiCacheWorkerReport(self._bad_slots, self._fetched, deltas, gauges)
+        report = HiCacheWorkerReport(self._bad_slots, self._fetched, deltas, gauges,
+                                     observations)
         self._bad_slots, self._fetched = set(), {}
         return report
 
@@ -388,20 +393,20 @@ class HiCacheWorker:
             return
         self._commands_applied = meta
         for command in meta.storage_commands:
-            if command[0] in ("delete", "clear"):
+            if isinstance(command, (DeletePages, ClearStore)):
                 if self.storage_io is not None and self.l3_writer:
-                    keys = None if command[0] == "clear" else [bytes.fromhex(k)
-                                                               for k in command[1]]
+                    keys = list(command.keys) if isinstance(command, DeletePages) else None
                     self.storage_io.submit_removal(keys)
                 continue
             try:
                 self._detach_storage()
                 self._storage_spec = None
-                if command[0] == "attach" and self._storage_builder is not None:
-                    self._storage_spec = (command[1], dict(command[2]))
+                if isinstance(command, AttachStore) and self._storage_builder is not None:
+                    self._storage_spec = (command.backend, dict(command.extra_config))
                     self._start_storage()
             except Exception:  # noqa: BLE001 - an admin command never kills the engine
-                logger.exception("HiCache: storage command %r failed on this rank", command[0])
+                logger.exception("HiCache: storage command %s failed on this rank",
+                                 type(command).__name__)
 
     def _detach_storage(self) -> None:
         """Drop queued backups, finish the running I/O, close the backend."""
@@ -420,11 +425,6 @@ class HiCacheWorker:
         if self.pool is None:
             raise RuntimeError("HiCache worker used before register_kv_caches")
         return self.pool
-
-
-def increments(now: dict[str, float], last: dict[str, float]) -> dict[str, float]:
-    """Counters in ``now`` that moved since the snapshot ``last``, by how much."""
-    return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
 
 
 def _append_page(

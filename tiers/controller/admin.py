@@ -8,9 +8,11 @@ Contract:
   sees or leaves a half-updated tree and never blocks the engine for longer
   than one such operation.
 - ``stats()`` merges the scheduler's counters with the workers' (copies,
-  L3 traffic, corrupt pages, queue depths), which arrive with every step's
-  worker report (``record_worker_report``); per-tier fields are in pages
-  and bytes per TP rank, ``recent_*_gbps`` over the last ~10 s.
+  L3 traffic, corrupt pages, queue depths, latency histograms), which
+  arrive with every step's worker report (``record_worker_report``);
+  per-tier fields are in pages and bytes per TP rank, ``recent_*_gbps``
+  over the last ~10 s. Its sections are the sources named in
+  tiers/metrics.py, from which the admin ``/metrics`` is rendered.
 - ``flush`` and ``detach_storage`` / ``attach_storage`` change the
   scheduler (and its own L3 instance) at once; the matching commands reach
   every worker with the next engine step, where queued backups of flushed
@@ -29,8 +31,14 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from hicache.integration.admin.app import AdminError
+from hicache.tiers.index.commands import (
+    AttachStore,
+    ClearStore,
+    DetachStore,
+    StorageCommand,
+)
 from hicache.tiers.l3.base import StorageBackend, StorageConfigError
+from hicache.tiers.metrics import LatencyBuckets, section_metrics
 
 if TYPE_CHECKING:
     from hicache.connector.config import HiCacheConfig
@@ -40,6 +48,15 @@ if TYPE_CHECKING:
 
 TIERS = ("l2", "l3", "all")
 RATE_WINDOW_S = 10.0
+
+
+class AdminError(Exception):
+    """A client error of an admin action: the admin app answers ``status_code`` + message."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = int(status_code)
+        self.message = str(message)
 
 
 class SchedulerAdmin:
@@ -63,9 +80,11 @@ class SchedulerAdmin:
         self._l1_pages = l1_pages
         self.worker_counters: dict[str, float] = {}
         self.worker_gauges: dict[str, float] = {}
+        self.worker_latency: dict[str, LatencyBuckets] = {
+            m.key: LatencyBuckets(m.buckets) for m in section_metrics("latency")}
         self._samples: deque[tuple[float, float, float]] = deque()
         self._lock = threading.Lock()
-        self.pending_commands: list[tuple] = []
+        self.pending_commands: list[StorageCommand] = []
 
     # ---- fed by the connector (engine thread) ----------------------------------
 
@@ -74,13 +93,16 @@ class SchedulerAdmin:
             for name, value in report.counters.items():
                 self.worker_counters[name] = self.worker_counters.get(name, 0) + value
             self.worker_gauges.update(report.gauges)
+            for name, values in report.observations.items():
+                if name in self.worker_latency:
+                    self.worker_latency[name].observe(values)
             now = time.monotonic()
             c = self.worker_counters
             self._samples.append((now, c.get("loaded_bytes", 0), c.get("saved_bytes", 0)))
             while len(self._samples) > 2 and now - self._samples[1][0] > RATE_WINDOW_S:
                 self._samples.popleft()
 
-    def take_commands(self) -> list[tuple]:
+    def take_commands(self) -> list[StorageCommand]:
         with self._lock:
             commands, self.pending_commands = self.pending_commands, []
         return commands
@@ -97,10 +119,11 @@ class SchedulerAdmin:
             st = s.stats
             page_bytes = s.geometry.page_bytes
             l2_used, l2_cap = s.slots.num_used, s.slots.capacity
-            inflight = len(s._inflight)
+            inflight = len(s.fetches.in_flight)
             counters = st.as_dict()
         with self._lock:
             w, g = dict(self.worker_counters), dict(self.worker_gauges)
+            latency = {k: v.as_dict() for k, v in self.worker_latency.items()}
             load_gbps, save_gbps = self._rates()
         tiers: dict[str, dict[str, Any]] = {
             "l1": {"capacity_pages": self._l1_pages, "hits": st.l1_hit_pages},
@@ -140,6 +163,7 @@ class SchedulerAdmin:
             },
             "scheduler": {k: v for k, v in counters.items() if isinstance(v, (int, float))},
             "worker": {k: v for k, v in w.items()},
+            "latency": latency,
         }
 
     def _rates(self) -> tuple[float, float]:
@@ -171,11 +195,11 @@ class SchedulerAdmin:
             # The scheduler's own instance first (lookups miss from now on),
             # outside the lock: a slow store must not stall the engine.
             try:
-                if l3_op[0] == "clear":
+                if isinstance(l3_op, ClearStore):
                     storage.clear()
                     counts["l3_pages"] = -1  # all; the store does not count
                 else:
-                    counts["l3_pages"] = storage.batch_delete(l3_op[1])
+                    counts["l3_pages"] = storage.batch_delete([k.hex() for k in l3_op.keys])
             except NotImplementedError as exc:
                 raise AdminError(400, f"L3 backend {self.storage_name!r} cannot flush a prefix "
                                  f"({exc}); flush all of L3 instead") from exc
@@ -202,7 +226,7 @@ class SchedulerAdmin:
             old, s.storage = s.storage, instance
             self.storage_name = backend
         with self._lock:
-            self.pending_commands.append(("attach", backend, dict(extra_config)))
+            self.pending_commands.append(AttachStore(backend, dict(extra_config)))
         if old is not None:
             old.close()
         return {"attached": backend, "workers": "at the next engine step"}
@@ -215,7 +239,7 @@ class SchedulerAdmin:
             old, s.storage = s.storage, None
             name, self.storage_name = self.storage_name, None
         with self._lock:
-            self.pending_commands.append(("detach",))
+            self.pending_commands.append(DetachStore())
         old.close()
         return {"detached": name, "workers": "at the next engine step: queued backups are "
                 "dropped, running I/O finishes first"}

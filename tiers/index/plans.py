@@ -9,7 +9,8 @@ forward pass, stores to perform after it). Every TP rank applies the same
 plan to its own KV shard, so plans name slots and block ids, never bytes.
 
 Workers -> scheduler: ``WorkerReport`` (slots found unusable, L3
-pages fetched per request), merged over ranks with ``merge``.
+pages fetched per request, counter increments and latency observations for
+the metrics of ``tiers/metrics.py``), merged over ranks with ``merge``.
 
 L3 fetches (``RequestFetch``) are asynchronous: the worker reads the L3
 pages into their reserved L2 slots, copies every page of the plan into the
@@ -33,6 +34,8 @@ as its store is planned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from hicache.tiers.index.commands import StorageCommand
 
 # vLLM's BlockPool takes the first block (id 0) as its null block.
 NULL_BLOCK_ID = 0
@@ -89,8 +92,8 @@ class StepPlan:
     release_after_store: list[str] = field(default_factory=list)
     fetches: list[RequestFetch] = field(default_factory=list)
     # Admin commands for every worker, applied before anything else of the
-    # step: ("detach",) or ("attach", backend name, backend extra config).
-    storage_commands: list[tuple] = field(default_factory=list)
+    # step (tiers/index/commands.py).
+    storage_commands: list[StorageCommand] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +110,8 @@ class WorkerReport:
     counters: dict[str, float] = field(default_factory=dict)
     # Current values (queue depths), summed over ranks; absent = unchanged.
     gauges: dict[str, float] = field(default_factory=dict)
+    # Latency observations since the last report (seconds), every rank's.
+    observations: dict[str, list[float]] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both ranks' reports in one (vLLM merges a step's reports over ranks)."""
@@ -118,4 +123,8 @@ class WorkerReport:
             counters[name] = counters.get(name, 0) + value
         for name, value in other.gauges.items():
             gauges[name] = gauges.get(name, 0) + value
-        return type(self)(self.bad_slots | other.bad_slots, fetched, counters, gauges)
+        observations = {k: list(v) for k, v in self.observations.items()}
+        for name, values in other.observations.items():
+            observations.setdefault(name, []).extend(values)
+        return type(self)(self.bad_slots | other.bad_slots, fetched, counters, gauges,
+                          observations)

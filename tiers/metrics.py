@@ -1,0 +1,204 @@
+"""Every HiCache metric in one table: its Prometheus name, kind, help, labels and source.
+
+Contract:
+- ``METRICS`` is the only place a metric name is written. The two exporters
+  read it: ``connector/vllm_metrics.py`` registers the rows marked
+  ``engine`` in vLLM's ``/metrics`` (named ``vllm:`` + name, with vLLM's
+  per-engine labels), ``integration/admin/metrics.py`` renders every row
+  from the admin ``stats()`` dict for the admin ``/metrics``. A name is the
+  family name: counters are exported with ``_total`` appended, histograms
+  as ``_bucket`` / ``_sum`` / ``_count``.
+- A row's ``section`` and ``key`` say where its value is in the stats
+  dicts. ``SchedulerAdmin.stats()`` (tiers/controller/admin.py) returns::
+
+      {"tiers":   {"l1": {<key>: number}, "l2": {...}, "l3": {...}},  one sample per tier
+       "queues":  {<queue>: number},                 key "*": one sample per queue
+       "policy":  {<setting>: str | bool | number},  key "*": one sample per setting
+       "worker":  {<key>: number},                   cumulative worker counters
+       "latency": {<key>: LatencyBuckets.as_dict()}, cumulative worker histograms
+       "<any other section>": {<key>: number}}       exported as fallback_name()
+
+  and vLLM's stats payload (``HiCacheKVStats.data``) holds, for the rows
+  marked ``engine``, ``{<key>: counter increment | [histogram observations]}``.
+- The worker counts and times (connector/worker_stats.py) and sends the
+  increments once per step in its ``WorkerReport``; the scheduler-side
+  connector hands that one report to both exporters. Engine rows are
+  therefore only ``worker`` counters and ``latency`` histograms, with no
+  labels of their own.
+- Keys of a stats section that no row names still reach the admin
+  ``/metrics`` as untyped samples named by ``fallback_name``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+Section = Literal["tiers", "queues", "policy", "worker", "latency"]
+
+PREFIX = "hicache"
+# vLLM's /metrics names its own families "vllm:<name>"; ours follow.
+ENGINE_PREFIX = "vllm:"
+EVERY_KEY = "*"
+
+# Copy time of one step's pages on one rank: tens of microseconds to seconds.
+COPY_SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                        0.25, 0.5, 1.0, 2.5)
+# An L3 fetch waits for a remote or disk store: milliseconds to tens of seconds.
+FETCH_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                         10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family and where its value comes from (see the module docstring)."""
+
+    # Family name, without the "_total" Prometheus adds to counters.
+    name: str
+    kind: MetricKind
+    help: str
+    # Top-level key of the stats dict that holds the value.
+    section: Section
+    # Key inside the section (inside each tier for "tiers"); EVERY_KEY = each key
+    # of the section is one sample, the key being the last label.
+    key: str
+    # Labels of the admin samples (vLLM adds its own per-engine labels in front).
+    labels: tuple[str, ...] = ()
+    # "text" rows take string and bool values, exported as 1 with the text as
+    # the "value" label; "number" rows take numbers (bools as 0 / 1).
+    values: Literal["number", "text"] = "number"
+    # The stats value times scale is the exported value (GB/s -> bytes/s).
+    scale: float = 1.0
+    buckets: tuple[float, ...] = ()
+    # Also exported in vLLM's /metrics (worker counters and latencies).
+    engine: bool = False
+
+    @property
+    def engine_name(self) -> str:
+        """The name in vLLM's /metrics."""
+        return ENGINE_PREFIX + self.name
+
+
+def _tier(key: str, name: str, kind: MetricKind, help_text: str,
+          scale: float = 1.0) -> MetricSpec:
+    return MetricSpec(f"{PREFIX}_tier_{name}", kind, help_text, "tiers", key, ("tier",),
+                      scale=scale)
+
+
+def _worker(key: str, help_text: str) -> MetricSpec:
+    return MetricSpec(f"{PREFIX}_{key}", "counter", help_text, "worker", key, engine=True)
+
+
+def _latency(key: str, help_text: str, buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(f"{PREFIX}_{key}", "histogram", help_text, "latency", key,
+                      buckets=buckets, engine=True)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # Per tier (l1 = vLLM's own KV cache, l2 = host pool, l3 = storage backend).
+    _tier("capacity_pages", "capacity_pages", "gauge", "Pages the tier can hold."),
+    _tier("used_pages", "used_pages", "gauge", "Pages the tier holds now."),
+    _tier("capacity_bytes", "capacity_bytes", "gauge", "Bytes the tier can hold."),
+    _tier("used_bytes", "used_bytes", "gauge", "Bytes the tier holds now."),
+    _tier("recent_load_gbps", "load_bytes_per_second", "gauge",
+          "Recent load throughput out of the tier, bytes per second.", scale=1e9),
+    _tier("recent_save_gbps", "save_bytes_per_second", "gauge",
+          "Recent save throughput into the tier, bytes per second.", scale=1e9),
+    _tier("hits", "hits", "counter", "Pages looked up and found in the tier."),
+    _tier("misses", "misses", "counter", "Pages looked up and not found in the tier."),
+    _tier("evictions", "evictions", "counter", "Pages evicted from the tier."),
+    _tier("pages_loaded", "loaded_pages", "counter", "Pages loaded out of the tier."),
+    _tier("bytes_loaded", "loaded_bytes", "counter", "Bytes loaded out of the tier."),
+    _tier("pages_saved", "saved_pages", "counter", "Pages saved into the tier."),
+    _tier("bytes_saved", "saved_bytes", "counter", "Bytes saved into the tier."),
+    _tier("corrupt_pages", "corrupt_pages", "counter",
+          "Pages read from the tier that failed verification."),
+    # Queues and configuration.
+    MetricSpec(f"{PREFIX}_queue_depth", "gauge", "Items waiting in a HiCache queue.",
+               "queues", EVERY_KEY, ("queue",)),
+    MetricSpec(f"{PREFIX}_policy_info", "gauge",
+               "Configured HiCache policies (value label), always 1.",
+               "policy", EVERY_KEY, ("key", "value"), values="text"),
+    MetricSpec(f"{PREFIX}_policy_value", "gauge", "Numeric HiCache policy settings.",
+               "policy", EVERY_KEY, ("key",)),
+    # Worker counters, summed over TP ranks (also in vLLM's /metrics).
+    _worker("loaded_blocks", "vLLM blocks copied from the HiCache L2 host pool into vLLM's "
+            "KV cache"),
+    _worker("loaded_bytes", "Bytes copied from the HiCache L2 host pool into vLLM's KV cache"),
+    _worker("saved_pages", "L2 pages copied from vLLM's KV cache into the HiCache L2 host "
+            "pool"),
+    _worker("saved_bytes", "Bytes copied from vLLM's KV cache into the HiCache L2 host pool"),
+    _worker("load_errors", "vLLM blocks HiCache could not load (recomputed)"),
+    _worker("save_errors", "L2 pages whose store failed"),
+    _worker("l3_fetched_pages", "Pages read from the HiCache L3 store"),
+    _worker("l3_fetch_failed_pages", "L3 pages not fetched (missing, corrupt, late, failed)"),
+    _worker("l3_fetch_deadline_misses", "L3 fetches stopped by their deadline"),
+    _worker("l3_backup_pages", "Pages written to the HiCache L3 store"),
+    _worker("l3_backup_failed_pages", "Pages the HiCache L3 store did not accept"),
+    _worker("l3_bytes_read", "Payload bytes read from the HiCache L3 store"),
+    _worker("l3_bytes_written", "Payload bytes written to the HiCache L3 store"),
+    _worker("l3_corrupt_pages", "L3 pages rejected by the page key or checksum check"),
+    _worker("l3_errors", "Errors raised by the HiCache L3 store"),
+    _worker("l3_flushed_pages", "Pages deleted from the HiCache L3 store by an admin flush"),
+    # Worker latencies, one observation per rank (also in vLLM's /metrics).
+    _latency("l2_load_seconds", "Copy time of one step's HiCache L2 -> vLLM KV cache loads "
+             "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),
+    _latency("l2_store_seconds", "Copy time of one step's vLLM KV cache -> HiCache L2 stores "
+             "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),
+    _latency("l3_fetch_seconds", "Time from an L3 fetch's start to its pages being in vLLM's "
+             "KV cache on one rank, seconds", FETCH_SECONDS_BUCKETS),
+)
+
+ENGINE_METRICS: dict[str, MetricSpec] = {m.key: m for m in METRICS if m.engine}
+
+
+def section_metrics(section: Section) -> tuple[MetricSpec, ...]:
+    """The rows whose values are in ``section`` of the admin stats dict."""
+    return tuple(m for m in METRICS if m.section == section)
+
+
+_NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def sanitize_name(name: object) -> str:
+    """A metric-name fragment: ``[a-zA-Z0-9_]`` only, never empty, never starting with a digit."""
+    out = _NAME_BAD.sub("_", str(name)).strip("_") or "unnamed"
+    return "_" + out if out[0].isdigit() else out
+
+
+def fallback_name(section: str, key: object) -> str:
+    """The untyped family of a stats key no row names: ``hicache_tier_<key>`` inside a
+    tier, ``hicache_<section>_<key>`` elsewhere."""
+    if section == "tiers":
+        return f"{PREFIX}_tier_{sanitize_name(key)}"
+    return f"{PREFIX}_{sanitize_name(section)}_{sanitize_name(key)}"
+
+
+@dataclass
+class LatencyBuckets:
+    """Cumulative histogram of one ``latency`` row, as the admin stats keep it."""
+
+    bounds: tuple[float, ...]
+    # Observations per bucket (not cumulative); the last one is above every bound.
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, values: list[float]) -> None:
+        for value in values:
+            self.counts[bisect.bisect_left(self.bounds, value)] += 1
+            self.total += value
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"count", "sum", "buckets": [[upper bound, observations <= bound], ...]}``."""
+        cumulative, running = [], 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            running += n
+            cumulative.append([bound, running])
+        return {"count": sum(self.counts), "sum": self.total, "buckets": cumulative}
