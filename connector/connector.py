@@ -1,5 +1,7 @@
 """``HiCacheConnector``: the vLLM KV connector class, translating vLLM's API to our halves.
 
+See DESIGN.md "Processes and threads" and "Flow of one request".
+
 vLLM builds it twice: with role SCHEDULER in the engine-core process (owns
 ``HiCacheScheduler``: tree, slots, plans) and with role WORKER in each worker
 process (owns ``HiCacheWorker``: host pool bytes, copies). This module only

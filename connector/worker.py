@@ -1,5 +1,7 @@
 """Worker half of the connector: owns this rank's L2 bytes and performs the planned copies.
 
+See DESIGN.md "Flow of one request" (steps 4 and 5).
+
 Contract:
 - ``register_kv_caches`` views each layer's KV as whole blocks of raw bytes
   and allocates the host pool once, sized by the same ``PoolGeometry`` the

@@ -1,6 +1,8 @@
 """Layer-by-layer loads and saves beside the forward pass: a copy thread on CPU, a side
 CUDA stream on a GPU.
 
+See DESIGN.md "Processes and threads".
+
 Contract (both modes):
 - ``start_load(copy_layer, num_layers)`` queues ``copy_layer(i)`` for
   i = 0..num_layers-1 in order; ``wait_layer(i)`` makes layer i usable by the

@@ -1,5 +1,7 @@
 """Every HiCache metric in one table: its Prometheus name, kind, help, labels and source.
 
+See DESIGN.md "Metrics".
+
 Contract:
 - ``METRICS`` is the only place a metric name is written. The two exporters
   read it: ``connector/vllm_metrics.py`` registers the rows marked

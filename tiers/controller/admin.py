@@ -1,5 +1,7 @@
 """The admin endpoint's view of one engine: what ``integration/admin/app.py`` serves.
 
+See DESIGN.md "Admin actions".
+
 Contract:
 - ``SchedulerAdmin`` implements ``AdminTarget`` over the scheduler half. It
   runs in the admin server's threads; every read or change of the tree,

@@ -13,7 +13,7 @@ module of its own, which states its contract:
   flush.py       the admin's flush and prefix keys
   policies.py    write / prefetch / eviction policies, chosen by name
 
-Contract with vLLM's scheduler (see DESIGN.md "Data flow of one request"):
+Contract with vLLM's scheduler (see DESIGN.md "Flow of one request"):
 - ``get_num_new_matched_tokens`` claims only full pages that are in L2 now,
   beyond vLLM's own prefix hit, leaving at least one prompt token to compute
   (L2 loads are synchronous), plus the pages after them that L3 holds

@@ -1,6 +1,6 @@
 """Storage commands: the admin's L3 actions that every worker applies, carried in a ``StepPlan``.
 
-Contract (see DESIGN.md "Admin"):
+Contract (see DESIGN.md "Admin actions"):
 - The admin view (tiers/controller/admin.py) changes the scheduler's own
   L3 instance at once and queues the matching command; the connector puts
   the queued commands into the next step's plan, and each worker applies

@@ -1,5 +1,7 @@
 """L2 host page pool: the bytes of cached pages, owned by one worker (TP rank).
 
+See DESIGN.md "Invariants".
+
 Contract:
 - The pool's shape is a ``PoolGeometry`` (``tiers/l2/geometry.py``, plain
   arithmetic the scheduler shares), computed identically in the scheduler

@@ -1,5 +1,7 @@
 """Worker-side L3 I/O: one thread fetches L3 pages for waiting requests and backs up new L2 pages.
 
+See DESIGN.md "Processes and threads".
+
 Contract:
 - ``submit_fetch(fetch)``: L3 pages are read into their reserved L2 slots
   in order, in batches, until one fails, the fetch's deadline passes
