@@ -82,7 +82,7 @@ def test_bad_config_stops_the_server_with_a_message_naming_the_key(tiny_model, t
         stop_server(proc)
     text = log.read_text()
     assert code != 0
-    assert "unknown kv_connector_extra_config key(s) ['hicache_ratoi']" in text
+    assert "unknown kv_connector_extra_config key(s) for HiCacheConnector: ['hicache_ratoi']" in text
     assert "allowed keys:" in text and "'hicache_ratio'" in text
 
 
