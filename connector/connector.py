@@ -180,7 +180,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         port = self.config.hicache_admin_port
         if not port or self._admin is None:
             return
-        from hicache.integration.admin.app import AdminServer
+        from hicache.integration.admin.server import AdminServer
 
         port += vllm_config.parallel_config.data_parallel_rank or 0
         token = self.config.hicache_admin_token

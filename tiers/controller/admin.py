@@ -1,4 +1,6 @@
-"""The admin endpoint's view of one engine: what ``integration/admin/app.py`` serves.
+"""The admin endpoint's view of one engine: what integration/admin/ serves.
+
+The protocol it implements is ``AdminTarget`` in integration/admin/target.py.
 
 See DESIGN.md "Admin actions".
 

@@ -10,26 +10,26 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import HTTPException
+from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 
-from hicache.integration.admin.app import (
-    REDACTED,
-    AdminError,
-    AdminServer,
-    AdminServerError,
-    AdminTarget,
-    is_loopback_host,
-    is_secret_key,
-    redact,
-)
-from hicache.integration.admin.prometheus_text import render_metrics
+from hicache.integration.admin import auth
+from hicache.integration.admin.app import create_app
+from hicache.integration.admin.auth import TokenGuard, as_secret
+from hicache.integration.admin.metrics import render_metrics
+from hicache.integration.admin.redact import REDACTED, is_secret_key, redact, scrub, scrub_text
+from hicache.integration.admin.server import AdminServer, AdminServerError, is_loopback_host
+from hicache.integration.admin.target import AdminTarget
+from hicache.tiers.controller.admin import AdminError
 
 TOKEN = "s3cr3t-admin-token-XYZ"
 ALLOWED_TIERS = ("l1", "l2", "l3", "all")
@@ -427,6 +427,61 @@ def test_openapi_documents_every_endpoint(live: Live) -> None:
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 
+def _ref(content: dict[str, Any], media_type: str = "application/json") -> str:
+    return str(content["content"][media_type]["schema"]["$ref"]).rsplit("/", 1)[-1]
+
+
+def test_openapi_names_the_request_and_response_models(live: Live) -> None:
+    spec = live.client.get("/openapi.json").json()
+    paths = spec["paths"]
+    ok = {
+        ("/healthz", "get"): "HealthResponse",
+        ("/config", "get"): "ConfigResponse",
+        ("/stats", "get"): "StatsResponse",
+        ("/tree", "get"): "TreeResponse",
+        ("/flush", "post"): "FlushResponse",
+        ("/storage/attach", "post"): "AttachResponse",
+        ("/storage/detach", "post"): "DetachResponse",
+    }
+    for (path, method), model in ok.items():
+        assert _ref(paths[path][method]["responses"]["200"]) == model, path
+    assert _ref(paths["/metrics"]["get"]["responses"]["200"], "text/plain") == "MetricsText"
+    for (path, method) in [*ok, ("/metrics", "get")]:
+        if path == "/healthz":
+            assert set(paths[path][method]["responses"]) == {"200"}
+            continue
+        for code in ("400", "401", "403", "409", "500"):
+            assert _ref(paths[path][method]["responses"][code]) == "ErrorResponse", (path, code)
+    assert _ref(paths["/flush"]["post"]["requestBody"]) == "FlushRequest"
+    assert _ref(paths["/storage/attach"]["post"]["requestBody"]) == "AttachRequest"
+    schemas = spec["components"]["schemas"]
+    for name in ("FlushRequest", "AttachRequest"):
+        assert schemas[name]["additionalProperties"] is False, name
+    assert schemas["ErrorResponse"]["required"] == ["detail"]
+    assert schemas["AttachResponse"]["required"] == ["attached"]
+    assert schemas["DetachResponse"]["required"] == ["detached"]
+    assert schemas["FlushResponse"]["additionalProperties"] == {"type": "integer"}
+    assert schemas["MetricsText"]["type"] == "string"
+    assert "TierStats" in schemas
+
+    def refs(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "$ref":
+                    yield str(v)
+                else:
+                    yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+
+    found = set(refs(spec))
+    assert "#/components/schemas/ErrorResponse" in found
+    for ref in found:  # every reference resolves
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[-1] in schemas, ref
+    assert TOKEN not in json.dumps(spec)
+
+
 # --------------------------------------------------------------------------- #
 # auth
 # --------------------------------------------------------------------------- #
@@ -494,6 +549,76 @@ def test_reads_auth(servers: dict[str, Live], path: str, case: str) -> None:
     assert r.status_code == 403 and "HICACHE_ADMIN_TOKEN" in r.json()["detail"]
 
 
+def test_secret_str_token_is_accepted(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    server = AdminServer(MemoryTarget(), SecretStr(TOKEN), require_token_for_reads=True)
+    assert TOKEN not in repr(server)
+    server.start("127.0.0.1", 0)
+    try:
+        assert TOKEN not in repr(server)
+        with httpx.Client(base_url=server.url, trust_env=False, timeout=10.0) as c:
+            assert c.get("/stats").status_code == 401
+            assert c.get("/stats", headers=HEADERS["wrong"]).status_code == 401
+            r = c.get("/config", headers=AUTH)
+            assert r.status_code == 200 and r.json()["hicache_admin_token"] == REDACTED
+            assert r.json()["note"] == REDACTED  # the token's value is scrubbed, not its repr
+            assert_no_token(r)
+            r = c.post("/flush", json={"tiers": ["l2"]}, headers=AUTH)
+            assert r.status_code == 200 and r.json()["l2_pages"] == 3
+            r = c.post("/flush", json={"tiers": ["l2"]}, headers=HEADERS["prefix_of_right"])
+            assert r.status_code == 401 and r.json() == {"detail": "invalid bearer token"}
+            assert_no_token(r)
+    finally:
+        server.stop()
+    assert caplog.records  # the server did log (start-up), and...
+    assert TOKEN not in caplog.text  # ...no line carries the token
+
+
+@pytest.mark.parametrize("token", [None, "", SecretStr("")])
+def test_empty_token_is_no_token(token: SecretStr | str | None) -> None:
+    assert as_secret(token) is None
+    client = TestClient(create_app(MemoryTarget(), token, require_token_for_reads=False))
+    r = client.post("/flush", json={"tiers": ["l2"]}, headers={"Authorization": "Bearer "})
+    assert r.status_code == 403 and "HICACHE_ADMIN_TOKEN" in r.json()["detail"]
+    assert client.get("/stats").status_code == 200
+
+
+@pytest.mark.parametrize("token", [TOKEN, SecretStr(TOKEN)])
+def test_create_app_takes_str_or_secret_str(token: SecretStr | str) -> None:
+    secret = as_secret(token)
+    assert isinstance(secret, SecretStr) and secret.get_secret_value() == TOKEN
+    assert as_secret(secret) is secret
+    client = TestClient(create_app(MemoryTarget(), token, require_token_for_reads=True))
+    assert client.get("/tree", headers=AUTH).status_code == 200
+    r = client.get("/tree", headers=HEADERS["wrong"])
+    assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="hicache-admin"'
+    assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_token_is_compared_with_compare_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[bytes, bytes]] = []
+    real = auth.secrets.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(auth.secrets, "compare_digest", spy)
+    guard = TokenGuard(SecretStr(TOKEN), require_token_for_reads=False)
+    assert guard.configured and guard.token is not None
+    guard.write(HTTPAuthorizationCredentials(scheme="Bearer", credentials=TOKEN))
+    with pytest.raises(HTTPException) as exc:
+        guard.write(HTTPAuthorizationCredentials(scheme="Bearer", credentials="nope"))
+    assert exc.value.status_code == 401
+    assert seen == [(TOKEN.encode(), TOKEN.encode()), (b"nope", TOKEN.encode())]
+    guard.read(None)  # reads open: nothing compared
+    assert len(seen) == 2
+    with pytest.raises(HTTPException) as exc:
+        guard.write(None)
+    assert exc.value.status_code == 401 and exc.value.detail.startswith("missing bearer token")
+    assert len(seen) == 2
+
+
 def test_require_reads_follows_host() -> None:
     assert is_loopback_host("127.0.0.1") and is_loopback_host("::1")
     assert is_loopback_host("localhost") and is_loopback_host("127.0.0.5")
@@ -511,7 +636,7 @@ def test_unexpected_exception_is_a_generic_500(
     live: Live, caplog: pytest.LogCaptureFixture
 ) -> None:
     live.target.fail = RuntimeError(f"boom internal-detail {TOKEN}")
-    caplog.set_level(logging.ERROR, logger="hicache.integration.admin.app")
+    caplog.set_level(logging.ERROR, logger="hicache.integration.admin")
     responses = [live.client.get(p) for p in READS]
     responses += [_write(live, p, b, AUTH) for p, b in WRITES]
     for r in responses:
@@ -561,6 +686,40 @@ def test_admin_error_5xx_status_hides_message(live: Live) -> None:
     assert live.client.get("/stats").status_code == 500
 
 
+def test_validation_errors_never_echo_the_token(live: Live) -> None:
+    r = live.client.post("/flush", json={"tiers": ["l2"], "oops": TOKEN}, headers=AUTH)
+    assert r.status_code == 422, r.text
+    assert_no_token(r)
+    assert [d["loc"] for d in r.json()["detail"]] == [["body", "oops"]]
+    r = live.client.get("/tree", params={"prefix": TOKEN})
+    assert r.status_code == 422 and ["query", "prefix"] in [d["loc"] for d in r.json()["detail"]]
+    assert_no_token(r)
+    r = live.client.post("/storage/attach", json={"backend": "file", "x": 1}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["detail"][0]["input"] == 1  # other input is kept
+
+
+def test_attach_detach_results_must_name_the_backend(live: Live) -> None:
+    live.target.detach_storage = lambda: {"gone": True}  # type: ignore[method-assign]
+    live.target.attach_storage = lambda b, e: {"attached": 7}  # type: ignore[method-assign]
+    try:
+        for path, body in (("/storage/detach", None), ("/storage/attach", {"backend": "file"})):
+            r = live.client.post(path, json=body, headers=AUTH)
+            assert r.status_code == 500, r.text
+            assert r.json() == {"detail": "internal error in the HiCache admin target; see the server log"}
+    finally:
+        del live.target.detach_storage
+        del live.target.attach_storage
+
+
+def test_flush_counts_must_be_integers(live: Live) -> None:
+    live.target.flush = lambda t, p, c: {"l2_pages": "three"}  # type: ignore[method-assign]
+    try:
+        r = live.client.post("/flush", json={"tiers": ["l2"]}, headers=AUTH)
+        assert r.status_code == 500 and r.json()["detail"].startswith("internal error")
+    finally:
+        del live.target.flush
+
+
 # --------------------------------------------------------------------------- #
 # redaction rules
 # --------------------------------------------------------------------------- #
@@ -608,6 +767,17 @@ def test_redact_walks_structures() -> None:
     assert value["a"][0]["token"] == "t"  # input untouched
 
 
+def test_redact_and_scrub_take_a_secret_str() -> None:
+    value = {"note": "has tok123", "n": [1, "tok123"], "api_key": "x", "ok": "fine"}
+    assert redact(value, SecretStr("tok123")) == redact(value, "tok123") == {
+        "note": REDACTED, "n": [1, REDACTED], "api_key": REDACTED, "ok": "fine",
+    }
+    assert scrub({"tok123": ("a", "tok123")}, SecretStr("tok123")) == {REDACTED: ["a", REDACTED]}
+    assert scrub(value, SecretStr("")) is value and scrub(value, None) is value
+    assert scrub_text("x tok123 y tok123", SecretStr("tok123")) == f"x {REDACTED} y {REDACTED}"
+    assert scrub_text("x tok123", None) == "x tok123"
+
+
 # --------------------------------------------------------------------------- #
 # server lifecycle
 # --------------------------------------------------------------------------- #
@@ -626,21 +796,31 @@ def _can_bind(port: int) -> bool:
         s.close()
 
 
-def test_stop_frees_the_port_and_is_prompt() -> None:
+def _new_admin_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.name == "hicache-admin"]
+
+
+def test_stop_frees_the_port_and_ends_the_thread() -> None:
+    before = set(threading.enumerate())
     server = AdminServer(MemoryTarget(), TOKEN)
     server.start("127.0.0.1", 0)
     port = server.port
+    threads = _new_admin_threads(before)
+    assert len(threads) == 1 and threads[0].daemon and threads[0].is_alive()
+    assert server.running
     assert not _can_bind(port)
-    # An idle keep-alive connection must not hold stop() up.
-    client = httpx.Client(base_url=server.url, trust_env=False)
+    # An idle keep-alive connection must not keep the server (or the port) alive.
+    client = httpx.Client(base_url=server.url, trust_env=False, timeout=10.0)
     assert client.get("/stats").status_code == 200
-    t0 = time.monotonic()
     server.stop()
-    assert time.monotonic() - t0 < 5.0
     assert not server.running
-    client.close()
+    assert not threads[0].is_alive()
     assert _can_bind(port)
-    # ...and the same port can be served again.
+    with pytest.raises(httpx.TransportError):
+        client.get("/healthz")  # the kept-alive connection was closed with the server
+    client.close()
+    assert server.port == port  # kept after stop
+    # ...and the same port can be served again, by another server...
     again = AdminServer(MemoryTarget(), TOKEN)
     again.start("127.0.0.1", port)
     try:
@@ -648,7 +828,18 @@ def test_stop_frees_the_port_and_is_prompt() -> None:
         assert httpx.get(f"{again.url}/healthz", trust_env=False).status_code == 200
     finally:
         again.stop()
+    assert _can_bind(port)
     server.stop()  # idempotent
+    assert not server.running
+    # ...or by the stopped one.
+    server.start("127.0.0.1", port)
+    try:
+        assert server.running and server.port == port
+        assert httpx.get(f"{server.url}/healthz", trust_env=False).status_code == 200
+    finally:
+        server.stop()
+    assert _can_bind(port)
+    assert not _new_admin_threads(before)
 
 
 def test_port_in_use_is_a_clear_error(live: Live) -> None:
@@ -665,24 +856,29 @@ def test_port_in_use_is_a_clear_error(live: Live) -> None:
 
 
 def test_slow_target_does_not_block_healthz(live: Live) -> None:
+    entered = threading.Event()
     gate = threading.Event()
     original = live.target.tree
+    results: list[int] = []
 
     def slow_tree(prefix: list[int] | None, depth: int) -> dict[str, Any]:
-        gate.wait(5)
+        entered.set()
+        gate.wait(60)
         return original(prefix, depth)
 
     live.target.tree = slow_tree  # type: ignore[method-assign]
+    worker = threading.Thread(target=lambda: results.append(live.client.get("/tree").status_code))
     try:
-        worker = threading.Thread(target=lambda: live.client.get("/tree"))
-        with httpx.Client(base_url=live.url, trust_env=False, timeout=2.0) as c2:
-            worker.start()
-            time.sleep(0.1)
+        worker.start()
+        assert entered.wait(30)  # the target call is now in progress, and blocked
+        with httpx.Client(base_url=live.url, trust_env=False, timeout=30.0) as c2:
             assert c2.get("/healthz").status_code == 200
+        assert worker.is_alive() and not results  # answered while /tree was still blocked
     finally:
         gate.set()
-        worker.join(5)
+        worker.join(30)
         del live.target.tree
+    assert results == [200]
 
 
 # --------------------------------------------------------------------------- #

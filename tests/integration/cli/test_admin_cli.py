@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from hicache.integration.admin.app import AdminError, AdminServer
+from hicache.integration.admin.server import AdminServer
 from hicache.integration.cli.main import (
     EXIT_AUTH,
     EXIT_CONNECT,
@@ -19,6 +19,7 @@ from hicache.integration.cli.main import (
     app,
     main,
 )
+from hicache.tiers.controller.admin import AdminError
 
 TOKEN = "cli-t0ken-ABCDEF-123"
 

@@ -1,0 +1,190 @@
+"""The admin API's request and response models (pydantic), and the limits they enforce.
+
+Contract
+========
+
+Requests (``extra="forbid"``: an unknown field is a 422 naming it):
+
+* :class:`FlushRequest` - ``POST /flush``: 1..16 tier names of 1..32
+  characters, an optional ``prefix`` of at most :data:`MAX_PREFIX_TOKENS`
+  strict integer token ids in ``0..MAX_TOKEN_ID``, an optional ``cache_salt``.
+* :class:`AttachRequest` - ``POST /storage/attach``: a backend name of
+  1..256 characters and an ``extra_config`` object.
+* ``GET /tree`` takes query parameters, not a body: ``prefix`` is parsed by
+  :func:`parse_prefix` (a 422 located at ``["query", "prefix"]``), ``depth``
+  is bounded by :data:`MIN_TREE_DEPTH`..:data:`MAX_TREE_DEPTH`.
+
+Responses (each is the ``response_model`` of its route, so it is named in
+the OpenAPI schema; the JSON is exactly the model's dump):
+
+=====================  ================================================
+``GET /healthz``       :class:`HealthResponse` ``{"status": "ok"}``
+``GET /config``        :class:`ConfigResponse` (any object, secrets redacted)
+``GET /stats``         :class:`StatsResponse` (``tiers`` of :class:`TierStats`,
+                       ``queues``, ``policy``, further sections pass through)
+``GET /metrics``       :class:`MetricsText` (Prometheus text, not JSON)
+``GET /tree``          :class:`TreeResponse` (the target's view, any object)
+``POST /flush``        :class:`FlushResponse` (page counts: string -> int)
+``POST /storage/...``  :class:`AttachResponse` (``attached`` + more) /
+                       :class:`DetachResponse` (``detached`` + more)
+errors                 :class:`ErrorResponse` ``{"detail": str}`` (401, 403,
+                       4xx from the target, 500); 422 is FastAPI's own
+                       ``HTTPValidationError``
+=====================  ================================================
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+MIN_TREE_DEPTH = 1
+MAX_TREE_DEPTH = 8
+DEFAULT_TREE_DEPTH = 2
+MAX_PREFIX_TOKENS = 1 << 20
+MAX_TOKEN_ID = (1 << 63) - 1
+# What ``GET /tree?prefix=`` accepts before parse_prefix checks the ranges.
+PREFIX_QUERY_PATTERN = r"^\s*(\d+\s*(,\s*\d+\s*)*)?$"
+PREFIX_QUERY_MAX_LENGTH = 64 * 1024
+
+TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
+
+
+# --------------------------------------------------------------------------- #
+# Requests
+# --------------------------------------------------------------------------- #
+
+
+class FlushRequest(BaseModel):
+    """Which cached pages ``POST /flush`` drops."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tiers: list[Annotated[str, Field(min_length=1, max_length=32)]] = Field(
+        ..., min_length=1, max_length=16, description='Tier names, e.g. ["l2", "l3"], or ["all"]'
+    )
+    prefix: list[TokenId] | None = Field(
+        None,
+        max_length=MAX_PREFIX_TOKENS,
+        description="Only pages under this token-id prefix; null flushes everything",
+    )
+    cache_salt: str | None = Field(
+        None, max_length=4096, description="Only pages of requests with this cache_salt"
+    )
+
+
+class AttachRequest(BaseModel):
+    """The L3 backend ``POST /storage/attach`` attaches."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: str = Field(
+        ..., min_length=1, max_length=256, description='"file", "mooncake", "nixl" or "dynamic"'
+    )
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="As hicache_storage_backend_extra_config"
+    )
+
+
+def parse_prefix(prefix: str | None) -> list[int] | None:
+    """``"1, 2,3"`` -> ``[1, 2, 3]``; ``None``/``""`` -> ``None``; else a 422 naming ``prefix``."""
+    if prefix is None or not prefix.strip():
+        return None
+    try:
+        ids: list[int] | None = [int(p) for p in prefix.split(",")]
+    except ValueError:
+        ids = None
+    if ids is None or len(ids) > MAX_PREFIX_TOKENS or any(i < 0 or i > MAX_TOKEN_ID for i in ids):
+        raise RequestValidationError(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("query", "prefix"),
+                    "msg": "prefix must be comma-separated token ids (0 <= id < 2**63), e.g. 1,2,3",
+                    "input": prefix[:100],
+                }
+            ]
+        )
+    return ids
+
+
+# --------------------------------------------------------------------------- #
+# Responses
+# --------------------------------------------------------------------------- #
+
+
+class HealthResponse(BaseModel):
+    """``GET /healthz``."""
+
+    status: str = Field(description='Always "ok" while the server answers.')
+
+
+class ConfigResponse(RootModel[dict[str, Any]]):
+    """``GET /config``: the effective HiCache configuration, secrets redacted."""
+
+
+class TierStats(BaseModel):
+    """One tier's numbers; every field may be absent or null, extra numeric keys are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    capacity_pages: int | None = None
+    used_pages: int | None = None
+    capacity_bytes: int | None = None
+    used_bytes: int | None = None
+    hits: int | None = None
+    misses: int | None = None
+    evictions: int | None = None
+    pages_loaded: int | None = None
+    bytes_loaded: int | None = None
+    pages_saved: int | None = None
+    bytes_saved: int | None = None
+    recent_load_gbps: float | None = Field(None, description="GB/s (1e9 bytes/s), recent window")
+    recent_save_gbps: float | None = Field(None, description="GB/s (1e9 bytes/s), recent window")
+    corrupt_pages: int | None = None
+
+
+class StatsResponse(BaseModel):
+    """Statistics of every tier, the queues and the policies; further sections pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tiers: dict[str, TierStats] = Field(default_factory=dict, description='"l1", "l2", "l3"')
+    queues: dict[str, Any] = Field(default_factory=dict)
+    policy: dict[str, Any] = Field(default_factory=dict)
+
+
+class MetricsText(RootModel[str]):
+    """``GET /metrics``: the /stats numbers as Prometheus text format 0.0.4 (``hicache_*``)."""
+
+
+class TreeResponse(RootModel[dict[str, Any]]):
+    """``GET /tree``: a bounded JSON view of the HiRadixTree below the prefix."""
+
+
+class FlushResponse(RootModel[dict[str, int]]):
+    """``POST /flush``: pages dropped per tier, e.g. ``{"l2_pages": 3, "l3_pages": 3}``."""
+
+
+class AttachResponse(BaseModel):
+    """``POST /storage/attach``: the attached backend, plus what the cache reports."""
+
+    model_config = ConfigDict(extra="allow")
+
+    attached: str = Field(description="Name of the backend now attached")
+
+
+class DetachResponse(BaseModel):
+    """``POST /storage/detach``: the detached backend, plus what the cache reports."""
+
+    model_config = ConfigDict(extra="allow")
+
+    detached: str = Field(description="Name of the backend now detached")
+
+
+class ErrorResponse(BaseModel):
+    """Every error but 422: a message for the operator (never secrets, never internals)."""
+
+    detail: str
