@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -154,19 +153,18 @@ class TestSlowStoreUnderTimeout:
         llm = engine(tiny_model, "dynamic", extra, in_process=True,
                      hicache_storage_prefetch_policy="timeout")
         try:
-            start = time.perf_counter()
             got = run_turns(llm, baseline.turns[1].prompts[:3], WORKLOAD.answer_tokens,
                             one_by_one=True)
-            yield got, time.perf_counter() - start, worker_connector().hicache_worker
+            yield got, worker_connector().hicache_worker
         finally:
             close_llm(llm)
 
     def test_tokens_identical(self, run, baseline):
-        got, _, _ = run
+        got, _ = run
         assert got.outputs == baseline.turns[1].outputs[:3]
 
     def test_deadline_is_honoured(self, run, baseline):
-        got, _, worker = run
+        got, worker = run
         stats = worker.storage_io.stats
         assert stats.fetches == 3 and stats.fetch_deadline_misses == 3
         # The wait ended at the deadline plus the one batch in flight (counted,
@@ -230,9 +228,7 @@ def test_mooncake_master_killed_mid_run(tiny_model, baseline, mooncake):
     try:
         first = run_turns(llm, want0.prompts[3:6], WORKLOAD.answer_tokens)
         mooncake.kill_master()
-        start = time.perf_counter()
         second = run_turns(llm, want1.prompts[3:6], WORKLOAD.answer_tokens)
-        elapsed = time.perf_counter() - start
         again = run_turns(llm, want1.prompts[6:7], WORKLOAD.answer_tokens)
     finally:
         close_llm(llm)
@@ -241,5 +237,5 @@ def test_mooncake_master_killed_mid_run(tiny_model, baseline, mooncake):
     assert first.outputs == want0.outputs[3:6]
     assert second.outputs == want1.outputs[3:6]
     assert again.outputs == want1.outputs[6:7]
-    # At most one slow (~5 s) store call per client before its breaker opens.
-    assert elapsed < 30, elapsed
+    # That the breaker stops further calls from waiting on the dead master is
+    # checked call by call in tests/tiers/l3/test_mooncake_backend.py.

@@ -3,7 +3,6 @@ are still copying."""
 
 import contextlib
 import threading
-import time
 
 import pytest
 import torch
@@ -165,6 +164,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (none on CI machines)")
 
 
+# ~several seconds of GPU cycles: far longer than the host needs to enqueue the rest
+SLOW_CYCLES = 5_000_000_000
+
+
 @needs_cuda
 def test_cuda_loads_overlap_and_wait_layer_does_not_block_the_host():
     pipeline = LayerPipeline(torch.device("cuda"))
@@ -174,17 +177,17 @@ def test_cuda_loads_overlap_and_wait_layer_does_not_block_the_host():
 
     def copy_layer(i):
         if i == 1:
-            torch.cuda._sleep(100_000_000)  # a slow layer on the side stream
+            torch.cuda._sleep(SLOW_CYCLES)  # a slow layer on the side stream
         dst[i].copy_(src[i], non_blocking=True)
 
-    start = time.perf_counter()
     pipeline.start_load(copy_layer, 3)
     for i in range(3):
         pipeline.wait_layer(i)
-    host_s = time.perf_counter() - start
     sums = [d.sum() for d in dst]  # enqueued on the compute stream after the waits
+    # The host got here while the slow layer still ran: the waits were stream
+    # waits, not host synchronisations (an ordering fact, not a timing bound).
+    assert not torch.cuda.current_stream().query()
     assert [int(s) for s in sums] == [(i + 1) * (1 << 20) for i in range(3)]
-    assert host_s < 0.03, f"host blocked {host_s:.3f}s in start_load/wait_layer"
     assert pipeline.drain() == []
     pipeline.shutdown()
 
@@ -195,11 +198,10 @@ def test_cuda_save_waits_for_the_compute_stream_not_the_host():
     kv = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     host = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
     torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)
+    torch.cuda._sleep(SLOW_CYCLES)
     kv.fill_(7)  # the layer's KV becomes final only after the sleep
-    start = time.perf_counter()
     pipeline.submit("save", lambda: host.copy_(kv, non_blocking=True))
-    assert time.perf_counter() - start < 0.03
+    assert not torch.cuda.current_stream().query()  # submit returned; the GPU still sleeps
     assert pipeline.drain() == []
     assert bool((host == 7).all())
     pipeline.shutdown()

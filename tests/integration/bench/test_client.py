@@ -30,6 +30,7 @@ from hicache.integration.bench.compare import free_port, stop_server, wait_ready
 from hicache.integration.bench.report import write_plots
 from hicache.integration.bench.trace import read_trace
 from hicache.integration.bench.workloads import WorkloadSpec
+from hicache.integration.vllm.engine import note_engine_start
 
 pytestmark = pytest.mark.engine
 
@@ -48,6 +49,7 @@ def server(tiny_model, tmp_path_factory):
     env = dict(os.environ, MODEL=tiny_model, MAX_MODEL_LEN="2048", PORT=str(port),
                SERVE_ARGS=SERVE_ARGS, VLLM_CPU_KVCACHE_SPACE="1",
                EXTRA_CONFIG=json.dumps({"hicache_admin_port": admin_port}))
+    note_engine_start("vllm serve")
     proc = subprocess.Popen([sys.executable, "-m", "hicache.integration.vllm.serve"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -91,7 +93,9 @@ def test_every_request_completes_with_exact_lengths(runs, tiny_model):
             assert r.error is None
             assert r.ttft is not None and r.ttft > 0 and r.finish > r.first_token > r.arrival
             assert r.output_tokens == 16 and len(r.answer_ids) == 16
-            assert len(r.itl) == 15 and all(gap >= 0 for gap in r.itl)
+            # one gap per token after the first chunk; how many tokens a chunk
+            # carries depends on how busy the machine is, so only the bound is fixed
+            assert len(r.itl) <= 15 and all(gap >= 0 for gap in r.itl)
             assert r.prompt_tokens == len(r.prompt_ids)
 
 

@@ -93,7 +93,6 @@ def test_l2_page_lost_means_nothing_after_it_is_loaded(tmp_path):
 def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, timeout_s):
     seed_l3(tmp_path, 40)
     io, _, _, _ = make(tmp_path, fault_get_delay_s=0.4)
-    start = time.monotonic()
     io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), timeout_s))
     if timeout_s == 0.0:
         time.sleep(0.1)  # the first batch is in flight
@@ -102,7 +101,6 @@ def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, timeout_s):
     (result,) = wait_result(io)
     # Stopped after the batch in flight at the deadline: one batch of 32 pages.
     assert result.fetched_pages == 32 and len(result.error_block_ids) == 8
-    assert time.monotonic() - start < timeout_s + 0.4 + 0.6  # one batch in flight + slack
     assert io.stats.fetch_deadline_misses == 1
     io.shutdown()
 

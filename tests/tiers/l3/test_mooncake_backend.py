@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -52,6 +53,27 @@ def service():
     apply_client_env()
     with start_mooncake() as svc:
         yield svc
+
+
+class CallCounter:
+    """Wraps the real Mooncake client and counts the calls this thread makes
+    through it (the breaker's prober thread is not counted)."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+        self._thread = threading.get_ident()
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._store, name)
+        if callable(attr) and threading.get_ident() == self._thread and name not in LOCAL:
+            self.calls.append(name)
+        return attr
+
+
+# Registers memory with the local transfer engine (the staging buffer, made on
+# first use): no call to the master.
+LOCAL = {"register_buffer"}
 
 
 def extra_for(svc: MooncakeService, **overrides) -> dict:
@@ -290,11 +312,10 @@ def test_killed_master_fails_fast_without_raising_and_recovers(make):
         ks = keys(3, seed=8000)
         assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
         svc.kill_master()
-        t0 = time.monotonic()
         first = backend.batch_get_v1(ks, [3, 4, 5])
         assert first == [False] * 3
-        assert time.monotonic() - t0 < 6.0  # Mooncake's reconnect (~4.3 s) at worst
-        t0 = time.monotonic()
+        assert not backend.master_reachable  # the first RPC failure tripped the breaker
+        counter = backend._store = CallCounter(backend._store)
         for _ in range(3):
             assert backend.batch_exists(ks) == 0
             assert backend.batch_get_v1(ks, [3, 4, 5]) == [False] * 3
@@ -303,7 +324,7 @@ def test_killed_master_fails_fast_without_raising_and_recovers(make):
             assert backend.get(ks[0], torch.empty(GEOM.page_bytes, dtype=torch.uint8)) is False
             assert backend.set(ks[0], pool.read_page(0)) is False
             backend.clear()
-        assert time.monotonic() - t0 < 1.0  # breaker open: no call waits on the dead master
+        assert counter.calls == []  # breaker open: no call reaches (and waits on) the dead master
         assert not backend.master_reachable
         st = backend.stats()
         assert st.errors >= 15 and st.get_hits == 0 and st.set_failures >= 6
@@ -331,13 +352,14 @@ def test_hung_master_is_bounded_by_the_rpc_timeout(make, monkeypatch):
         assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
         os.kill(svc.master.pid, signal.SIGSTOP)
         try:
-            t0 = time.monotonic()
-            assert backend.batch_exists(ks) == 0
-            assert time.monotonic() - t0 < 4.0
-            t0 = time.monotonic()
+            assert backend.batch_exists(ks) == 0  # the RPC timed out: a miss, breaker open
+            assert not backend.master_reachable
+            real, counter = backend._store, CallCounter(backend._store)
+            backend._store = counter
             assert backend.batch_get_v1(ks, [2, 3]) == [False, False]
             assert backend.batch_set_v1(keys(1, seed=9100), [4]) == [False]
-            assert time.monotonic() - t0 < 0.5
+            assert counter.calls == []  # no call waits on the hung master
+            backend._store = real
         finally:
             os.kill(svc.master.pid, signal.SIGCONT)
         deadline = time.monotonic() + 15
@@ -356,32 +378,35 @@ _CLOSE_AFTER_MASTER_DIED = textwrap.dedent("""
         b = MooncakeBackend(StorageConfig(0, 1, "ns", "page_first", 4096,
                                           extra_config=svc.extra_config(16 << 20)))
         ok = b.set("ab" * 32, __import__("torch").zeros(4096, dtype=__import__("torch").uint8))
-    t0 = time.monotonic()  # master stopped; the breaker never tripped
+    from hicache.tiers.l3 import mooncake_backend
+    # master stopped; the breaker never tripped: close() must see the closed port
+    # and abandon the client rather than call Mooncake's close, which blocks 10-20 s
     b.close()
-    print(json.dumps({"set": ok, "close_s": time.monotonic() - t0}), flush=True)
+    abandoned = any(store is b._store for store, _ in mooncake_backend._ABANDONED)
+    print(json.dumps({"set": ok, "abandoned": abandoned}), flush=True)
     # Mooncake's exit handler would join the client's heartbeat thread, stuck
-    # pinging the dead master (~10 s); this test only measures close().
+    # pinging the dead master (~10 s); this test only checks close().
     os._exit(0)
 """)
 
 
-def test_close_after_the_master_is_gone_is_quick(service):
+def test_close_after_the_master_is_gone_abandons_the_client(service):
     env = {**os.environ, **service.client_env()}
     proc = subprocess.run([sys.executable, "-c", _CLOSE_AFTER_MASTER_DIED], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["set"] is True and result["close_s"] < 2.0
+    assert result == {"set": True, "abandoned": True}
 
 
 def test_unreachable_master_at_start_is_storage_unavailable(service):
     from hicache.integration.bench.mooncake_service import free_port
 
     extra = extra_for(service, master_server_address=f"127.0.0.1:{free_port()}")
-    t0 = time.monotonic()
-    with pytest.raises(StorageUnavailable, match="master_server_address"):
+    # "is not reachable" is the TCP pre-check's message: the client setup, which
+    # retries against a dead master for a long time, never ran.
+    with pytest.raises(StorageUnavailable, match="is not reachable.*master_server_address"):
         MooncakeBackend(config(extra))
-    assert time.monotonic() - t0 < 5.0
 
 
 @pytest.mark.parametrize(
