@@ -1,12 +1,18 @@
-"""Every L2 layout x write policy on the CPU vLLM engine: greedy tokens equal the
-no-connector baseline, and each policy serves from L2 what it should.
+"""Every L2 layout and every write policy on the CPU vLLM engine: greedy tokens
+equal the no-connector baseline, and each policy serves from L2 what it should.
 
-One engine per combination (configs are per engine); 4 of the baseline's 8
-conversations, all turns, vLLM's prefix cache off so every cached token
-vLLM reports was loaded from L2.
+One engine per layout, each with a different write policy: the layout decides
+only how the worker copies bytes, the policy only what the scheduler stores,
+so the two do not interact and every layout x policy product would start nine
+engines to test the same code paths. What each policy serves is checked for
+all of them, engine-free, in tests/tiers/controller/test_policy_semantics.py.
+4 of the baseline's 8 conversations, all turns, vLLM's prefix cache off so
+every cached token vLLM reports was loaded from L2.
 """
 
 from __future__ import annotations
+
+from typing import get_args
 
 import pytest
 from conftest import (
@@ -20,17 +26,27 @@ from conftest import (
 
 from hicache.integration.bench.multi_turn import run_turns
 from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
+from hicache.tiers.controller.policies import WRITE_POLICY_NAMES
+from hicache.tiers.l2.geometry import MemLayoutName
 
 pytestmark = pytest.mark.engine
 
-LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
-POLICIES = ["write_through", "write_through_selective", "write_back"]
+# (layout, write policy): each layout once, each policy once.
+PAIRS = [
+    ("layer_first", "write_through_selective"),
+    ("page_first", "write_back"),
+    ("page_first_direct", "write_through"),
+]
 CONVERSATIONS = 4
 SHARED_PAGES_TOKENS = WORKLOAD.shared_prefix_tokens // BLOCK_SIZE * BLOCK_SIZE
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_and_every_policy_is_in_a_pair():
+    assert {layout for layout, _ in PAIRS} == set(get_args(MemLayoutName))
+    assert {policy for _, policy in PAIRS} == set(WRITE_POLICY_NAMES)
+
+
+@pytest.mark.parametrize(("layout", "policy"), PAIRS)
 def test_layout_and_policy_keep_tokens_and_hit(tiny_model, baseline, layout, policy):
     llm = open_llm(EngineSpec(
         model=tiny_model, prefix_caching=False, block_size=BLOCK_SIZE,
