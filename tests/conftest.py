@@ -106,3 +106,12 @@ def one_worker_per_core():
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     else:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many vLLM engines this run started: the suite's main cost."""
+    from hicache.integration.vllm.engine import ENGINE_STARTS
+
+    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(ENGINE_STARTS.items()))
+    terminalreporter.write_line(
+        f"vLLM engine starts: {sum(ENGINE_STARTS.values())}" + (f" ({kinds})" if kinds else ""))

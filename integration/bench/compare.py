@@ -41,6 +41,7 @@ from hicache.integration.bench.systems import (
     plan,
     server_env,
 )
+from hicache.integration.vllm.engine import note_engine_start
 
 _ERROR_LINE = re.compile(r"(\w+(Error|Exception)): (.+)")
 
@@ -112,6 +113,7 @@ def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
         return {**row, "status": "not run", "reason": lp.not_run}
     log = out / f"{spec.name}.log"
     t0 = time.monotonic()
+    note_engine_start(f"{spec.kind} server")
     with log.open("wb") as f:
         proc = subprocess.Popen(lp.cmd, stdout=f, stderr=subprocess.STDOUT, env=server_env(lp),
                                 start_new_session=True)

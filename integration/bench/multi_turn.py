@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.integration.vllm.engine import greedy_params
+
 
 @dataclass(frozen=True)
 class MultiTurnSpec:
@@ -73,9 +75,7 @@ def run_turns(
     llm: Any, prompts: Sequence[Sequence[int]], answer_tokens: int, *, one_by_one: bool = False
 ) -> TurnResult:
     """Generate greedily for every prompt; ``one_by_one`` sends them sequentially."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
+    params = greedy_params(answer_tokens)
     batches = [[p] for p in prompts] if one_by_one else [list(prompts)]
     outputs: list[list[int]] = []
     cached: list[int] = []

@@ -6,6 +6,9 @@ in blocks. ``open_llm`` turns it into ``vllm.LLM``; ``close_llm`` shuts the
 engine-core process down so the next engine gets the cores and memory back.
 ``in_process=True`` keeps the engine core in this process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a test can inspect the connector.
+``ENGINE_STARTS`` counts the engines this process started (or tried to), by
+kind, ``open_llm``'s and the ``vllm serve`` processes launched through
+``note_engine_start``; the test suite prints it at the end.
 """
 
 from __future__ import annotations
@@ -13,8 +16,16 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+ENGINE_STARTS: Counter[str] = Counter()
+
+
+def note_engine_start(kind: str) -> None:
+    """Count one engine start of ``kind`` (e.g. "LLM", "vllm serve")."""
+    ENGINE_STARTS[kind] += 1
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,7 @@ class EngineSpec:
 def open_llm(spec: EngineSpec) -> Any:
     from vllm import LLM
 
+    note_engine_start("LLM")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if spec.in_process else "1"
     kwargs: dict[str, Any] = dict(
@@ -84,6 +96,13 @@ def open_llm(spec: EngineSpec) -> Any:
         return LLM(**kwargs)
     finally:
         sys.modules.update(hidden)
+
+
+def greedy_params(max_tokens: int) -> Any:
+    """vLLM ``SamplingParams`` that decode exactly ``max_tokens`` tokens greedily."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def close_llm(llm: Any) -> None:

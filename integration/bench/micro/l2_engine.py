@@ -35,7 +35,7 @@ from hicache.integration.bench.multi_turn import (
     next_turn_prompts,
 )
 from hicache.integration.models.tiny_model import ensure_tiny_model
-from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.vllm.engine import EngineSpec, close_llm, greedy_params, open_llm
 
 
 @dataclass
@@ -58,21 +58,18 @@ class SystemResult:
 def _run_system(
     name: str, spec: EngineSpec, workload: MultiTurnSpec, warmup_prompt: list[int]
 ) -> SystemResult:
-    from vllm import SamplingParams
-
     t0 = time.perf_counter()
     llm = open_llm(spec)
     start_s = time.perf_counter() - t0
     try:
-        greedy = dict(temperature=0.0, ignore_eos=True)
         # One throw-away request so first-call costs are not charged to turn 2.
-        llm.generate([{"prompt_token_ids": warmup_prompt}], SamplingParams(max_tokens=2, **greedy),
+        llm.generate([{"prompt_token_ids": warmup_prompt}], greedy_params(2),
                      use_tqdm=False)
         first = first_turn_prompts(workload)
         answers = []
         for prompt in tqdm(first, desc=f"{name}: first turns", leave=False):
             out = llm.generate([{"prompt_token_ids": prompt}],
-                               SamplingParams(max_tokens=workload.answer_tokens, **greedy),
+                               greedy_params(workload.answer_tokens),
                                use_tqdm=False)
             answers.append(list(out[0].outputs[0].token_ids))
         from hicache.integration.bench.multi_turn import TurnResult
@@ -82,7 +79,7 @@ def _run_system(
         for prompt in tqdm(returning, desc=f"{name}: returning turns", leave=False):
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompt}],
-                               SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+                               greedy_params(1), use_tqdm=False)
             ttfts.append(time.perf_counter() - t)
             cached.append(int(out[0].num_cached_tokens or 0))
             tokens.append(out[0].outputs[0].token_ids[0])

@@ -1,0 +1,179 @@
+"""The import rules of DESIGN.md "Layers", read from the source (ast), and
+``hicache simulate`` run in a process where vLLM and torch cannot be imported.
+
+Every import statement of the product code counts, including those inside
+functions; an import under ``if TYPE_CHECKING:`` is for the type checker only
+and is allowed where EXCEPTIONS says so.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("connector", "tiers", "kernels", "integration")
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str  # relative to the repository root
+    line: int
+    module: str  # absolute dotted name
+    typing_only: bool
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} imports {self.module}"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports_of(path: Path) -> list[Import]:
+    rel = path.relative_to(ROOT).as_posix()
+    package = ["hicache", *rel.split("/")[:-1]]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.body:
+                    visit_stmt(stmt, True)
+                for stmt in child.orelse:
+                    visit_stmt(stmt, typing_only)
+                continue
+            visit_stmt(child, typing_only)
+
+    def visit_stmt(node: ast.AST, typing_only: bool) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append(Import(rel, node.lineno, alias.name, typing_only))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.append(Import(rel, node.lineno, module, typing_only))
+        visit(node, typing_only)
+
+    visit(ast.parse(path.read_text(), filename=rel), False)
+    return found
+
+
+def product_imports() -> list[Import]:
+    out: list[Import] = []
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            out += _imports_of(path)
+    return out
+
+
+IMPORTS = product_imports()
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def under(imp: Import, *folders: str) -> bool:
+    return any(imp.path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def refers_to(imp: Import, *layers: str) -> bool:
+    return any(imp.module == f"hicache.{x}" or imp.module.startswith(f"hicache.{x}.")
+               for x in layers)
+
+
+# (file, imported module): the allowed exceptions, each with its reason.
+EXCEPTIONS = {
+    # The admin view names the connector's config type for the type checker only.
+    ("tiers/controller/admin.py", "hicache.connector.config"),
+    # The connector starts the admin HTTP server when hicache_admin_port is set
+    # (imported inside that function, so FastAPI loads only then).
+    ("connector/connector.py", "hicache.integration.admin.server"),
+}
+
+
+def violations(bad) -> list[str]:
+    return [str(i) for i in IMPORTS if bad(i) and (i.path, i.module) not in EXCEPTIONS]
+
+
+def test_the_source_is_read():
+    # The walk sees what it must: a rule over nothing would pass.
+    assert any(i.path == "connector/connector.py" and top(i.module) == "vllm" for i in IMPORTS)
+    assert any(i.path.startswith("tiers/l2/") and i.module == "torch" for i in IMPORTS)
+    assert any(i.typing_only for i in IMPORTS)
+
+
+def test_only_the_connector_and_the_vllm_glue_import_vllm():
+    assert violations(lambda i: top(i.module) == "vllm"
+                      and not under(i, "connector", "integration/vllm")) == []
+
+
+def test_the_index_and_the_controller_import_no_torch():
+    assert violations(lambda i: top(i.module) in {"torch", "vllm"}
+                      and under(i, "tiers/index", "tiers/controller")) == []
+
+
+def test_tiers_import_no_other_layer():
+    assert violations(lambda i: under(i, "tiers")
+                      and refers_to(i, "kernels", "connector", "integration")) == []
+
+
+def test_kernels_import_neither_the_connector_nor_integration():
+    assert violations(lambda i: under(i, "kernels")
+                      and (refers_to(i, "connector", "integration", "tiers")
+                           or top(i.module) == "vllm")) == []
+
+
+def test_the_connector_does_not_import_integration():
+    assert violations(lambda i: under(i, "connector") and refers_to(i, "integration")) == []
+
+
+def test_exceptions_are_still_needed():
+    used = {(i.path, i.module) for i in IMPORTS}
+    assert EXCEPTIONS <= used, EXCEPTIONS - used
+
+
+_SIMULATE_WITHOUT_ENGINE = """
+import importlib.abc, json, sys
+
+class NoEngine(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"vllm", "torch"}:
+            raise ImportError(f"{name} is blocked: hicache simulate must run without it")
+        return None
+
+sys.meta_path.insert(0, NoEngine())
+from hicache.integration.bench.trace import TraceRecord, write_trace
+from hicache.integration.cli.main import app
+
+out = sys.argv[1]
+recs = [TraceRecord(id=f"c{c}-t{t}", arrival=3 * t + c, finish=3 * t + c + 0.5, output_tokens=4,
+                    prompt=tuple(range(c * 5000, c * 5000 + 300 + 100 * t)),
+                    prompt_tokens=300 + 100 * t)
+        for t in range(2) for c in range(3)]
+trace = write_trace(out + "/t.jsonl", recs)
+try:
+    app(["simulate", str(trace), "--l1-blocks", "20", "--l2-pages", "0,100", "--l3-pages",
+         "none", "--out", out + "/sim", "--no-progress"])
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"vllm", "torch"})))
+"""
+
+
+def test_simulate_runs_where_vllm_and_torch_cannot_be_imported(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _SIMULATE_WITHOUT_ENGINE, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    rows = json.loads((tmp_path / "sim" / "simulate.json").read_text())["rows"]
+    assert len(rows) == 2 and any(r["hit_l2"] > 0 for r in rows)
