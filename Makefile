@@ -33,14 +33,17 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -ra -m "not engine" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # MODEL=<path or HF id> to serve another model; PORT, EXTRA_CONFIG (JSON) and SERVE_ARGS too.
 serve: $(STAMP)

@@ -57,6 +57,8 @@ from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.rank_shards import RankShards
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -79,9 +81,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise HiCacheConfigError("HiCacheConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        super().__init__(vllm_config, role, kv_cache_config)
         self.config = HiCacheConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
@@ -455,12 +457,12 @@ def _enclosing_multi_connector_config() -> Any:
 
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1).f_back
     for _ in range(8):
-        frame = frame.f_back
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
         if isinstance(owner, MultiConnector):
             return owner._vllm_config.kv_transfer_config
+        frame = frame.f_back
     return None

@@ -39,8 +39,13 @@ def key_namespace(
 ) -> KeyNamespace:
     """Everything that changes the meaning of a page's bytes goes into its keys."""
     from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import AttentionSpec
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise HiCacheConfigError(
+            f"HiCacheConnector caches attention KV; this model's first KV cache group is "
+            f"{type(spec).__name__}")
     layout = kv_cache_config.kv_cache_layout or "default"
     return KeyNamespace(
         model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",

@@ -104,12 +104,15 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: dict[str, dict[int, Any]] = {}
+        # vLLM's metric classes (prometheus_client's or Ray's), typed loosely there
+        histogram_cls: Any = self._histogram_cls
         for key, spec in ENGINE_METRICS.items():
+            metric: Any
             if spec.kind == "counter":
                 metric = self._counter_cls(name=spec.engine_name, documentation=spec.help,
                                            labelnames=labelnames)
             else:  # engine rows are counters and histograms (tiers/metrics.py)
-                metric = self._histogram_cls(name=spec.engine_name, documentation=spec.help,
+                metric = histogram_cls(name=spec.engine_name, documentation=spec.help,
                                              labelnames=labelnames, buckets=list(spec.buckets))
             self._children[key] = create_metric_per_engine(metric, per_engine_labelvalues)
 

@@ -108,10 +108,10 @@ class HiCacheWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         seen: dict[tuple[int, int], int] = {}
-        layers = []
+        layers: list[torch.Tensor] = []
         for name, tensor in kv_caches.items():
             # Layers that share another layer's KV map to the same tensor.
-            ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            ident = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
             if ident not in seen:
                 seen[ident] = len(layers)
                 layers.append(block_byte_view(tensor, self.l1_num_blocks))
@@ -210,9 +210,9 @@ class HiCacheWorker:
             return
         transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
         self._loading = block_ids
-        load = self._load_clock.wrap(self._copy_fn("load"))
+        copy_in = self._load_clock.wrap(self._copy_fn("load"))
         self._pipeline.start_load(
-            lambda layer: load(pool.canonical, self.layers, transfer, [layer]), len(self.layers)
+            lambda layer: copy_in(pool.canonical, self.layers, transfer, [layer]), len(self.layers)
         )
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -397,7 +397,8 @@ class HiCacheWorker:
         for command in meta.storage_commands:
             if isinstance(command, (DeletePages, ClearStore)):
                 if self.storage_io is not None and self.l3_writer:
-                    keys = list(command.keys) if isinstance(command, DeletePages) else None
+                    keys: list[bytes] | None = (
+                        list(command.keys) if isinstance(command, DeletePages) else None)
                     self.storage_io.submit_removal(keys)
                 continue
             try:

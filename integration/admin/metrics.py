@@ -37,7 +37,10 @@ from hicache.tiers.metrics import EVERY_KEY, METRICS, MetricSpec, fallback_name
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
-_FAMILY_TYPES: dict[str, type[Metric]] = {
+_Scalar = CounterMetricFamily | GaugeMetricFamily | UnknownMetricFamily
+_FAMILY_TYPES: dict[
+    str, type[CounterMetricFamily] | type[GaugeMetricFamily] | type[UnknownMetricFamily]
+] = {
     "counter": CounterMetricFamily,
     "gauge": GaugeMetricFamily,
     "untyped": UnknownMetricFamily,
@@ -185,14 +188,15 @@ class _Families:
         if family is None:
             if not self.claim(name, kind, fallback):
                 return
-            family = _FAMILY_TYPES[kind](name, help_text, labels=list(label_names))
-            self.put(family)
+            scalar = _FAMILY_TYPES[kind](name, help_text, labels=list(label_names))
+            self.put(scalar)
+            family = scalar
             self._label_names[name], self._label_sets[name] = label_names, set()
         elif (family.type != ("unknown" if kind == "untyped" else kind)
               or self._label_names[name] != label_names):
             return
-        if tuple(labels) in self._label_sets[name]:
-            return
+        if not isinstance(family, _Scalar) or tuple(labels) in self._label_sets[name]:
+            return  # a histogram is put whole; a label set is written once
         self._label_sets[name].add(tuple(labels))
         family.add_metric(labels, value)
 

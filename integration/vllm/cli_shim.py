@@ -30,11 +30,11 @@ def vllm_distribution_missing() -> bool:
 def _alias_vllm_distribution() -> None:
     original = metadata.version
 
-    def version(name: str) -> str:
+    def version(distribution_name: str) -> str:
         try:
-            return original(name)
+            return original(distribution_name)
         except metadata.PackageNotFoundError:
-            if name != "vllm":
+            if distribution_name != "vllm":
                 raise
             for alias, label in ALIASES.items():
                 try:

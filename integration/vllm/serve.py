@@ -19,6 +19,7 @@ import os
 import shlex
 import shutil
 import sys
+from typing import Any
 
 
 def build_command(env: dict[str, str]) -> list[str]:
@@ -30,7 +31,7 @@ def build_command(env: dict[str, str]) -> list[str]:
     extra = json.loads(env.get("EXTRA_CONFIG") or "{}")
     if not isinstance(extra, dict):
         raise SystemExit("EXTRA_CONFIG must be a JSON object")
-    kv_config = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both"}
+    kv_config: dict[str, Any] = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both"}
     if extra:
         kv_config["kv_connector_extra_config"] = extra
     cmd = [

@@ -80,7 +80,7 @@ class SchedulerAdmin:
         self.engine = engine
         # (backend name, extra config) -> a scheduler-side StorageBackend
         self._build_storage = build_storage
-        self.storage_name = config.hicache_storage_backend
+        self.storage_name: str | None = config.hicache_storage_backend
         self._l1_pages = l1_pages
         self.worker_counters: dict[str, float] = {}
         self.worker_gauges: dict[str, float] = {}

@@ -131,6 +131,7 @@ class HiRadixTree:
             if k < len(child.keys):
                 child = self._split(child, k)
             child.last_access = now
+            assert child.host_slots is not None  # a split gives both halves their slots
             slots.extend(child.host_slots)
             node = child
             i += k

@@ -164,7 +164,7 @@ class FileBackend(StorageBackend):
 
     def get(self, key: str, target: torch.Tensor) -> bool:
         start = time.perf_counter()
-        payload = memoryview(target.numpy()).cast("B")
+        payload = target.numpy().data.cast("B")
         return self._finish_get(key, payload, self._read_raw(key, payload), start)
 
     def set(self, key: str, value: torch.Tensor) -> bool:
@@ -234,7 +234,7 @@ class FileBackend(StorageBackend):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.writev(fd, [header, memoryview(value.numpy()).cast("B")])
+                os.writev(fd, [header, value.numpy().data.cast("B")])
                 if self.fsync:
                     os.fsync(fd)
             finally:

@@ -38,7 +38,7 @@ def _bytes_of(payload: Any) -> memoryview:
     if hasattr(payload, "numpy") and hasattr(payload, "untyped_storage"):  # torch tensor
         payload = payload.contiguous().view(-1).numpy()
     if isinstance(payload, np.ndarray):
-        return memoryview(np.ascontiguousarray(payload).view(np.uint8).reshape(-1))
+        return np.ascontiguousarray(payload).view(np.uint8).reshape(-1).data
     return memoryview(payload).cast("B")
 
 

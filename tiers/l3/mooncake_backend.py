@@ -540,7 +540,7 @@ class MooncakeBackend(StorageBackend):
             self._count(get_pages=1, get_misses=1)
             return False
         payload = staging[HEADER:]
-        if not self._read([key], [_ptr(payload)], [memoryview(payload.numpy())])[0]:
+        if not self._read([key], [_ptr(payload)], [payload.numpy().data])[0]:
             return False
         target.view(-1).copy_(payload)
         return True
@@ -552,7 +552,7 @@ class MooncakeBackend(StorageBackend):
             return False
         payload = staging[HEADER:]
         payload.copy_(value.reshape(-1))
-        return self._write([key], [_ptr(payload)], [memoryview(payload.numpy())])[0]
+        return self._write([key], [_ptr(payload)], [payload.numpy().data])[0]
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
