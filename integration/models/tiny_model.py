@@ -17,7 +17,9 @@ Contract:
   gaps) and depends on the context through attention; see :class:`TinyModelSpec`.
 * Architectures (:attr:`TinyModelSpec.architecture`): ``llama`` (presets ``test``,
   ``bench``), ``mistral`` with a sliding window on every layer (preset ``swa``: vLLM gives
-  it one KV-cache group of ``SlidingWindowSpec``) and ``deepseek_v2`` with multi-head
+  it one KV-cache group of ``SlidingWindowSpec``; preset ``gemma3``: Gemma-3's pattern of
+  five sliding-window layers to one full-attention layer, so vLLM's hybrid KV cache
+  manager gives it a ``SlidingWindowSpec`` and a ``FullAttentionSpec`` group) and ``deepseek_v2`` with multi-head
   latent attention and dense MLPs only (preset ``mla``: one group of ``MLAAttentionSpec``).
 
 Command line: ``python -m hicache.integration.models.tiny_model [--preset P] [--cache-dir DIR]``
@@ -73,6 +75,7 @@ ARCHITECTURES = {
 _LATER_FIELDS = (
     "architecture",
     "sliding_window",
+    "layer_types",
     "q_lora_rank",
     "kv_lora_rank",
     "qk_nope_head_dim",
@@ -119,6 +122,8 @@ class TinyModelSpec:
     # --- added after FORMAT_VERSION 1 (see _LATER_FIELDS); defaults = the Llama presets ---
     architecture: str = "llama"  # a key of ARCHITECTURES
     sliding_window: int | None = None  # mistral only: every layer sees the last N tokens
+    # mistral only: "sliding_attention" / "full_attention" per layer (None: all sliding)
+    layer_types: tuple[str, ...] | None = None
     # deepseek_v2 only (multi-head latent attention); all but q_lora_rank are required.
     q_lora_rank: int | None = None  # None: a plain q_proj (DeepSeek-V2-Lite); else q_a/q_b
     kv_lora_rank: int | None = None  # latent width; vLLM caches kv_lora_rank + rope dims
@@ -132,6 +137,13 @@ class TinyModelSpec:
             raise ValueError(f"unknown architecture {self.architecture!r}; allowed: {allowed}")
         if self.sliding_window is not None and self.architecture != "mistral":
             raise ValueError("sliding_window needs architecture 'mistral'")
+        if self.layer_types is not None:
+            if self.sliding_window is None:
+                raise ValueError("layer_types needs a sliding_window")
+            kinds = {"sliding_attention", "full_attention"}
+            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - kinds:
+                raise ValueError(f"layer_types must give one of {sorted(kinds)} per layer "
+                                 f"({self.num_hidden_layers}), got {self.layer_types}")
         mla = [name for name in (*_MLA_FIELDS, "q_lora_rank") if getattr(self, name) is not None]
         if self.architecture == "deepseek_v2":
             missing = [name for name in _MLA_FIELDS if getattr(self, name) is None]
@@ -173,6 +185,18 @@ PRESETS: dict[str, TinyModelSpec] = {
         intermediate_size=512,
         architecture="mistral",
         sliding_window=384,
+    ),
+    # Gemma-3's layer pattern on "swa"'s shapes: layers 0-4 attend to the last 384 tokens,
+    # layer 5 to everything. vLLM's hybrid manager keeps two KV-cache groups for it.
+    "gemma3": TinyModelSpec(
+        hidden_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        architecture="mistral",
+        sliding_window=384,
+        layer_types=("sliding_attention",) * 5 + ("full_attention",),
     ),
     # DeepSeek-V2-Lite-style MLA (no q LoRA), dense MLP in every layer, ~5.3 M parameters.
     # kv_lora_rank + qk_rope_head_dim = 576: the only cached head size vLLM 0.32's MLA
@@ -298,6 +322,8 @@ def model_config(spec: TinyModelSpec, vocab_size: int, ids: dict[str, int]) -> d
     if spec.architecture == "mistral":
         del config["attention_bias"], config["mlp_bias"]  # not MistralConfig fields
         config["sliding_window"] = spec.sliding_window
+        if spec.layer_types is not None:
+            config["layer_types"] = list(spec.layer_types)
     elif spec.architecture == "deepseek_v2":
         config.update(
             {

@@ -101,7 +101,7 @@ def test_cache_root_from_environment(monkeypatch, tmp_path):
 
 
 def test_unknown_preset(tmp_path):
-    with pytest.raises(ValueError, match="unknown tiny model preset 'huge'.*bench, mla, swa, test"):
+    with pytest.raises(ValueError, match="unknown tiny model preset 'huge'.*bench, gemma3, mla, swa, test"):
         tm.ensure_tiny_model("huge", tmp_path)
     assert not list(tmp_path.iterdir())
 
@@ -187,6 +187,12 @@ def test_architecture_format_version_changes_only_its_presets(monkeypatch):
         ({"sliding_window": 384}, "sliding_window needs architecture 'mistral'"),
         ({"kv_lora_rank": 512}, "kv_lora_rank need architecture 'deepseek_v2'"),
         ({"architecture": "deepseek_v2", "kv_lora_rank": 512}, "needs qk_nope_head_dim, qk_rope"),
+        ({"architecture": "mistral", "layer_types": ("full_attention",) * 4},
+         "layer_types needs a sliding_window"),
+        ({"architecture": "mistral", "sliding_window": 8, "layer_types": ("full_attention",)},
+         r"one of \['full_attention', 'sliding_attention'\] per layer \(4\)"),
+        ({"architecture": "mistral", "sliding_window": 8, "layer_types": ("global",) * 4},
+         "per layer"),
     ],
 )
 def test_invalid_specs(changes, message):
@@ -294,6 +300,21 @@ def test_mla_config_and_weights(mla_dir):
     for i in range(4):
         for key, shape in expected.items():
             assert shapes[f"model.layers.{i}.{key}"] == shape, key
+
+
+def test_gemma3_config_interleaves_window_and_full_layers(tmp_path):
+    """Five sliding-window layers to one full-attention layer, as Gemma 3; vLLM reads
+    ``layer_types`` (the engine tests see one KV-cache group per kind)."""
+    built = tm.ensure_tiny_model("gemma3", tmp_path)
+    config = _config(built)
+    assert config["architectures"] == ["MistralForCausalLM"]
+    assert config["sliding_window"] == 384 and config["num_hidden_layers"] == 6
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    again = tm.ensure_tiny_model("gemma3", tmp_path / "again")
+    assert _sha256(again / "model.safetensors") == _sha256(built / "model.safetensors")
+    # The "swa" preset (every layer windowed) keeps its directory: layer_types is unset there.
+    assert "layer_types" not in tm.model_config(tm.PRESETS["swa"], 100, dict.fromkeys(
+        tm.SPECIAL_TOKENS, 0))
 
 
 def test_new_presets_are_deterministic(swa_dir, mla_dir, tmp_path):
