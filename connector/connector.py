@@ -389,6 +389,8 @@ def pool_geometry(
     kv_cache_config: KVCacheConfig, config: HiCacheConfig, blocks_per_page: int
 ) -> PoolGeometry:
     """L2 geometry from the engine's KV-cache config; the same on scheduler and workers."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise HiCacheConfigError(
@@ -397,6 +399,10 @@ def pool_geometry(
             "Run with --disable-hybrid-kv-cache-manager."
         )
     spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise HiCacheConfigError(
+            f"HiCacheConnector caches attention KV; this model's KV cache group is "
+            f"{type(spec).__name__}")
     return PoolGeometry.for_budget(
         num_layers=len(groups[0].layer_names),
         blocks_per_page=blocks_per_page,

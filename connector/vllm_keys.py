@@ -42,10 +42,7 @@ def key_namespace(
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise HiCacheConfigError(
-            f"HiCacheConnector caches attention KV; this model's first KV cache group is "
-            f"{type(spec).__name__}")
+    assert isinstance(spec, AttentionSpec), "pool_geometry admits attention groups only"
     layout = kv_cache_config.kv_cache_layout or "default"
     return KeyNamespace(
         model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",

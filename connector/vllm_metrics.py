@@ -113,7 +113,7 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
                                            labelnames=labelnames)
             else:  # engine rows are counters and histograms (tiers/metrics.py)
                 metric = histogram_cls(name=spec.engine_name, documentation=spec.help,
-                                             labelnames=labelnames, buckets=list(spec.buckets))
+                                       labelnames=labelnames, buckets=list(spec.buckets))
             self._children[key] = create_metric_per_engine(metric, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

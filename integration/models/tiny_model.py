@@ -19,8 +19,8 @@ Contract:
   ``bench``), ``mistral`` with a sliding window on every layer (preset ``swa``: vLLM gives
   it one KV-cache group of ``SlidingWindowSpec``; preset ``gemma3``: Gemma-3's pattern of
   five sliding-window layers to one full-attention layer, so vLLM's hybrid KV cache
-  manager gives it a ``SlidingWindowSpec`` and a ``FullAttentionSpec`` group) and ``deepseek_v2`` with multi-head
-  latent attention and dense MLPs only (preset ``mla``: one group of ``MLAAttentionSpec``).
+  manager gives it ``SlidingWindowSpec`` and ``FullAttentionSpec`` groups) and
+  ``deepseek_v2`` with multi-head latent attention and dense MLPs only (preset ``mla``: one group of ``MLAAttentionSpec``).
 
 Command line: ``python -m hicache.integration.models.tiny_model [--preset P] [--cache-dir DIR]``
 prints the model directory.
@@ -157,6 +157,19 @@ class TinyModelSpec:
         return self.hidden_size // self.num_attention_heads
 
 
+# "test" as a Mistral model whose every layer attends to the last 384 tokens only. Same
+# seed and shapes, so the same tokenizer and weights: while a sequence fits in the
+# window its greedy output is that of "test".
+_SWA = TinyModelSpec(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    architecture="mistral",
+    sliding_window=384,
+)
+
 PRESETS: dict[str, TinyModelSpec] = {
     # Fast enough for unit tests: ~1.6 M parameters.
     "test": TinyModelSpec(
@@ -174,28 +187,11 @@ PRESETS: dict[str, TinyModelSpec] = {
         num_key_value_heads=4,
         intermediate_size=2816,
     ),
-    # "test" as a Mistral model whose every layer attends to the last 384 tokens only. Same
-    # seed and shapes, so the same tokenizer and weights: while a sequence fits in the
-    # window its greedy output is that of "test".
-    "swa": TinyModelSpec(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        architecture="mistral",
-        sliding_window=384,
-    ),
+    "swa": _SWA,
     # Gemma-3's layer pattern on "swa"'s shapes: layers 0-4 attend to the last 384 tokens,
-    # layer 5 to everything. vLLM's hybrid manager keeps two KV-cache groups for it.
-    "gemma3": TinyModelSpec(
-        hidden_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        architecture="mistral",
-        sliding_window=384,
+    # layer 5 to everything. vLLM's hybrid manager keeps KV-cache groups of both kinds.
+    "gemma3": dataclasses.replace(
+        _SWA, num_hidden_layers=6,
         layer_types=("sliding_attention",) * 5 + ("full_attention",),
     ),
     # DeepSeek-V2-Lite-style MLA (no q LoRA), dense MLP in every layer, ~5.3 M parameters.

@@ -19,18 +19,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 
 import httpx
 import pytest
+from support.serve import launch_serve
 
 from hicache.integration.bench.client import BenchError, BenchResult, run_bench, run_bench_sync
 from hicache.integration.bench.compare import free_port, stop_server, wait_ready
 from hicache.integration.bench.report import write_plots
 from hicache.integration.bench.trace import read_trace
 from hicache.integration.bench.workloads import WorkloadSpec
-from hicache.integration.vllm.engine import note_engine_start
 
 pytestmark = pytest.mark.engine
 
@@ -49,10 +47,7 @@ def server(tiny_model, tmp_path_factory):
     env = dict(os.environ, MODEL=tiny_model, MAX_MODEL_LEN="2048", PORT=str(port),
                SERVE_ARGS=SERVE_ARGS, VLLM_CPU_KVCACHE_SPACE="1",
                EXTRA_CONFIG=json.dumps({"hicache_admin_port": admin_port}))
-    note_engine_start("vllm serve")
-    proc = subprocess.Popen([sys.executable, "-m", "hicache.integration.vllm.serve"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = launch_serve(env, log)
     base = f"http://127.0.0.1:{port}"
     try:
         why = wait_ready(proc, base, 240)

@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from support.serve import launch_serve
 
 from hicache.integration.bench.compare import free_port, stop_server, wait_ready
-from hicache.integration.vllm.engine import note_engine_start
 
 pytestmark = pytest.mark.engine
 
@@ -24,11 +23,7 @@ SMALL_ENGINE = "--block-size 32 --num-gpu-blocks-override 80 --dtype float32 --e
 def launch(tiny_model: str, log: Path, **env: str) -> subprocess.Popen:
     full_env = dict(os.environ, MODEL=tiny_model, MAX_MODEL_LEN="2048",
                     SERVE_ARGS=SMALL_ENGINE, VLLM_CPU_KVCACHE_SPACE="1", **env)
-    note_engine_start("vllm serve")
-    return subprocess.Popen(
-        [sys.executable, "-m", "hicache.integration.vllm.serve"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-    )
+    return launch_serve(full_env, log)
 
 
 ADMIN_PORT = free_port()
