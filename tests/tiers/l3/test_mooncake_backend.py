@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,6 +344,20 @@ def test_killed_master_fails_fast_without_raising_and_recovers(make):
         backend.close()
 
 
+def wait_stopped(pid: int) -> None:
+    """Until the kernel reports every thread of ``pid`` stopped: SIGSTOP is delivered
+    asynchronously, and a request sent before the master actually stops is answered."""
+
+    def states() -> set[str]:
+        return {stat.read_text().rsplit(")", 1)[1].split()[0]
+                for stat in Path(f"/proc/{pid}/task").glob("*/stat")}
+
+    deadline = time.monotonic() + 10
+    while states() != {"T"}:
+        assert time.monotonic() < deadline, f"master {pid} did not stop: {states()}"
+        time.sleep(0.01)
+
+
 def test_hung_master_is_bounded_by_the_rpc_timeout(make, monkeypatch):
     monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "1500")  # read at client setup
     with start_mooncake() as svc:
@@ -351,6 +366,7 @@ def test_hung_master_is_bounded_by_the_rpc_timeout(make, monkeypatch):
         ks = keys(2, seed=9000)
         assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
         os.kill(svc.master.pid, signal.SIGSTOP)
+        wait_stopped(svc.master.pid)
         try:
             assert backend.batch_exists(ks) == 0  # the RPC timed out: a miss, breaker open
             assert not backend.master_reachable
