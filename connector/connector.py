@@ -7,15 +7,18 @@ vLLM builds it twice: with role SCHEDULER in the engine-core process (owns
 process (owns ``HiCacheWorker``: host pool bytes, copies). This module only
 translates; decisions live in tiers/controller/, data movement in worker.py.
 
-Supported: one KV-cache group (full attention MHA/GQA, MLA, or sliding
-window alone), synchronous L2 loads, asynchronous L3 loads (``load_async``),
-write-through / selective / write-back stores, L3 backups of every page
-stored in L2, tensor parallelism (every rank applies the same plan to its
-shard; MLA pages are written to L3 by rank 0 only), composition inside
-vLLM's ``MultiConnector``. The class is not ``SupportsHMA``: vLLM turns its
-hybrid KV-cache manager off when this connector is configured, so hybrid
-(sliding-window + full / Mamba) models run with every layer treated as full
-attention. Pipeline parallelism is not supported.
+Supported: attention KV-cache groups (full attention MHA/GQA, MLA, sliding
+window, chunked local), synchronous L2 loads, asynchronous L3 loads
+(``load_async``), write-through / selective / write-back stores, L3 backups
+of every complete page stored in L2, tensor parallelism (every rank applies
+the same plan to its shard; MLA pages are written to L3 by rank 0 only),
+composition inside vLLM's ``MultiConnector``. The class is ``SupportsHMA``:
+vLLM keeps its hybrid KV-cache manager on, and a sliding-window + full
+attention model gets one KV-cache group per layer kind; a page then holds
+every group's blocks (tiers/index/kv_groups.py) and every hit is
+asynchronous (see tiers/controller/scheduler.py). Mamba / linear-attention
+state groups are refused with a clear error. Pipeline parallelism is not
+supported.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -51,6 +55,7 @@ from hicache.connector.vllm_metrics import HiCacheKVStats, HiCachePromMetrics, l
 from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.controller.admin import SchedulerAdmin
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroup, KVGroups
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3.base import StorageBackend, StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
@@ -70,7 +75,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class HiCacheConnector(KVConnectorBase_V1):
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """Hierarchical KV cache for vLLM: L1 = vLLM's KV cache, L2 = host DRAM pool."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -89,6 +94,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         )
         block_size = vllm_config.cache_config.block_size
         page_size = self.config.resolved_page_size(block_size)
+        groups = kv_groups(kv_cache_config)
         geometry = pool_geometry(kv_cache_config, self.config, page_size // block_size)
         self._scheduler: HiCacheScheduler | None = None
         self._worker: HiCacheWorker | None = None
@@ -136,20 +142,21 @@ class HiCacheConnector(KVConnectorBase_V1):
                 tp_size=tp_size,
                 hash_block_size=hashed_block,
                 prefix_hasher=self._prefix_hasher,
+                groups=groups,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
-                "config %s", page_size, geometry.num_slots, geometry.buffer_bytes / 2**30,
-                self.config.to_dict(),
+                "KV-cache groups %s, config %s", page_size, geometry.num_slots,
+                geometry.buffer_bytes / 2**30, describe_groups(groups), self.config.to_dict(),
             )
 
-            if _is_sliding_window(kv_cache_config) and \
-                    self.config.hicache_write_policy == "write_back":
+            if groups.windowed and self.config.hicache_write_policy == "write_back":
                 logger.warning(
-                    "HiCache: write_back on a sliding-window model stores only the pages "
-                    "still inside the window when a request finishes (vLLM has replaced "
-                    "the others with its null block); use write_through to cache whole "
-                    "histories")
+                    "HiCache: write_back on a sliding-window model stores the window's "
+                    "layers only for the pages still inside the window when a request "
+                    "finishes (vLLM has replaced the others with its null block): its "
+                    "history returns whole, branches from its head do not; use "
+                    "write_through to cache every point of a history")
 
             self._admin = SchedulerAdmin(
                 self._scheduler, self.config, build_storage=build_lookup,
@@ -175,6 +182,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                 if backend_name else None,
                 # MLA's latent pages are the same on every rank: rank 0 writes them.
                 l3_writer=not is_mla or rank == 0,
+                group_layer_names=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
             )
 
     def _start_admin(self, vllm_config: VllmConfig) -> None:
@@ -250,7 +258,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        block_ids: GroupBlockIds = blocks.get_block_ids() if num_external_tokens else ()
         with self.hicache_scheduler.lock:
             self.hicache_scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
@@ -277,6 +285,12 @@ class HiCacheConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM without its hybrid manager (one group) may still call this."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         with self.hicache_scheduler.lock:
             return self.hicache_scheduler.request_finished(request, block_ids), None
 
@@ -288,9 +302,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         with self.hicache_scheduler.lock:
             return self.hicache_scheduler.reset()
 
-    def _block_ids_of(self, req_id: str) -> list[int]:
+    def _block_ids_of(self, req_id: str) -> GroupBlockIds:
         assert self._kv_cache_manager is not None, "vLLM did not bind its KVCacheManager"
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+        return self._kv_cache_manager.get_block_ids(req_id)
 
     # ---- worker side --------------------------------------------------------
 
@@ -372,6 +386,13 @@ class HiCacheConnector(KVConnectorBase_V1):
                  l3_source(self._admin.storage_name if self._admin else None): l3}
         return {source: n for source, n in split.items() if n}
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Finished stores and loads, and (several KV-cache groups) the requests
+        whose load failed, which vLLM then recomputes."""
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving = self.hicache_worker.take_failed_recving()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.hicache_worker.take_load_errors()
 
@@ -385,31 +406,70 @@ def _on_cuda() -> bool:
     return current_platform.device_type == "cuda"
 
 
+def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
+    """The engine's KV-cache groups as the cache sees them (tiers/index/kv_groups.py).
+
+    Every group must hold attention KV of one block size in blocks of one
+    byte size (vLLM's hybrid manager makes them so); Mamba / linear-attention
+    state groups are refused, naming them."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        ChunkedLocalAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    groups = kv_cache_config.kv_cache_groups
+    specs = [g.kv_cache_spec for g in groups]
+    names = [type(spec).__name__ for spec in specs]
+    if not all(isinstance(spec, AttentionSpec) for spec in specs):
+        raise HiCacheConfigError(
+            f"HiCacheConnector caches attention KV; this model's KV cache groups are "
+            f"{names}: Mamba / linear-attention state groups are not supported yet")
+    if len({spec.page_size_bytes for spec in specs}) > 1 or \
+            len({spec.block_size for spec in specs}) > 1:
+        raise HiCacheConfigError(
+            f"HiCacheConnector needs one block size and one block byte size over all KV "
+            f"cache groups; this engine's groups {names} have block sizes "
+            f"{[s.block_size for s in specs]} and {[s.page_size_bytes for s in specs]} bytes")
+    out: list[KVGroup] = []
+    for group, spec in zip(groups, specs, strict=True):
+        layers = len(group.layer_names)
+        if isinstance(spec, SlidingWindowSpec):
+            window = spec.sliding_window + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            out.append(KVGroup("window", window, layers))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(KVGroup("window", spec.attention_chunk_size, layers))
+        else:
+            out.append(KVGroup("full", 0, layers))
+    return KVGroups(tuple(out))
+
+
+def describe_groups(groups: KVGroups) -> str:
+    """``full x1, window(384) x5`` for the log."""
+    return ", ".join(
+        f"{g.kind}{f'({g.window})' if g.kind == 'window' else ''} x{g.num_layers}"
+        for g in groups.groups)
+
+
 def pool_geometry(
     kv_cache_config: KVCacheConfig, config: HiCacheConfig, blocks_per_page: int
 ) -> PoolGeometry:
-    """L2 geometry from the engine's KV-cache config; the same on scheduler and workers."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    """L2 geometry from the engine's KV-cache config; the same on scheduler and workers.
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise HiCacheConfigError(
-            f"HiCacheConnector supports models with exactly one KV-cache group; this engine "
-            f"has {len(groups)} ({[type(g.kv_cache_spec).__name__ for g in groups]}). "
-            "Run with --disable-hybrid-kv-cache-manager."
-        )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise HiCacheConfigError(
-            f"HiCacheConnector caches attention KV; this model's KV cache group is "
-            f"{type(spec).__name__}")
+    A page holds every layer of every group; the ratio budget is taken of the
+    engine's real KV bytes (groups of the hybrid manager share tensors)."""
+    groups = kv_groups(kv_cache_config)
+    block_bytes = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
+    l1_bytes = sum(int(t.size) for t in tensors) or None
     return PoolGeometry.for_budget(
-        num_layers=len(groups[0].layer_names),
+        num_layers=groups.num_layers,
         blocks_per_page=blocks_per_page,
-        block_bytes=spec.page_size_bytes,
+        block_bytes=block_bytes,
         l1_num_blocks=kv_cache_config.num_blocks,
         hicache_size_gb=config.hicache_size,
         hicache_ratio=config.hicache_ratio,
+        l1_bytes=l1_bytes,
     )
 
 
@@ -417,12 +477,6 @@ def _is_mla(kv_cache_config: KVCacheConfig) -> bool:
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec)
-
-
-def _is_sliding_window(kv_cache_config: KVCacheConfig) -> bool:
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-    return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, SlidingWindowSpec)
 
 
 def apply_load_failure_policy(own: Any, policy: str) -> None:

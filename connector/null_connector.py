@@ -16,14 +16,20 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    SupportsHMA,
 )
 
 TRANSFER_CONFIG = {"kv_connector": "NullConnector", "kv_role": "kv_both",
                    "kv_connector_module_path": "hicache.connector.null_connector"}
 
 
-class NullConnector(KVConnectorBase_V1):
-    """Every hook present, none does anything: never a cache hit."""
+class NullConnector(KVConnectorBase_V1, SupportsHMA):
+    """Every hook present, none does anything: never a cache hit. ``SupportsHMA``,
+    so a hybrid model keeps vLLM's hybrid KV cache manager, as with HiCache."""
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:

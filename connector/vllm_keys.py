@@ -2,8 +2,9 @@
 
 Contract:
 - ``key_namespace``: everything that changes the meaning of a page's bytes
-  (model, KV dtype, vLLM's layout and spec, page size, TP size, and the
-  block-hash algorithm) goes into the keys' seed.
+  (model, KV dtype, vLLM's layout and spec, page size, TP size, the
+  block-hash algorithm, and with several KV-cache groups their kinds and
+  layers in order) goes into the keys' seed.
 - Page keys derive from vLLM's ``request.block_hashes`` (tiers/index/page_keys.py),
   which cover tokens, multimodal features, prompt embeddings, LoRA (name and
   path) and cache salt. ``prefix_hasher`` computes the same hashes for a
@@ -41,9 +42,16 @@ def key_namespace(
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec
     assert isinstance(spec, AttentionSpec), "pool_geometry admits attention groups only"
     layout = kv_cache_config.kv_cache_layout or "default"
+    extra: tuple[str, ...] = ()
+    if len(groups) > 1:
+        # vLLM's hybrid manager: a page holds each group's layers in group order.
+        extra = ("groups=" + ";".join(
+            f"{type(g.kv_cache_spec).__name__}:{getattr(g.kv_cache_spec, 'sliding_window', 0)}"
+            f":{','.join(g.layer_names)}" for g in groups),)
     return KeyNamespace(
         model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",
         kv_dtype=str(spec.dtype),
@@ -54,7 +62,7 @@ def key_namespace(
         ),
         page_size=page_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        extra=(f"block-hash={vllm_config.cache_config.prefix_caching_hash_algo}",),
+        extra=(f"block-hash={vllm_config.cache_config.prefix_caching_hash_algo}", *extra),
     )
 
 

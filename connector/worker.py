@@ -5,7 +5,18 @@ See DESIGN.md "Flow of one request" (steps 4 and 5).
 Contract:
 - ``register_kv_caches`` views each layer's KV as whole blocks of raw bytes
   and allocates the host pool once, sized by the same ``PoolGeometry`` the
-  scheduler uses.
+  scheduler uses. With several KV-cache groups (vLLM's hybrid manager), a
+  pool row per layer of each group, in group order: a page's blocks name
+  every group's blocks (tiers/index/kv_groups.py), and each group's layers
+  are copied with that group's blocks. Layers of different groups may share
+  one tensor (vLLM's hybrid allocator): they are separate rows.
+- A fetch with no L3 pages (an asynchronous L2 hit, which every hit is with
+  several groups) is served at once in ``start_load``: vLLM does not run
+  the request in this step, and reports it received at the step's end.
+- Failed loads of a request whose hit was asynchronous go back to vLLM as
+  block ids (``take_load_errors``), or, with several KV-cache groups, where
+  vLLM cannot map block ids to requests, as the request's id
+  (``take_failed_recving``): vLLM then recomputes that request.
 - ``start_load`` checks every planned L2 -> L1 page's key, then copies layer
   by layer on a background thread; ``wait_for_layer`` (vLLM calls it before
   each layer's attention) waits for that layer only. A page whose slot does
@@ -36,8 +47,10 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -68,6 +81,7 @@ class HiCacheWorker:
         storage_builder: Callable[[str, dict], StorageBackend] | None = None,
         storage_spec: tuple[str, dict] | None = None,
         l3_writer: bool = True,
+        group_layer_names: Sequence[Sequence[str]] | None = None,
     ) -> None:
         self.geometry = geometry
         self.l1_num_blocks = l1_num_blocks
@@ -76,6 +90,14 @@ class HiCacheWorker:
         self.copy_path = io_backend.TORCH_SLICES
         self.pool: HostPagePool | None = None
         self.layers: list[torch.Tensor] = []
+        # Layer names per KV-cache group (None: one group, every layer vLLM registers).
+        self._group_layer_names = group_layer_names
+        # Pool rows of each group, and each row's group.
+        self._group_rows: list[list[int]] = [[]]
+        self._group_of_row: list[int] = []
+        # Several groups: failed loads are reported per request, not per block.
+        self.per_request_failures = bool(group_layer_names and len(group_layer_names) > 1)
+        self._failed_recv: set[str] = set()
         self.stats = WorkerStats()
         self._load_clock = CopyClock()
         self._store_clock = CopyClock()
@@ -87,8 +109,9 @@ class HiCacheWorker:
         self._layer_index: dict[str, int] = {}
         # Per-step state, reset by finish_step.
         self._loading: list[int] = []
+        self._loading_bytes = 0
         self._saved_layers: set[int] = set()
-        self._stores_of: tuple[StepPlan, BlockTransfer] | None = None
+        self._stores_of: tuple[StepPlan, GroupTransfer] | None = None
         # (backend name, extra config) -> this rank's backend; spec = what to build now.
         self._storage_builder = storage_builder
         self._storage_spec = storage_spec
@@ -107,15 +130,29 @@ class HiCacheWorker:
         self._side_stream: torch.cuda.Stream | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        seen: dict[tuple[int, int], int] = {}
         layers: list[torch.Tensor] = []
+        groups = self._group_layer_names or [list(kv_caches)]
+        self._group_rows = [[] for _ in groups]
+        self._group_of_row = []
+        first_row: dict[tuple[int, int], int] = {}
+        for g, names in enumerate(groups):
+            seen: dict[tuple[int, int], int] = {}
+            for name in names:
+                tensor = kv_caches[name]
+                # Layers of a group that share another layer's KV map to one row.
+                ident = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+                if ident not in seen:
+                    seen[ident] = len(layers)
+                    first_row.setdefault(ident, len(layers))
+                    self._group_rows[g].append(len(layers))
+                    self._group_of_row.append(g)
+                    layers.append(block_byte_view(tensor, self.l1_num_blocks))
+                self._layer_index[name] = seen[ident]
         for name, tensor in kv_caches.items():
-            # Layers that share another layer's KV map to the same tensor.
+            # A layer outside every group reads another layer's KV: wait for that one.
             ident = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-            if ident not in seen:
-                seen[ident] = len(layers)
-                layers.append(block_byte_view(tensor, self.l1_num_blocks))
-            self._layer_index[name] = seen[ident]
+            if name not in self._layer_index and ident in first_row:
+                self._layer_index[name] = first_row[ident]
         block_bytes = layers[0].shape[1]
         if block_bytes != self.geometry.block_bytes or len(layers) > self.geometry.num_layers:
             raise RuntimeError(
@@ -165,16 +202,25 @@ class HiCacheWorker:
         """L2 -> L1 for a fetched request, on the L3 thread (torch copies: thread-safe;
         on CUDA a side stream, synchronised before the request is reported)."""
         pool = self._require_pool()
-        block_ids: list[int] = []
-        slots: list[int] = []
-        offsets: list[int] = []
-        for page in pages:
-            _append_page(page, block_ids, slots, offsets)
-        transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
+        transfer = self._transfer(pages)
         stream = (torch.cuda.stream(self._side_stream) if self._side_stream is not None
                   else contextlib.nullcontext())
         with stream:
-            block_copy.load_blocks(pool.canonical, self.layers, transfer)
+            for group, rows in enumerate(self._group_rows):
+                if len(transfer.groups[group]):
+                    block_copy.load_blocks(pool.canonical, self.layers, transfer.groups[group],
+                                           rows)
+
+    def _transfer(self, pages: Sequence[PagePlan]) -> GroupTransfer:
+        """The copies of ``pages``, one ``BlockTransfer`` per KV-cache group."""
+        lists: list[tuple[list[int], list[int], list[int]]] = [
+            ([], [], []) for _ in self._group_rows]
+        for page in pages:
+            n = len(page.block_ids) // len(lists)
+            for g, (block_ids, slots, offsets) in enumerate(lists):
+                _append_page(page, page.block_ids[g * n : (g + 1) * n], block_ids, slots, offsets)
+        return GroupTransfer(tuple(BlockTransfer.from_lists(*lst) for lst in lists),
+                             tuple(len(rows) for rows in self._group_rows))
 
     # ---- loads ----------------------------------------------------------------
 
@@ -184,13 +230,13 @@ class HiCacheWorker:
         pool = self._require_pool()
         self.apply_commands(meta)
         for fetch in meta.fetches:
-            if self.storage_io is None:
+            if not fetch.l3_pages:
+                self._serve_from_l2(fetch)
+            elif self.storage_io is None:
                 self._fail_fetch(fetch)
             else:
                 self.storage_io.submit_fetch(fetch)
-        block_ids: list[int] = []
-        slots: list[int] = []
-        offsets: list[int] = []
+        pages: list[PagePlan] = []
         for load in meta.loads:
             self._load_errors.update(load.unloadable_block_ids)
             failed = False
@@ -205,15 +251,56 @@ class HiCacheWorker:
                     failed = True
                     self._load_errors.update(page.block_ids)
                     continue
-                _append_page(page, block_ids, slots, offsets)
-        if not block_ids:
+                pages.append(page)
+        transfer = self._transfer(pages)
+        if not transfer.num_blocks:
             return
-        transfer = BlockTransfer.from_lists(block_ids, slots, offsets)
-        self._loading = block_ids
+        self._loading = [b for p in pages for b in p.block_ids if b != NULL_BLOCK_ID]
+        self._loading_bytes = transfer.num_bytes(self.geometry.block_bytes)
         copy_in = self._load_clock.wrap(self._copy_fn("load"))
+        group_of = self._group_of_row
         self._pipeline.start_load(
-            lambda layer: copy_in(pool.canonical, self.layers, transfer, [layer]), len(self.layers)
-        )
+            lambda row: copy_in(pool.canonical, self.layers, transfer.groups[group_of[row]],
+                                [row]),
+            len(self.layers))
+
+    def _serve_from_l2(self, fetch: RequestFetch) -> None:
+        """An asynchronous hit that L2 holds whole: copy it now (vLLM does not run
+        the request this step) and report it received at the step's end."""
+        pool = self._require_pool()
+        errors = set(fetch.unloadable_block_ids)
+        pages: list[PagePlan] = []
+        for i, page in enumerate(fetch.l2_pages):
+            if not pool.holds(page.slot, page.key):
+                logger.warning("HiCache: L2 slot %d does not hold the expected page for "
+                               "request %s; recomputing it", page.slot, fetch.req_id)
+                self._bad_slots.add(page.slot)
+                errors.update(b for p in fetch.l2_pages[i:] for b in p.block_ids)
+                break
+            pages.append(page)
+        if pages:
+            try:
+                self._load_fetched_pages(pages)
+                transfer = self._transfer(pages)
+                self.stats.loaded_blocks += transfer.num_blocks
+                self.stats.loaded_bytes += transfer.num_bytes(self.geometry.block_bytes)
+            except Exception:  # noqa: BLE001 - recompute instead
+                logger.exception("HiCache: L2 -> L1 copy of request %s failed", fetch.req_id)
+                errors.update(b for p in pages for b in p.block_ids)
+        self._end_fetch(fetch.req_id, 0, errors)
+
+    def _end_fetch(self, req_id: str, fetched: int, errors: set[int]) -> None:
+        """A fetch ended with ``fetched`` L3 pages in L2; ``errors``: blocks not filled."""
+        errors.discard(NULL_BLOCK_ID)
+        self._fetched[req_id] = [fetched]
+        self._released_recv.add(req_id)
+        if not errors:
+            return
+        if self.per_request_failures:
+            self._failed_recv.add(req_id)
+            self.stats.load_errors += len(errors)
+        else:
+            self._load_errors.update(errors)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Return once this layer's planned loads are in vLLM's KV cache."""
@@ -223,11 +310,16 @@ class HiCacheWorker:
             self._pipeline.wait_layer(index)
 
     def _fail_fetch(self, fetch: RequestFetch) -> None:
+        errors = set(fetch.unloadable_block_ids)
         for page in (*fetch.l2_pages, *fetch.l3_pages):
-            self._load_errors.update(page.block_ids)
-        self._load_errors.update(fetch.unloadable_block_ids)
-        self._fetched[fetch.req_id] = [0]
-        self._released_recv.add(fetch.req_id)
+            errors.update(page.block_ids)
+        self._end_fetch(fetch.req_id, 0, errors)
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests (several KV-cache groups only) whose asynchronous load failed:
+        vLLM recomputes them; each was also reported received."""
+        failed, self._failed_recv = self._failed_recv, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -245,7 +337,7 @@ class HiCacheWorker:
         index = self._layer_index.get(layer_name)
         if not meta.stores or index is None or index in self._saved_layers:
             return
-        transfer = self._store_transfer(meta)
+        transfer = self._store_transfer(meta).groups[self._group_of_row[index]]
         self._saved_layers.add(index)
         self.stats.layer_saves_in_forward += 1
         pool = self._require_pool()
@@ -258,13 +350,14 @@ class HiCacheWorker:
         pool = self._require_pool()
         self.apply_commands(meta)
         if meta.stores:
-            transfer = self._store_transfer(meta)
-            rest = [i for i in range(len(self.layers)) if i not in self._saved_layers]
-            if rest:
-                save = self._store_clock.wrap(self._copy_fn("save"))
-                self._pipeline.submit(
-                    "save", lambda: save(self.layers, pool.canonical, transfer, rest)
-                )
+            transfers = self._store_transfer(meta).groups
+            save = self._store_clock.wrap(self._copy_fn("save"))
+            for group, rows in enumerate(self._group_rows):
+                rest = [i for i in rows if i not in self._saved_layers]
+                if rest:
+                    self._pipeline.submit(
+                        "save", functools.partial(save, self.layers, pool.canonical,
+                                                  transfers[group], rest))
         failures = {kind for kind, _ in self._pipeline.drain()}
         load_seconds = self._load_clock.take_seconds()
         store_seconds = self._store_clock.take_seconds()
@@ -275,9 +368,7 @@ class HiCacheWorker:
                 if load_seconds is not None:
                     self.stats.observe("l2_load_seconds", load_seconds)
                 self.stats.loaded_blocks += len(self._loading)
-                self.stats.loaded_bytes += (
-                    len(self._loading) * self.geometry.block_bytes * len(self.layers)
-                )
+                self.stats.loaded_bytes += self._loading_bytes
         if meta.stores:
             if "save" in failures:
                 self._bad_slots.update(p.slot for p in meta.stores)
@@ -286,7 +377,10 @@ class HiCacheWorker:
                 for page in meta.stores:
                     pool.set_key(page.slot, page.key)
                 if self.storage_io is not None and self.l3_writer:
-                    self.storage_io.submit_backup([(p.key, p.slot) for p in meta.stores])
+                    # A page stored without a windowed group's blocks (vLLM's null
+                    # block there) is partial: L2 only, never backed up.
+                    self.storage_io.submit_backup([(p.key, p.slot) for p in meta.stores
+                                                   if NULL_BLOCK_ID not in p.block_ids])
                 self.stats.saved_pages += len(meta.stores)
                 if store_seconds is not None:
                     self.stats.observe("l2_store_seconds", store_seconds)
@@ -302,19 +396,15 @@ class HiCacheWorker:
                 return fn
         return getattr(self.copy_path, kind)
 
-    def _store_transfer(self, meta: StepPlan) -> BlockTransfer:
+    def _store_transfer(self, meta: StepPlan) -> GroupTransfer:
         """The step's store transfer, built once; slots are invalid until it lands."""
         if self._stores_of is None or self._stores_of[0] is not meta:
             pool = self._require_pool()
-            block_ids: list[int] = []
-            slots: list[int] = []
-            offsets: list[int] = []
             if self.storage_io is not None:
                 self.storage_io.release_slots(p.slot for p in meta.stores)
             for page in meta.stores:
                 pool.set_key(page.slot, None)
-                _append_page(page, block_ids, slots, offsets)
-            self._stores_of = (meta, BlockTransfer.from_lists(block_ids, slots, offsets))
+            self._stores_of = (meta, self._transfer(meta.stores))
         return self._stores_of[1]
 
     def shutdown(self) -> None:
@@ -336,9 +426,7 @@ class HiCacheWorker:
             results.extend(self.storage_io.poll())
         for result in results:
             self.stats.observe("l3_fetch_seconds", result.seconds)
-            self._released_recv.add(result.req_id)
-            self._load_errors.update(result.error_block_ids)
-            self._fetched[result.req_id] = [result.fetched_pages]
+            self._end_fetch(result.req_id, result.fetched_pages, set(result.error_block_ids))
         received, self._released_recv = self._released_recv, set()
         return received
 
@@ -430,10 +518,25 @@ class HiCacheWorker:
         return self.pool
 
 
-def _append_page(
-    page: PagePlan, block_ids: list[int], slots: list[int], offsets: list[int]
-) -> None:
-    for i, block_id in enumerate(page.block_ids):
+@dataclass(frozen=True)
+class GroupTransfer:
+    """One set of page copies, as a ``BlockTransfer`` per KV-cache group."""
+
+    groups: tuple[BlockTransfer, ...]
+    # Pool rows (layers) of each group.
+    rows: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(t) for t in self.groups)
+
+    def num_bytes(self, block_bytes: int) -> int:
+        return sum(len(t) * n for t, n in zip(self.groups, self.rows, strict=True)) * block_bytes
+
+
+def _append_page(page: PagePlan, page_blocks: Sequence[int], block_ids: list[int],
+                 slots: list[int], offsets: list[int]) -> None:
+    for i, block_id in enumerate(page_blocks):
         if block_id == NULL_BLOCK_ID:
             continue  # a token out of a sliding window: vLLM's null block, never touched
         block_ids.append(block_id)

@@ -286,7 +286,7 @@ class SimEngine:
                                       1),
                 namespace=namespace, page_size=config.page_size, block_size=config.block_size,
                 # Block ids only matter as "not vLLM's null block (0)" here.
-                block_ids_of=lambda req_id: range(1, 1 << 30), write_policy=config.write_policy,
+                block_ids_of=lambda req_id: [range(1, 1 << 30)], write_policy=config.write_policy,
                 write_threshold=config.write_threshold, storage=self.l3,  # type: ignore[arg-type]
                 prefetch={"prefetch_threshold": config.prefetch_threshold},
             )
@@ -380,7 +380,7 @@ class SimEngine:
         assert sched is not None
         st = sched.stats
         before = (st.l1_hit_pages, st.l2_hit_pages, st.l3_hit_pages)
-        sched.update_state_after_alloc(req, [], external)
+        sched.update_state_after_alloc(req, [[]], external)
         if is_async:
             # The worker fetches every L3 page (a simulated store never fails).
             meta = sched.build_connector_meta({})
@@ -408,7 +408,7 @@ class SimEngine:
                 self._backup(self.sched.build_connector_meta(
                     {req.request_id: computed - req.num_computed_tokens}))
             req.num_computed_tokens = computed
-            self.sched.request_finished(req, list(range(1, computed // cfg.block_size + 1)))
+            self.sched.request_finished(req, [list(range(1, computed // cfg.block_size + 1))])
             self._backup(self.sched.build_connector_meta({}))
         seed = self._l1_seed + (req.cache_salt or "").encode()
         self.l1.grow(running.blocks, -(-computed // cfg.block_size))

@@ -19,7 +19,10 @@ Contract:
   extension of the locked prefix.
 - When every TP rank has reported the fetch, the pages all of them got (the
   minimum) enter the tree, L2-resident; the other reserved slots are freed
-  and the prefix unlocked (``L2Manager.publish_fetched``).
+  and the prefix unlocked (``L2Manager.publish_fetched``). A request whose
+  fetch came short is remembered (``came_short``): with several KV-cache
+  groups vLLM recomputes it from its first token and looks it up again, and
+  that lookup does not ask L3 a second time.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ class L3Fetches:
         self.page_size = page_size
         self.tp_size = tp_size
         self.in_flight: dict[str, InflightFetch] = {}
+        # Requests whose last fetch got fewer L3 pages than planned.
+        self.came_short: set[str] = set()
         self._stats = stats
         self._planned: list[RequestFetch] = []
 
@@ -162,6 +167,8 @@ class L3Fetches:
     def _finish(self, req_id: str, fetched: int) -> None:
         """Every rank has the fetch's first ``fetched`` L3 pages in L2: publish them."""
         fetch = self.in_flight.pop(req_id)
+        if fetched < len(fetch.slots):
+            self.came_short.add(req_id)
         self._stats.l3_fetched_pages += fetched
         self._stats.l3_failed_pages += len(fetch.slots) - fetched
         self.l2.publish_fetched(fetch.node, fetch.prefix_keys, fetch.keys, fetch.slots,

@@ -11,9 +11,12 @@ Contract:
   planned: the worker runs steps in order and finishes a step's stores
   before a later step's loads (see tiers/index/plans.py), so a hit on a page
   never reads a slot before its bytes are there.
-- A page that holds vLLM's null block (a sliding window's dropped blocks) is
-  never stored; the store ends at the first such page, keeping L2
-  prefix-closed.
+- vLLM's null block (a sliding window's dropped blocks) is never stored. A
+  page whose full-attention blocks are not all real ends the store (L2 stays
+  prefix-closed). A page whose windowed groups lost blocks
+  (tiers/index/kv_groups.py) is stored without them: its slot's
+  residency mask (``missing_of``) says which groups it lacks, and lookups
+  only end a hit where the window's pages have them.
 - Slots a worker found unusable (failed store, key mismatch) are dropped
   with every page below them at the next step; pages locked by a load or
   fetch are dropped once unlocked.
@@ -25,8 +28,9 @@ from collections.abc import Iterable, Sequence
 
 from hicache.tiers.controller.policies import EvictionPolicy, LeafFirstLRU
 from hicache.tiers.controller.stats import SchedulerStats
+from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan
+from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
 from hicache.tiers.index.slot_allocator import SlotAllocator
 
@@ -35,8 +39,13 @@ class L2Manager:
     """The tree and the slots of the L2 host pool (see the module docstring)."""
 
     def __init__(self, num_slots: int, blocks_per_page: int, stats: SchedulerStats,
-                 eviction: EvictionPolicy | None = None) -> None:
+                 eviction: EvictionPolicy | None = None,
+                 groups: KVGroups | None = None) -> None:
         self.tree = HiRadixTree()
+        self.groups = groups or KVGroups.single()
+        # slot -> groups the page in it lacks (bit g = group g); defined for every
+        # slot the tree holds, set whenever a slot is given a page; 0 = complete.
+        self._missing: dict[int, int] = {}
         self.slots = SlotAllocator(num_slots)
         self.eviction = eviction or LeafFirstLRU()
         self.blocks_per_page = blocks_per_page
@@ -56,25 +65,33 @@ class L2Manager:
             self._stats.evicted_pages += len(freed)
         return self.slots.alloc(n)
 
-    def plan_store(self, keys: Sequence[PageKey], block_ids: Sequence[int],
+    def missing_of(self, slot: int) -> int:
+        """Groups the page in ``slot`` lacks (bit g = group g; 0 = complete)."""
+        return self._missing.get(slot, 0)
+
+    def plan_store(self, keys: Sequence[PageKey], block_ids: GroupBlockIds,
                    ) -> list[PagePlan] | None:
         """Store the pages of ``keys`` beyond the prefix already in L2, from
-        ``block_ids`` (the request's blocks): allocate their slots and publish them.
+        ``block_ids`` (the request's blocks, per group): allocate their slots
+        and publish them.
 
         Returns the copies to plan ([] when nothing is missing or storable),
         or None when L2 has no room now (the caller may try again later).
         """
         bpp = self.blocks_per_page
         match = self.tree.match_prefix(keys)
-        # Only pages whose blocks all hold real KV now: a sliding window puts
-        # vLLM's null block where it no longer reaches, and the tree must stay
-        # prefix-closed, so the first page that lost a block ends the store.
+        # A sliding window puts vLLM's null block where it no longer reaches,
+        # and the tree must stay prefix-closed: the first page that cannot be
+        # stored ends the store (see the module docstring for windowed groups).
+        masks: list[int] = []
         for page in range(match.num_pages, len(keys)):
-            blocks = block_ids[page * bpp : (page + 1) * bpp]
-            if len(blocks) < bpp or NULL_BLOCK_ID in blocks:
+            blocks = self.groups.page_blocks(block_ids, page, bpp)
+            mask = self.groups.missing_mask(blocks) if blocks else None
+            if mask is None:
                 self._stats.store_skipped_pages += len(keys) - page
                 keys = keys[:page]
                 break
+            masks.append(mask)
         if match.num_pages >= len(keys):
             return []
         need = len(keys) - match.num_pages
@@ -96,7 +113,9 @@ class L2Manager:
             if slot in leftover:
                 continue
             page = match.num_pages + i
-            blocks = tuple(block_ids[page * bpp : (page + 1) * bpp])
+            self._missing[slot] = masks[i]
+            self._stats.stored_partial_pages += masks[i] != 0
+            blocks = self.groups.page_blocks(block_ids, page, bpp)
             plans.append(PagePlan(slot, keys[page], 0, blocks))
         self._stats.stored_pages += len(plans)
         self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)
@@ -109,6 +128,8 @@ class L2Manager:
         every reserved slot that no page of the tree holds."""
         unused = list(slots[fetched:])
         attached = node is self.tree.root or node.parent is not None
+        for slot in slots[:fetched]:
+            self._missing[slot] = 0  # L3 holds complete pages only
         if fetched and attached:
             # The prefix is locked, hence still resident.
             prefix = self.tree.match_prefix(prefix_keys)

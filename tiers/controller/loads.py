@@ -17,16 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan, RequestLoad
 from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
 
 
 def hit_pages(keys: Sequence[PageKey], slots: Sequence[int], start: int, end: int,
-              block_ids: Sequence[int], page_size: int, block_size: int,
+              block_ids: GroupBlockIds, page_size: int, block_size: int,
+              groups: KVGroups | None = None,
               ) -> tuple[list[PagePlan], tuple[int, ...]]:
     """(copies filling tokens ``[start, end)`` of a request from the pages in
-    ``slots`` (page i in ``slots[i]``), the blocks of that range no page covers)."""
+    ``slots`` (page i in ``slots[i]``), the blocks of that range no page covers);
+    ``block_ids`` are the request's blocks per KV-cache group."""
+    groups = groups or KVGroups.single()
     blocks_per_page = page_size // block_size
     matched_tokens = len(slots) * page_size
     first_block = start // block_size
@@ -37,10 +41,11 @@ def hit_pages(keys: Sequence[PageKey], slots: Sequence[int], start: int, end: in
         hi = min(end_block, (page + 1) * blocks_per_page)
         if lo >= hi:
             break
-        pages.append(PagePlan(slot=slots[page], key=keys[page],
-                              first_offset=lo - page * blocks_per_page,
-                              block_ids=tuple(block_ids[lo:hi])))
-    unloadable = tuple(block_ids[end_block : -(-end // block_size)])
+        first = page * blocks_per_page
+        pages.append(PagePlan(slot=slots[page], key=keys[page], first_offset=lo - first,
+                              block_ids=groups.page_blocks(block_ids, page, blocks_per_page,
+                                                           lo - first, hi - first)))
+    unloadable = tuple(b for ids in block_ids for b in ids[end_block : -(-end // block_size)])
     return pages, unloadable
 
 

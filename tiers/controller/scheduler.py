@@ -17,7 +17,11 @@ Contract with vLLM's scheduler (see DESIGN.md "Flow of one request"):
 - ``get_num_new_matched_tokens`` claims only full pages that are in L2 now,
   beyond vLLM's own prefix hit, leaving at least one prompt token to compute
   (L2 loads are synchronous), plus the pages after them that L3 holds
-  (asynchronous: ``load_async`` is True).
+  (asynchronous: ``load_async`` is True). With windowed KV-cache groups the
+  hit ends where every group can supply its part (tiers/index/kv_groups.py).
+  With several groups (vLLM's hybrid manager) every hit is asynchronous:
+  vLLM can only take a failed load back per request there
+  (``failed_recving``), which it offers for asynchronous loads only.
 - ``update_state_after_alloc`` locks the matched tree prefix and queues the
   load (released once the plan is emitted) or, for an L3 hit, the fetch
   (released when every rank has reported it).
@@ -52,6 +56,7 @@ from hicache.tiers.controller.requests import RequestTable, SchedulerRequest
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
 from hicache.tiers.index.commands import L3Removal
+from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -71,7 +76,7 @@ class HiCacheScheduler:
         namespace: KeyNamespace,
         page_size: int,
         block_size: int,
-        block_ids_of: Callable[[str], Sequence[int]],
+        block_ids_of: Callable[[str], GroupBlockIds],
         write_policy: str = "write_through",
         write_threshold: int = 2,
         storage: L3Store | None = None,
@@ -80,8 +85,10 @@ class HiCacheScheduler:
         tp_size: int = 1,
         hash_block_size: int | None = None,
         prefix_hasher: PrefixHasher | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         self.geometry = geometry
+        self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
         self.page_size = page_size
         self.block_size = block_size
@@ -101,7 +108,7 @@ class HiCacheScheduler:
 
         self.stats = SchedulerStats()
         self.l2 = L2Manager(geometry.num_slots, self.blocks_per_page, self.stats,
-                            make_eviction_policy())
+                            make_eviction_policy(), self.groups)
         # The jobs share these; they are never rebound.
         self.tree = self.l2.tree
         self.slots = self.l2.slots
@@ -150,7 +157,15 @@ class HiCacheScheduler:
         max_pages = (request.num_tokens - 1) // self.page_size
         match = self.tree.match_prefix(keys[:max_pages])
         self.stats.lookups += 1
-        l3_pages = self.fetches.lookup(keys[match.num_pages : max_pages])
+        l3_pages = 0
+        if request.request_id not in self.fetches.came_short:
+            l3_pages = self.fetches.lookup(keys[match.num_pages : max_pages])
+        if self.groups.windowed:
+            masks = [self.l2.missing_of(slot) for slot in match.host_slots] + [0] * l3_pages
+            usable = self.groups.usable_pages(masks, num_computed_tokens, self.page_size)
+            if usable < match.num_pages:
+                match, l3_pages = self.tree.match_prefix(keys[:usable]), 0
+            l3_pages = min(l3_pages, usable - match.num_pages)
         hit_tokens = (match.num_pages + l3_pages) * self.page_size
         state.lookup = (max_pages, num_computed_tokens // self.page_size, match.num_pages,
                         l3_pages)
@@ -160,7 +175,7 @@ class HiCacheScheduler:
         state.pending_match = match
         state.pending_l3_pages = l3_pages
         state.local_tokens = num_computed_tokens
-        return hit_tokens - num_computed_tokens, l3_pages > 0
+        return hit_tokens - num_computed_tokens, l3_pages > 0 or self.groups.hybrid
 
     def l3_tokens_of(self, req_id: str) -> int:
         """External tokens of the request's last admission that come from L3."""
@@ -168,9 +183,10 @@ class HiCacheScheduler:
         return state.l3_tokens if state is not None else 0
 
     def update_state_after_alloc(
-        self, request: SchedulerRequest, block_ids: Sequence[int], num_external_tokens: int
+        self, request: SchedulerRequest, block_ids: GroupBlockIds, num_external_tokens: int
     ) -> None:
-        """vLLM allocated the request's blocks: plan the load (or fetch) of its hit."""
+        """vLLM allocated the request's blocks (``block_ids``: per KV-cache group):
+        plan the load (or fetch) of its hit."""
         state = self.requests.get(request.request_id)
         if state is None:
             return
@@ -182,9 +198,10 @@ class HiCacheScheduler:
             return
         req_id = request.request_id
         keys = state.chain.keys
-        # vLLM asked for an async load exactly when L3 pages were offered; it
-        # then waits for the request in finished_recving, whatever happens here.
-        is_async = l3_pages > 0
+        # vLLM asked for an async load exactly when L3 pages were offered (or
+        # always, with several groups); it then waits for the request in
+        # finished_recving, whatever happens here.
+        is_async = l3_pages > 0 or self.groups.hybrid
         # The admin endpoint may have flushed pages (another thread) since the
         # lookup: match again. What is gone is reported as unloadable below and
         # recomputed; L3 pages no longer extend a resident prefix, so they go too.
@@ -199,7 +216,7 @@ class HiCacheScheduler:
         start = state.local_tokens
         pages, unloadable = hit_pages(keys, list(match.host_slots) + l3_slots, start,
                                       start + num_external_tokens, block_ids,
-                                      self.page_size, self.block_size)
+                                      self.page_size, self.block_size, self.groups)
         if unloadable:
             # Tokens vLLM allocated that no page can supply now (pages flushed
             # since the lookup): failed loads, so vLLM recomputes them.
@@ -210,7 +227,8 @@ class HiCacheScheduler:
             )
         if is_async:
             fetch = self.fetches.start(req_id, match, keys, l3_slots, pages, unloadable)
-            state.l3_tokens = sum(len(p.block_ids) for p in fetch.l3_pages) * self.block_size
+            state.l3_tokens = self.block_size * sum(
+                len(p.block_ids) // len(self.groups) for p in fetch.l3_pages)
         else:
             self.loads.add(match.node, RequestLoad(req_id, tuple(pages), unloadable))
         state.stored_pages = max(state.stored_pages, match.num_pages)
@@ -230,10 +248,12 @@ class HiCacheScheduler:
         return StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,
                         fetches=self.fetches.take())
 
-    def request_finished(self, request: SchedulerRequest, block_ids: Sequence[int]) -> bool:
-        """Plan the request's remaining stores; True = keep its blocks until done."""
+    def request_finished(self, request: SchedulerRequest, block_ids: GroupBlockIds) -> bool:
+        """Plan the request's remaining stores (``block_ids``: per KV-cache group);
+        True = keep its blocks until done."""
         state = self.requests.pop(request.request_id)
-        if state is None or not block_ids or self.fetches.is_fetching(request.request_id):
+        self.fetches.came_short.discard(request.request_id)
+        if state is None or not any(block_ids) or self.fetches.is_fetching(request.request_id):
             # A request finished (aborted) while its L3 fetch runs: vLLM keeps its
             # blocks until the worker reports the fetch; nothing to store.
             return False

@@ -21,6 +21,9 @@ class SchedulerStats:
     stored_pages: int = 0
     evicted_pages: int = 0
     store_skipped_pages: int = 0
+    # Pages stored without a sliding window's layers (vLLM's null block there):
+    # inner pages of a longer hit only (tiers/index/kv_groups.py).
+    stored_partial_pages: int = 0
     bad_slots_reported: int = 0
     l3_lookups: int = 0
     l3_hit_pages: int = 0

@@ -17,11 +17,12 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.policies import WritePolicy
 from hicache.tiers.controller.requests import RequestState, RequestTable
+from hicache.tiers.index.kv_groups import GroupBlockIds
 from hicache.tiers.index.plans import PagePlan
 
 
@@ -29,11 +30,11 @@ class StorePlanner:
     """Plans L1 -> L2 copies by the write policy (see the module docstring)."""
 
     def __init__(self, l2: L2Manager, policy: WritePolicy, *, page_size: int,
-                 block_ids_of: Callable[[str], Sequence[int]]) -> None:
+                 block_ids_of: Callable[[str], GroupBlockIds]) -> None:
         self.l2 = l2
         self.policy = policy
         self.page_size = page_size
-        # req_id -> the request's vLLM block ids (KV cache group 0).
+        # req_id -> the request's vLLM block ids, per KV cache group.
         self._block_ids_of = block_ids_of
         # Stores of finished requests, for the next plan, and those requests.
         self._deferred: list[PagePlan] = []
@@ -59,7 +60,7 @@ class StorePlanner:
                 stores.extend(self._store(state, ready_pages, self._block_ids_of(req_id)))
         return stores, release
 
-    def plan_finished(self, state: RequestState, block_ids: Sequence[int]) -> bool:
+    def plan_finished(self, state: RequestState, block_ids: GroupBlockIds) -> bool:
         """Plan what is left of a finished request; True = vLLM keeps its blocks until
         the next plan's stores are done.
 
@@ -70,7 +71,8 @@ class StorePlanner:
         """
         request = state.request
         ready = min(request.num_computed_tokens, len(request.all_token_ids))
-        ready_pages = min(ready // self.page_size, len(block_ids) // self.l2.blocks_per_page)
+        held = min((len(ids) for ids in block_ids), default=0)
+        ready_pages = min(ready // self.page_size, held // self.l2.blocks_per_page)
         if ready_pages <= state.stored_pages:
             return False
         plans = self._store(state, ready_pages, block_ids)
@@ -80,7 +82,7 @@ class StorePlanner:
         self._release_after_store.append(request.request_id)
         return True
 
-    def _store(self, state: RequestState, ready_pages: int, block_ids: Sequence[int],
+    def _store(self, state: RequestState, ready_pages: int, block_ids: GroupBlockIds,
                ) -> list[PagePlan]:
         """Copies of the request's pages in [in-L2 prefix, ready_pages) worth storing."""
         keys = state.page_keys()[:ready_pages]

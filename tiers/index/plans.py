@@ -52,7 +52,9 @@ class PagePlan:
     # Index within the page of the first block in block_ids (loads may start
     # mid-page when vLLM's own prefix cache already holds the page's head).
     first_offset: int
-    # vLLM KV block ids for consecutive blocks of the page.
+    # vLLM KV block ids for consecutive blocks of the page; with several KV
+    # cache groups, every group's blocks for those tokens, concatenated in
+    # group order (tiers/index/kv_groups.py).
     block_ids: tuple[int, ...]
 
 

@@ -5,8 +5,13 @@ Contract:
   to number its slots, every worker computes the same one to allocate its
   ``HostPagePool`` (``tiers/l2/host_pool.py``), so slot numbers chosen by
   the scheduler are valid on every rank.
+- A page holds every KV layer of the engine: with several KV-cache groups
+  (vLLM's hybrid manager), each group's layers for the page's tokens, so
+  ``num_layers`` counts the layers of all groups and ``page_bytes`` is the
+  real size of a page of all of them (tiers/index/kv_groups.py).
 - ``for_budget`` sizes the pool by ``hicache_size`` (GB, SGLang's unit) when
-  it is > 0, else by ``hicache_ratio`` x the engine's own KV cache, and
+  it is > 0, else by ``hicache_ratio`` x the engine's own KV cache (its real
+  bytes, ``l1_bytes``, when the groups share tensors), and
   refuses a budget smaller than one page (ValueError naming both settings).
 """
 
@@ -27,7 +32,7 @@ class PoolGeometry:
 
     # Number of page slots in the pool.
     num_slots: int
-    # KV layers copied per page (attention layers of the engine).
+    # KV layers copied per page (attention layers of the engine, all groups).
     num_layers: int
     # Engine KV blocks per page (page_size // block_size).
     blocks_per_page: int
@@ -52,14 +57,18 @@ class PoolGeometry:
         l1_num_blocks: int,
         hicache_size_gb: float,
         hicache_ratio: float,
+        l1_bytes: int | None = None,
     ) -> PoolGeometry:
-        """Size the pool by ``hicache_size_gb`` if > 0, else by ``hicache_ratio`` x L1."""
+        """Size the pool by ``hicache_size_gb`` if > 0, else by ``hicache_ratio`` x L1
+        (``l1_bytes``, default ``l1_num_blocks`` blocks of every layer)."""
         page_bytes = num_layers * blocks_per_page * block_bytes
         if hicache_size_gb > 0:
             budget = int(hicache_size_gb * GB)
             source = f"hicache_size={hicache_size_gb} GB"
         else:
-            budget = int(hicache_ratio * l1_num_blocks * num_layers * block_bytes)
+            if l1_bytes is None:
+                l1_bytes = l1_num_blocks * num_layers * block_bytes
+            budget = int(hicache_ratio * l1_bytes)
             source = f"hicache_ratio={hicache_ratio} x L1 ({l1_num_blocks} blocks)"
         num_slots = budget // page_bytes
         if num_slots < 1:

@@ -23,7 +23,7 @@ def make_scheduler(**policy):
     s = HiCacheScheduler(
         geometry=PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=64),
         namespace=KeyNamespace("m", "f32", "cpu", PAGE, 1), page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: tables[rid], **policy,
+        block_ids_of=lambda rid: [tables[rid]], **policy,
     )
     s.tables = tables
     return s
@@ -37,7 +37,7 @@ def sched():
 def prefill(sched, req, block_ids):
     """Admit ``req`` with no external hit and run its whole prompt in one step."""
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    sched.update_state_after_alloc(req, block_ids, 0)
+    sched.update_state_after_alloc(req, [block_ids], 0)
     sched.tables[req.request_id] = block_ids
     meta = sched.build_connector_meta({req.request_id: req.num_tokens})
     req.num_computed_tokens = req.num_tokens
@@ -58,7 +58,7 @@ def test_returning_prompt_loads_pages_and_leaves_one_token(sched):
     assert sched.get_num_new_matched_tokens(again, 0) == (PAGE, False)
     longer = request("c", list(range(100, 116)) + [5])
     assert sched.get_num_new_matched_tokens(longer, 0) == (2 * PAGE, False)
-    sched.update_state_after_alloc(longer, [10, 11, 12, 13, 14], 2 * PAGE)
+    sched.update_state_after_alloc(longer, [[10, 11, 12, 13, 14]], 2 * PAGE)
     meta = sched.build_connector_meta({})
     (load,) = meta.loads
     assert [(p.first_offset, p.block_ids) for p in load.pages] == [(0, (10, 11)), (0, (12, 13))]
@@ -70,7 +70,7 @@ def test_local_hit_ending_mid_page_loads_from_that_block(sched):
     req = request("b", list(range(100, 116)) + [5, 6])
     # vLLM's own cache already holds the first 3 blocks (12 tokens).
     assert sched.get_num_new_matched_tokens(req, 12) == (4, False)
-    sched.update_state_after_alloc(req, [20, 21, 22, 23, 24], 4)
+    sched.update_state_after_alloc(req, [[20, 21, 22, 23, 24]], 4)
     (load,) = sched.build_connector_meta({}).loads
     assert [(p.first_offset, p.block_ids) for p in load.pages] == [(1, (23,))]
 
@@ -79,7 +79,7 @@ def test_fewer_external_tokens_than_offered_loads_only_those(sched):
     prefill(sched, request("a", range(100, 124)), [1, 2, 3, 4, 5, 6])  # 3 pages
     req = request("b", list(range(100, 124)) + [9])
     assert sched.get_num_new_matched_tokens(req, 0) == (3 * PAGE, False)
-    sched.update_state_after_alloc(req, [30, 31, 32, 33, 34, 35, 36], PAGE + BS)  # capped
+    sched.update_state_after_alloc(req, [[30, 31, 32, 33, 34, 35, 36]], PAGE + BS)  # capped
     (load,) = sched.build_connector_meta({}).loads
     assert [p.block_ids for p in load.pages] == [(30, 31), (32,)]
     assert load.unloadable_block_ids == ()
@@ -89,7 +89,7 @@ def test_more_external_tokens_than_matched_are_reported_unloadable(sched):
     prefill(sched, request("a", range(100, 108)), [1, 2])  # 1 page
     req = request("b", list(range(100, 120)))
     assert sched.get_num_new_matched_tokens(req, 0) == (PAGE, False)
-    sched.update_state_after_alloc(req, [40, 41, 42, 43, 44], 2 * PAGE)  # never offered
+    sched.update_state_after_alloc(req, [[40, 41, 42, 43, 44]], 2 * PAGE)  # never offered
     (load,) = sched.build_connector_meta({}).loads
     assert [p.block_ids for p in load.pages] == [(40, 41)]
     assert load.unloadable_block_ids == (42, 43)
@@ -100,7 +100,7 @@ def test_finished_request_stores_its_tail_and_holds_blocks(sched):
     prefill(sched, req, [1, 2, 3])
     req.all_token_ids += [7, 8, 9, 10, 11, 12, 13]  # decoded; KV computed for all but the last
     req.num_computed_tokens = req.num_tokens - 1
-    assert sched.request_finished(req, [1, 2, 3, 4]) is True
+    assert sched.request_finished(req, [[1, 2, 3, 4]]) is True
     assert sched.has_pending_stores()
     meta = sched.build_connector_meta({})
     assert [p.block_ids for p in meta.stores] == [(3, 4)]
@@ -133,7 +133,7 @@ def test_write_back_copies_only_when_the_request_finishes():
     sched = make_scheduler(write_policy="write_back")
     req = request("a", range(100, 124))
     assert prefill(sched, req, [1, 2, 3, 4, 5, 6]).stores == []
-    assert sched.request_finished(req, [1, 2, 3, 4, 5, 6]) is True
+    assert sched.request_finished(req, [[1, 2, 3, 4, 5, 6]]) is True
     meta = sched.build_connector_meta({})
     assert [p.block_ids for p in meta.stores] == [(1, 2), (3, 4), (5, 6)]
     assert meta.release_after_store == ["a"]
@@ -154,7 +154,7 @@ def test_write_back_of_a_windowed_request_stores_only_its_real_prefix():
     prefill(sched, req, [1, 2, 3, 4, 5, 6])
     req.num_computed_tokens = req.num_tokens
     # By the time it finishes, the window has dropped page 1's first block.
-    assert sched.request_finished(req, [1, 2, 0, 4, 5, 6]) is True
+    assert sched.request_finished(req, [[1, 2, 0, 4, 5, 6]]) is True
     meta = sched.build_connector_meta({})
     assert [p.block_ids for p in meta.stores] == [(1, 2)]
     assert sched.tree.total_pages() == 1
@@ -165,7 +165,7 @@ def test_loads_may_name_the_null_block_but_never_need_it(sched):
     again = request("b", list(range(100, 124)) + [1])
     assert sched.get_num_new_matched_tokens(again, 0) == (3 * PAGE, False)
     # vLLM gives a windowed request the null block where the window no longer reaches.
-    sched.update_state_after_alloc(again, [0, 0, 0, 9, 10, 11, 12], 3 * PAGE)
+    sched.update_state_after_alloc(again, [[0, 0, 0, 9, 10, 11, 12]], 3 * PAGE)
     (load,) = sched.build_connector_meta({}).loads
     assert [p.block_ids for p in load.pages] == [(0, 0), (0, 9), (10, 11)]
 
@@ -179,7 +179,7 @@ def test_pages_flushed_between_lookup_and_allocation_are_recomputed(sched):
     match = sched.tree.match_prefix(sched.prefix_keys(range(100, 124)))
     sched.flush({"l2"}, list(range(100, 108)) + [0])  # pages after the first
     assert sched.tree.total_pages() == 1 and match.node.parent is None
-    sched.update_state_after_alloc(again, [9, 10, 11, 12, 13, 14, 15], 3 * PAGE)
+    sched.update_state_after_alloc(again, [[9, 10, 11, 12, 13, 14, 15]], 3 * PAGE)
     (load,) = sched.build_connector_meta({}).loads
     assert [p.block_ids for p in load.pages] == [(9, 10)]
     assert load.unloadable_block_ids == (11, 12, 13, 14)
@@ -197,7 +197,7 @@ def test_bad_slots_leave_l2_at_the_next_step_once_unlocked(sched):
     prefill(sched, request("a", range(100, 124)), [1, 2, 3, 4, 5, 6])  # 3 pages
     again = request("b", list(range(100, 124)) + [1])
     assert sched.get_num_new_matched_tokens(again, 0) == (3 * PAGE, False)
-    sched.update_state_after_alloc(again, [9, 10, 11, 12, 13, 14, 15], 3 * PAGE)
+    sched.update_state_after_alloc(again, [[9, 10, 11, 12, 13, 14, 15]], 3 * PAGE)
     slots = sched.tree.match_prefix(sched.prefix_keys(range(100, 124))).host_slots
     sched.on_worker_report(WorkerReport(bad_slots={slots[1]}))
     sched.build_connector_meta({})  # the load still holds the page: kept for now
@@ -212,7 +212,7 @@ def test_reset_waits_until_pending_loads_are_planned(sched):
     prefill(sched, request("a", range(100, 116)), [1, 2, 3, 4])
     again = request("b", list(range(100, 116)) + [1])
     assert sched.get_num_new_matched_tokens(again, 0) == (2 * PAGE, False)
-    sched.update_state_after_alloc(again, [5, 6, 7, 8, 9], 2 * PAGE)
+    sched.update_state_after_alloc(again, [[5, 6, 7, 8, 9]], 2 * PAGE)
     assert sched.reset() is False and sched.tree.total_pages() == 2
     sched.build_connector_meta({})
     assert sched.reset() is True

@@ -21,7 +21,7 @@ B = SHARED + list(range(200, 224))
 def scheduler(storage=None) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
     s = HiCacheScheduler(geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-                         block_ids_of=lambda rid: tables[rid], storage=storage,
+                         block_ids_of=lambda rid: [tables[rid]], storage=storage,
                          prefetch={"prefetch_threshold": 10_000})
     s.tables = tables
     return s
@@ -31,11 +31,11 @@ def serve(sched, rid, tokens):
     req = request(rid, tokens + [1])
     hit, _ = sched.get_num_new_matched_tokens(req, 0)
     blocks = list(range(1, len(req.all_token_ids) // BS + 2))  # 0 is vLLM's null block
-    sched.update_state_after_alloc(req, blocks, hit)
+    sched.update_state_after_alloc(req, [blocks], hit)
     sched.tables[rid] = blocks
     sched.build_connector_meta({rid: req.num_tokens - hit})
     req.num_computed_tokens = req.num_tokens
-    sched.request_finished(req, blocks)
+    sched.request_finished(req, [blocks])
     sched.build_connector_meta({})
     return hit
 
@@ -71,7 +71,7 @@ def test_flush_all_skips_locked_pages():
     serve(sched, "a", A)
     again = request("a2", A + [5])
     hit, _ = sched.get_num_new_matched_tokens(again, 0)
-    sched.update_state_after_alloc(again, list(range(11)), hit)  # locks A's pages
+    sched.update_state_after_alloc(again, [list(range(11))], hit)  # locks A's pages
     counts, _ = sched.flush({"l2"}, None)
     assert counts["l2_pages"] == 0 and counts["skipped_locked"] == 5
     sched.build_connector_meta({})  # the load is planned, the lock released

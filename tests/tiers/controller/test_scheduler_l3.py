@@ -35,7 +35,7 @@ def store_pages(tmp_path, tokens) -> None:
 def scheduler(tmp_path, **kw) -> HiCacheScheduler:
     return HiCacheScheduler(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: [], storage=backend(tmp_path),
+        block_ids_of=lambda rid: [[]], storage=backend(tmp_path),
         prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0,
                   "prefetch_timeout_per_ki_token": 0.5, "prefetch_timeout_max": 30.0}, **kw)
 
@@ -46,7 +46,7 @@ def test_l3_hit_is_async_and_reserves_slots(tmp_path):
     sched = scheduler(tmp_path)
     req = request("r", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, True)
-    sched.update_state_after_alloc(req, list(range(10, 18)), 4 * PAGE)
+    sched.update_state_after_alloc(req, [list(range(10, 18))], 4 * PAGE)
     meta = sched.build_connector_meta({})
     (fetch,) = meta.fetches
     assert not meta.loads and fetch.l2_pages == ()
@@ -69,14 +69,14 @@ def test_l2_prefix_stays_locked_until_every_rank_reported(tmp_path):
     sched = scheduler(tmp_path, tp_size=2, prefetch_policy="wait_complete")
     first = request("a", tokens[:17])  # its 2 pages come from L3 into L2
     assert sched.get_num_new_matched_tokens(first, 0) == (2 * PAGE, True)
-    sched.update_state_after_alloc(first, [1, 2, 3, 4], 2 * PAGE)
+    sched.update_state_after_alloc(first, [[1, 2, 3, 4]], 2 * PAGE)
     assert sched.build_connector_meta({}).fetches[0].timeout_s is None
     sched.on_worker_report(WorkerReport(fetched={"a": [2, 2]}))
     assert sched.tree.total_pages() == 2
     # A longer request: 2 pages from L2 plus 2 from L3.
     second = request("b", tokens)
     assert sched.get_num_new_matched_tokens(second, 0) == (4 * PAGE, True)
-    sched.update_state_after_alloc(second, list(range(20, 28)), 4 * PAGE)
+    sched.update_state_after_alloc(second, [list(range(20, 28))], 4 * PAGE)
     (fetch,) = sched.build_connector_meta({}).fetches
     assert len(fetch.l2_pages) == 2 and len(fetch.l3_pages) == 2
     assert sched.tree.evictable_pages() == 0  # prefix locked
@@ -114,7 +114,7 @@ def test_l3_pages_under_vllms_own_hit_are_fetched_into_l2_only(tmp_path):
     sched = scheduler(tmp_path)
     req = request("r", tokens)
     assert sched.get_num_new_matched_tokens(req, 20) == (4 * PAGE - 20, True)
-    sched.update_state_after_alloc(req, list(range(10, 18)), 4 * PAGE - 20)
+    sched.update_state_after_alloc(req, [list(range(10, 18))], 4 * PAGE - 20)
     (fetch,) = sched.build_connector_meta({}).fetches
     assert [(p.first_offset, p.block_ids) for p in fetch.l3_pages] == [
         (0, ()), (0, ()), (1, (15,)), (0, (16, 17))]
@@ -131,13 +131,13 @@ def test_flush_between_lookup_and_allocation_keeps_the_async_contract(tmp_path):
     sched = scheduler(tmp_path)
     first = request("a", tokens[:17])  # 2 pages from L3 into L2
     sched.get_num_new_matched_tokens(first, 0)
-    sched.update_state_after_alloc(first, [1, 2, 3, 4, 5], 2 * PAGE)
+    sched.update_state_after_alloc(first, [[1, 2, 3, 4, 5]], 2 * PAGE)
     sched.build_connector_meta({})
     sched.on_worker_report(WorkerReport(fetched={"a": [2]}))
     req = request("r", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (6 * PAGE, True)
     sched.flush({"l2"}, None)
-    sched.update_state_after_alloc(req, list(range(10, 23)), 6 * PAGE)
+    sched.update_state_after_alloc(req, [list(range(10, 23))], 6 * PAGE)
     (fetch,) = sched.build_connector_meta({}).fetches
     assert fetch.l2_pages == () and fetch.l3_pages == ()
     assert fetch.unloadable_block_ids == tuple(range(10, 22))
@@ -152,7 +152,7 @@ def test_best_effort_fetch_stops_at_the_workers_next_poll(tmp_path):
     sched = scheduler(tmp_path, prefetch_policy="best_effort")
     req = request("r", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * PAGE, True)
-    sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 2 * PAGE)
+    sched.update_state_after_alloc(req, [[1, 2, 3, 4, 5]], 2 * PAGE)
     assert sched.build_connector_meta({}).fetches[0].timeout_s == 0.0
 
 

@@ -1,0 +1,106 @@
+"""Worker half with several KV-cache groups (vLLM's hybrid manager), no engine.
+
+Like vLLM's hybrid allocator, a sliding-window layer and a full-attention
+layer share one KV tensor and take disjoint blocks of it: each is its own
+pool row, copied with its own group's blocks. Hits arrive as fetches without
+L3 pages and are served at once; a failed one is reported per request
+(``take_failed_recving``), never as block ids, which vLLM cannot map to
+requests with several groups. A page stored without a window's blocks is
+never backed up to L3. Real host pool, real file backend.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hicache.connector.metadata import HiCacheStepMetadata
+from hicache.connector.worker import HiCacheWorker
+from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.index.plans import PagePlan, RequestFetch
+from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.file_backend import FileBackend
+
+GEOM = PoolGeometry(num_slots=4, num_layers=2, blocks_per_page=2, block_bytes=64)
+NS = KeyNamespace("tiny", "float32", "cpu", 8, 1)
+KEY_A, KEY_B = page_keys(NS.seed(), list(range(16)), 8)
+L1_BLOCKS = 10
+GROUPS = [["model.layers.0.self_attn.attn"], ["model.layers.1.self_attn.attn"]]
+
+
+def make_worker(tmp_path: Path | None = None) -> HiCacheWorker:
+    def build(name: str, extra: dict) -> FileBackend:
+        return FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                                         extra_config=extra))
+
+    w = HiCacheWorker(GEOM, L1_BLOCKS, layout="page_first", storage_builder=build,
+                      storage_spec=("file", {"path": str(tmp_path)}) if tmp_path else None,
+                      group_layer_names=GROUPS)
+    kv = torch.arange(L1_BLOCKS * 16, dtype=torch.float32).view(L1_BLOCKS, 16)  # 64 B blocks
+    # One tensor, two layers of different groups (vLLM's hybrid allocator).
+    w.register_kv_caches({GROUPS[0][0]: kv, GROUPS[1][0]: kv})
+    w.kv = kv  # type: ignore[attr-defined]
+    return w
+
+
+def test_each_group_is_copied_with_its_own_blocks():
+    w = make_worker()
+    assert w.per_request_failures and len(w.layers) == 2
+    # Page: window group blocks 1, 2; full-attention group blocks 3, 4.
+    w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (1, 2, 3, 4))]))
+    before = w.kv.clone()
+    null_before = w.kv[0].clone()
+    w.kv[5:9] = -1
+    # The window no longer reaches the page's first block: vLLM names block 0 there.
+    fetch = RequestFetch("r", (PagePlan(0, KEY_A, 0, (0, 5, 6, 7)),), ())
+    w.start_load(HiCacheStepMetadata(fetches=[fetch]))
+    w.finish_step(HiCacheStepMetadata())
+    assert torch.equal(w.kv[0], null_before)  # never written
+    assert torch.equal(w.kv[5], before[2])  # window group's second block
+    assert torch.equal(w.kv[6:8], before[3:5])  # full-attention group's blocks
+    assert torch.equal(w.kv[8], torch.full_like(w.kv[8], -1))  # untouched
+    assert w.take_received() == {"r"}
+    assert w.take_failed_recving() == set() and w.take_load_errors() == set()
+    report = w.take_report()
+    assert report is not None and report.fetched == {"r": [0]}
+
+
+def test_a_failed_hit_is_reported_per_request():
+    w = make_worker()
+    # Slot 1 never received KEY_B: the key check fails.
+    fetch = RequestFetch("s", (PagePlan(1, KEY_B, 0, (5, 6, 7, 8)),), ())
+    w.start_load(HiCacheStepMetadata(fetches=[fetch]))
+    w.finish_step(HiCacheStepMetadata())
+    assert w.take_received() == {"s"}
+    assert w.take_failed_recving() == {"s"}
+    assert w.take_load_errors() == set()  # never block ids with several groups
+    report = w.take_report()
+    assert report is not None and report.bad_slots == {1}
+
+
+def test_granted_tokens_no_page_covers_fail_the_request():
+    w = make_worker()
+    w.start_load(HiCacheStepMetadata(fetches=[RequestFetch("t", (), (), (5, 6))]))
+    w.finish_step(HiCacheStepMetadata())
+    assert w.take_received() == {"t"} and w.take_failed_recving() == {"t"}
+
+
+def test_a_page_without_its_window_stays_out_of_l3(tmp_path):
+    w = make_worker(tmp_path)
+    try:
+        w.finish_step(HiCacheStepMetadata(stores=[
+            PagePlan(0, KEY_A, 0, (1, 2, 3, 4)),  # complete
+            PagePlan(1, KEY_B, 0, (0, 2, 5, 6)),  # the window lost its first block
+        ]))
+        deadline = time.monotonic() + 60  # a bound for a loaded machine, not a speed check
+        while w.storage_io.stats.backup_pages < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        w.storage_io.shutdown()  # drains the queue: nothing else was submitted
+        assert w.storage_io.stats.backup_pages == 1
+        assert w.storage.batch_exists([KEY_A.hex()]) == 1
+        assert w.storage.batch_exists([KEY_B.hex()]) == 0
+    finally:
+        w.shutdown()

@@ -1,0 +1,153 @@
+"""Scheduler half with vLLM's hybrid KV cache manager on (several KV-cache groups), no engine.
+
+Two sliding-window groups (window 12 tokens) and one full-attention group,
+as vLLM gives a Gemma-3-style model: block ids per group, its null block (0)
+where a window no longer reaches. Checked here: every group's blocks are
+planned per page, pages that lost a window are stored without it and only
+end a hit where the window has it, every hit is asynchronous (vLLM takes a
+failed load back only per request there), and a fetch that came short is not
+asked of L3 again for the same request.
+"""
+
+from __future__ import annotations
+
+from support.fakes import keys_of, request
+
+from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.kv_groups import KVGroup, KVGroups
+from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.index.plans import WorkerReport
+from hicache.tiers.l2.geometry import PoolGeometry
+from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.file_backend import FileBackend
+
+BS = 4  # tokens per vLLM block
+PAGE = 8  # tokens per page: 2 blocks
+GROUPS = KVGroups((KVGroup("window", 12), KVGroup("window", 12), KVGroup("full")))
+GEOM = PoolGeometry(num_slots=32, num_layers=3, blocks_per_page=2, block_bytes=64)
+NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+
+
+def backend(tmp_path) -> FileBackend:
+    return FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                                     extra_config={"path": str(tmp_path)}))
+
+
+def store_pages(tmp_path, tokens) -> None:
+    """Every full page of ``tokens`` in L3, as another engine would have put them."""
+    writer = backend(tmp_path)
+    writer.register_host_pool(HostPagePool(GEOM, layout="page_first", pin_memory=False))
+    keys = [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)]
+    assert all(writer.batch_set_v1(keys, list(range(len(keys)))))
+
+
+def make_scheduler(storage=None, **kw) -> HiCacheScheduler:
+    tables: dict[str, list[list[int]]] = {}
+    s = HiCacheScheduler(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: tables[rid], groups=GROUPS, storage=storage,
+        prefetch={"prefetch_threshold": 1}, **kw)
+    s.tables = tables  # type: ignore[attr-defined]
+    return s
+
+
+def blocks(n: int, nulls: int = 0) -> list[list[int]]:
+    """A request's block tables: ``n`` blocks per group, the windowed groups'
+    first ``nulls`` replaced by vLLM's null block."""
+    return [[0] * nulls + list(range(100 + nulls, 100 + n)),
+            [0] * nulls + list(range(200 + nulls, 200 + n)),
+            list(range(300, 300 + n))]
+
+
+def run_prompt(sched, req, tables):
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, tables, 0)
+    sched.tables[req.request_id] = tables
+    plan = sched.build_connector_meta({req.request_id: req.num_tokens})
+    req.num_computed_tokens = req.num_tokens
+    return plan
+
+
+def test_a_page_carries_every_groups_blocks():
+    sched = make_scheduler()
+    plan = run_prompt(sched, request("a", range(100, 120)), blocks(5))  # 2 pages + 4
+    assert [p.block_ids for p in plan.stores] == [(100, 101, 200, 201, 300, 301),
+                                                  (102, 103, 202, 203, 302, 303)]
+    assert [sched.l2.missing_of(p.slot) for p in plan.stores] == [0, 0]
+
+
+def test_every_hit_is_asynchronous_and_names_every_group():
+    sched = make_scheduler()
+    run_prompt(sched, request("a", range(100, 117)), blocks(5))
+    again = request("b", range(100, 117))
+    assert sched.get_num_new_matched_tokens(again, 0) == (2 * PAGE, True)
+    sched.update_state_after_alloc(again, blocks(5, nulls=1), 2 * PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert fetch.l3_pages == ()
+    # The window's first block is the null block (never loaded); the rest is real.
+    assert [p.block_ids for p in fetch.l2_pages] == [(0, 101, 0, 201, 300, 301),
+                                                     (102, 103, 202, 203, 302, 303)]
+    # The worker reports it (L2 only: no L3 pages fetched); its prefix is unlocked.
+    sched.on_worker_report(WorkerReport(fetched={"b": [0]}))
+    assert not sched.fetches.in_flight
+    assert sched.tree.evictable_pages() == 2
+
+
+def test_write_back_keeps_a_history_whose_early_pages_lost_the_window():
+    sched = make_scheduler(write_policy="write_back")
+    req = request("a", range(100, 133))  # 4 pages + 1 token
+    run_prompt(sched, req, blocks(9))
+    # When it finishes, the window keeps its last blocks only: pages 0-2 lack it.
+    assert sched.request_finished(req, blocks(9, nulls=5)) is True
+    stores = sched.build_connector_meta({}).stores
+    assert len(stores) == 4
+    assert [sched.l2.missing_of(p.slot) for p in stores] == [0b011, 0b011, 0b011, 0]
+    # Ending after page 3 needs tokens 21..31 (blocks 5-7); residency is per page,
+    # and page 2 (blocks 4-5) lost block 4: no hit (conservative, never wrong).
+    back = request("b", list(range(100, 133)) + [7, 8, 9])
+    assert sched.get_num_new_matched_tokens(back, 0) == (0, False)
+
+
+def test_a_history_returns_whole_when_its_window_pages_are_complete():
+    sched = make_scheduler(write_policy="write_back")
+    req = request("a", range(100, 133))
+    run_prompt(sched, req, blocks(9))
+    # Window 12: at the end (32 tokens) vLLM keeps tokens 21.. real: blocks 5-8.
+    assert sched.request_finished(req, blocks(9, nulls=4)) is True
+    stores = sched.build_connector_meta({}).stores
+    assert [sched.l2.missing_of(p.slot) for p in stores] == [0b011, 0b011, 0, 0]
+    back = request("b", list(range(100, 133)) + [7, 8, 9])
+    assert sched.get_num_new_matched_tokens(back, 0) == (4 * PAGE, True)
+    # A branch that shares only the first 2 pages cannot end in them: no hit.
+    branch = request("c", list(range(100, 116)) + [1, 2, 3, 4, 5])
+    assert sched.get_num_new_matched_tokens(branch, 0) == (0, False)
+    # vLLM's own cache holding the head does not change where the window must be.
+    assert sched.get_num_new_matched_tokens(back, 2 * PAGE) == (2 * PAGE, True)
+
+
+def test_a_full_attention_null_block_ends_the_store():
+    sched = make_scheduler()
+    tables = blocks(5)
+    tables[2][2] = 0
+    plan = run_prompt(sched, request("a", range(100, 120)), tables)
+    assert len(plan.stores) == 1
+    assert sched.stats.store_skipped_pages == 1
+
+
+def test_l3_pages_extend_the_hit_and_a_short_fetch_is_not_asked_again(tmp_path):
+    tokens = list(range(100, 133))
+    store_pages(tmp_path, tokens)
+    sched = make_scheduler(storage=backend(tmp_path))
+    req = request("a", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, True)
+    sched.update_state_after_alloc(req, blocks(9), 4 * PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert [p.block_ids for p in fetch.l3_pages][0] == (100, 101, 200, 201, 300, 301)
+    assert sched.l3_tokens_of("a") == 4 * PAGE
+    # The worker got 1 of 4 pages: vLLM recomputes the request and looks it up again.
+    sched.on_worker_report(WorkerReport(fetched={"a": [1]}))
+    assert "a" in sched.fetches.came_short
+    assert sched.get_num_new_matched_tokens(req, 0) == (PAGE, True)  # L2 only
+    sched.request_finished(req, blocks(9))
+    assert "a" not in sched.fetches.came_short

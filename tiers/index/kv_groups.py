@@ -1,0 +1,130 @@
+"""The engine's KV-cache groups as the cache sees them: which blocks a page has, which it needs.
+
+See DESIGN.md "Hybrid models".
+
+Contract:
+- vLLM's hybrid KV cache manager gives each kind of layer its own group
+  (full attention, sliding window, chunked local) with its own block table;
+  ``KVGroups`` lists them in vLLM's group order. A one-group engine is
+  ``KVGroups.single()``, and everything below reduces to what it was.
+- A page's blocks, wherever a plan names them (``PagePlan.block_ids``,
+  tiers/index/plans.py), are the groups' blocks for the page's tokens,
+  concatenated in group order, every group contributing the same number.
+  ``page_blocks`` builds that tuple, ``split`` takes it apart.
+- Residency: a page is stored in L2 with every group's bytes, except that a
+  windowed group whose blocks vLLM has already replaced by its null block
+  (the window moved on) is stored *missing* for that page (``missing_mask``,
+  bit ``g`` = group ``g`` missing). A full-attention group is never missing:
+  a page without it is not stored.
+- A hit may end after page ``P`` only where every windowed group has its
+  bytes in the pages vLLM keeps real blocks for at that point (the last
+  ``window`` tokens before the hit's end, from vLLM's own skip rule);
+  ``usable_pages`` finds the longest such hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from hicache.tiers.index.plans import NULL_BLOCK_ID
+
+# Per-group block ids of one request, in vLLM's group order.
+GroupBlockIds = Sequence[Sequence[int]]
+
+GroupKind = Literal["full", "window"]
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group: what its layers need of a prefix."""
+
+    kind: GroupKind
+    # Tokens before a position that its attention still reads (kind "window"):
+    # vLLM's sliding window (plus any extra retained tokens), or the chunk of
+    # chunked-local attention (which never reads further back).
+    window: int = 0
+    # KV layers of the engine in this group.
+    num_layers: int = 1
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The engine's KV-cache groups, in vLLM's order (see the module docstring)."""
+
+    groups: tuple[KVGroup, ...]
+
+    @classmethod
+    def single(cls, num_layers: int = 1) -> KVGroups:
+        return cls((KVGroup("full", num_layers=num_layers),))
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    @property
+    def hybrid(self) -> bool:
+        """More than one group: vLLM's hybrid KV cache manager is on."""
+        return len(self.groups) > 1
+
+    @property
+    def num_layers(self) -> int:
+        return sum(g.num_layers for g in self.groups)
+
+    @property
+    def windowed(self) -> bool:
+        return any(g.kind == "window" for g in self.groups)
+
+    def page_blocks(self, block_ids: GroupBlockIds, page: int, blocks_per_page: int,
+                    lo: int = 0, hi: int | None = None) -> tuple[int, ...]:
+        """Blocks ``[lo, hi)`` of page ``page`` (block offsets in the page), every
+        group's, concatenated in group order; () when a group lacks them."""
+        hi = blocks_per_page if hi is None else hi
+        start = page * blocks_per_page
+        out: list[int] = []
+        for ids in block_ids:
+            part = ids[start + lo : start + hi]
+            if len(part) < hi - lo:
+                return ()
+            out.extend(part)
+        return tuple(out)
+
+    def split(self, blocks: Sequence[int]) -> list[Sequence[int]]:
+        """A page's concatenated blocks, one slice per group."""
+        n = len(blocks) // len(self.groups)
+        return [blocks[g * n : (g + 1) * n] for g in range(len(self.groups))]
+
+    def missing_mask(self, blocks: Sequence[int]) -> int | None:
+        """Residency of a page stored from ``blocks``: bit g set = group g's blocks
+        are (partly) vLLM's null block; None = not storable (a full-attention
+        group lacks blocks)."""
+        mask = 0
+        for g, (group, ids) in enumerate(zip(self.groups, self.split(blocks), strict=True)):
+            if NULL_BLOCK_ID in ids:
+                if group.kind == "full":
+                    return None
+                mask |= 1 << g
+        return mask
+
+    def usable_pages(self, masks: Sequence[int], first_token: int, page_size: int) -> int:
+        """The longest hit ``P <= len(masks)`` pages whose tokens ``[first_token, P *
+        page_size)`` can be loaded: every windowed group present in the pages vLLM
+        keeps real blocks for when the hit ends there. 0 when none is."""
+        if not any(masks):
+            return len(masks)
+        for pages in range(len(masks), 0, -1):
+            end = pages * page_size
+            if end <= first_token:
+                return 0
+            if all(self._has_window(masks, g, group, first_token, end, page_size)
+                   for g, group in enumerate(self.groups) if group.kind == "window"):
+                return pages
+        return 0
+
+    @staticmethod
+    def _has_window(masks: Sequence[int], g: int, group: KVGroup, first_token: int,
+                    end: int, page_size: int) -> bool:
+        # vLLM's SlidingWindowManager skips blocks before end - window + 1.
+        needed_from = max(first_token, end - group.window + 1, 0)
+        return all(not masks[p] & (1 << g) for p in range(needed_from // page_size,
+                                                           -(-end // page_size)))
