@@ -460,8 +460,10 @@ def pool_geometry(
     engine's real KV bytes (groups of the hybrid manager share tensors)."""
     groups = kv_groups(kv_cache_config)
     block_bytes = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
-    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
-    l1_bytes = sum(int(t.size) for t in tensors) or None
+    # The hybrid allocator gives a block of every group's layer i the same
+    # tensor: the engine holds as many layers' blocks as its largest group.
+    l1_bytes = (kv_cache_config.num_blocks * block_bytes
+                * max(g.num_layers for g in groups.groups))
     return PoolGeometry.for_budget(
         num_layers=groups.num_layers,
         blocks_per_page=blocks_per_page,

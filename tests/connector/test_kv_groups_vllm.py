@@ -1,0 +1,55 @@
+"""vLLM's KV-cache groups as the connector reads them (vLLM's own spec classes, no engine).
+
+A Gemma-3-style hybrid config gives window groups and a full group; the pool
+counts every group's layers and sizes a ratio budget from the engine's real
+tensors (which the groups share); a Mamba state group is refused at start,
+naming the group kinds, instead of failing later.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from hicache.connector.config import HiCacheConfig, HiCacheConfigError
+from hicache.connector.connector import kv_groups, pool_geometry
+from hicache.tiers.index.kv_groups import KVGroup
+
+BLOCK = 32
+NUM_BLOCKS = 100
+
+
+def _attn(cls, **kw):
+    return cls(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32, **kw)
+
+
+def _config(specs) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_gemma3_style_groups():
+    config = _config([_attn(SlidingWindowSpec, sliding_window=384)] * 5 + [_attn(FullAttentionSpec)])
+    groups = kv_groups(config)
+    assert groups.groups == (KVGroup("window", 384, 1),) * 5 + (KVGroup("full", 0, 1),)
+    geometry = pool_geometry(config, HiCacheConfig.from_extra_config({"hicache_ratio": 2.0}), 1)
+    page = config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    assert geometry.num_layers == 6 and geometry.page_bytes == 6 * page
+    # Ratio of the engine's real bytes (the hybrid allocator gives one layer of
+    # each group one shared tensor), not 6 layers' worth.
+    assert geometry.num_slots == 2 * NUM_BLOCKS * page // (6 * page)
+
+
+def test_a_mamba_group_is_refused_by_name():
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 16), (2, 8, 8)),
+                      dtypes=(torch.float32, torch.float32))
+    config = _config([_attn(FullAttentionSpec), mamba])
+    with pytest.raises(HiCacheConfigError, match=r"MambaSpec.*not supported yet"):
+        kv_groups(config)
