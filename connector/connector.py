@@ -95,6 +95,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         page_size = self.config.resolved_page_size(block_size)
         groups = kv_groups(kv_cache_config)
+        if groups.hybrid and not hasattr(KVConnectorBase_V1, "get_transfer_results"):
+            # Several groups: a failed load can only go back per request
+            # (failed_recving), which older vLLMs do not offer; refuse rather
+            # than risk serving a request whose load failed.
+            raise HiCacheConfigError(
+                "HiCacheConnector with vLLM's hybrid KV cache manager needs a vLLM whose "
+                "connectors report failed loads per request (get_transfer_results); with "
+                "this vLLM run with --disable-hybrid-kv-cache-manager")
         geometry = pool_geometry(kv_cache_config, self.config, page_size // block_size)
         self._scheduler: HiCacheScheduler | None = None
         self._worker: HiCacheWorker | None = None
