@@ -17,8 +17,9 @@ vLLM keeps its hybrid KV-cache manager on, and a sliding-window + full
 attention model gets one KV-cache group per layer kind; a page then holds
 every group's blocks (tiers/index/kv_groups.py) and every hit is
 asynchronous (see tiers/controller/scheduler.py). Mamba / linear-attention
-state groups are refused with a clear error. Pipeline parallelism is not
-supported.
+state groups (vLLM's prefix caching off, its "none" Mamba cache mode) get a
+state checkpoint in pages that end where a step ended, from L2 only (no L3
+yet). Pipeline parallelism is not supported.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from hicache.connector.config import (
 )
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
 from hicache.connector.vllm_keys import (
+    PageHashes,
     VllmPrefixHasher,
     check_stable_hashes,
     hash_block_size,
@@ -92,9 +94,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = HiCacheConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
-        block_size = vllm_config.cache_config.block_size
-        page_size = self.config.resolved_page_size(block_size)
         groups = kv_groups(kv_cache_config)
+        # The attention groups' block (vLLM may enlarge the configured one so that
+        # attention pages match a Mamba state's size).
+        block_size = next(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+                          if not _is_state(g.kv_cache_spec))
+        page_size = self.config.resolved_page_size(block_size)
         if groups.hybrid and not hasattr(KVConnectorBase_V1, "get_transfer_results"):
             # Several groups: a failed load can only go back per request
             # (failed_recving), which older vLLMs do not offer; refuse rather
@@ -111,6 +116,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # handed to vLLM (see connector/vllm_metrics.py).
         self._kv_stats = HiCacheKVStats()
         self._admin_server: Any = None
+        # L3 for models with state groups is not built yet: L2 only there.
+        self._l3_off = groups.has_state and self.config.hicache_storage_backend is not None
         namespace = key_namespace(vllm_config, kv_cache_config, page_size)
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -135,6 +142,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             apply_load_failure_policy(self._kv_transfer_config,
                                       self.config.hicache_load_failure_policy)
             hashed_block = hash_block_size(kv_cache_config, block_size)
+            self._page_hashes: PageHashes | None = None
+            if page_size % hashed_block:
+                # vLLM hashes coarser than a page (Mamba without its prefix
+                # caching): hash each request per page ourselves.
+                hashed_block = page_size
+                self._page_hashes = PageHashes(vllm_config, page_size)
             self._prefix_hasher = VllmPrefixHasher(vllm_config, hashed_block)
             self._scheduler = HiCacheScheduler(
                 geometry=geometry,
@@ -178,7 +191,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             for note in notes:
                 logger.info("HiCache: %s", note)
-            backend_name = self.config.hicache_storage_backend
+            backend_name = None if self._l3_off else self.config.hicache_storage_backend
 
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -225,6 +238,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         name = self.config.hicache_storage_backend
         if name is None:
             return None
+        if self._l3_off:
+            logger.warning("HiCache: %s L3 is not used for models with Mamba / linear-"
+                           "attention state groups yet; serving from L1 and L2", name)
+            return None
         try:
             backend = build(name, self.config.backend_extra_config())
         except StorageConfigError as exc:
@@ -261,14 +278,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._prefix_hasher.lora_paths[request.lora_request.lora_name] = (
                 request.lora_request.lora_path)
         with self.hicache_scheduler.lock:
-            return self.hicache_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+            return self.hicache_scheduler.get_num_new_matched_tokens(self._keyed(request),
+                                                                     num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         block_ids: GroupBlockIds = blocks.get_block_ids() if num_external_tokens else ()
         with self.hicache_scheduler.lock:
-            self.hicache_scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+            self.hicache_scheduler.update_state_after_alloc(self._keyed(request), block_ids,
+                                                            num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         with self.hicache_scheduler.lock:
@@ -300,7 +319,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         with self.hicache_scheduler.lock:
-            return self.hicache_scheduler.request_finished(request, block_ids), None
+            done = self.hicache_scheduler.request_finished(self._keyed(request), block_ids)
+        if self._page_hashes is not None:
+            self._page_hashes.forget(request.request_id)
+        return done, None
+
+    def _keyed(self, request: Request) -> Any:
+        """The request as the scheduler keys it: vLLM's own, or with per-page hashes."""
+        return request if self._page_hashes is None else self._page_hashes.view(request)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_stores()
@@ -417,32 +443,46 @@ def _on_cuda() -> bool:
 def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
     """The engine's KV-cache groups as the cache sees them (tiers/index/kv_groups.py).
 
-    Every group must hold attention KV of one block size in blocks of one
-    byte size (vLLM's hybrid manager makes them so); Mamba / linear-attention
-    state groups are refused, naming them."""
+    Every attention group must have one block size, and every group one block
+    byte size (vLLM's hybrid manager makes them so). A Mamba / linear-attention
+    state group (``MambaSpec``) needs vLLM's "none" Mamba cache mode (its prefix
+    caching off: one state block per request); other kinds are refused,
+    naming them."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
     groups = kv_cache_config.kv_cache_groups
     specs = [g.kv_cache_spec for g in groups]
     names = [type(spec).__name__ for spec in specs]
-    if not all(isinstance(spec, AttentionSpec) for spec in specs):
+    if not all(isinstance(spec, (AttentionSpec, MambaSpec)) for spec in specs) or \
+            not any(isinstance(spec, AttentionSpec) for spec in specs):
         raise HiCacheConfigError(
-            f"HiCacheConnector caches attention KV; this model's KV cache groups are "
-            f"{names}: Mamba / linear-attention state groups are not supported yet")
+            f"HiCacheConnector caches attention KV and Mamba states next to it; this "
+            f"model's KV cache groups are {names}")
+    modes = {str(getattr(s, "mamba_cache_mode", "none")) for s in specs
+             if isinstance(s, MambaSpec)}
+    if modes - {"none"}:
+        raise HiCacheConfigError(
+            f"HiCacheConnector with Mamba / linear-attention layers needs vLLM's prefix "
+            f"caching off (mamba_cache_mode 'none'; this engine: {sorted(modes)}): run with "
+            f"--no-enable-prefix-caching, HiCache is then the prefix cache")
+    attention = [s for s in specs if isinstance(s, AttentionSpec)]
     if len({spec.page_size_bytes for spec in specs}) > 1 or \
-            len({spec.block_size for spec in specs}) > 1:
+            len({spec.block_size for spec in attention}) > 1:
         raise HiCacheConfigError(
-            f"HiCacheConnector needs one block size and one block byte size over all KV "
-            f"cache groups; this engine's groups {names} have block sizes "
+            f"HiCacheConnector needs one attention block size and one block byte size "
+            f"over all KV cache groups; this engine's groups {names} have block sizes "
             f"{[s.block_size for s in specs]} and {[s.page_size_bytes for s in specs]} bytes")
     out: list[KVGroup] = []
     for group, spec in zip(groups, specs, strict=True):
         layers = len(group.layer_names)
-        if isinstance(spec, SlidingWindowSpec):
+        if isinstance(spec, MambaSpec):
+            out.append(KVGroup("state", 0, layers))
+        elif isinstance(spec, SlidingWindowSpec):
             window = spec.sliding_window + int(getattr(spec, "extra_retained_tokens", 0) or 0)
             out.append(KVGroup("window", window, layers))
         elif isinstance(spec, ChunkedLocalAttentionSpec):
@@ -481,6 +521,12 @@ def pool_geometry(
         hicache_ratio=config.hicache_ratio,
         l1_bytes=l1_bytes,
     )
+
+
+def _is_state(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
 
 
 def _is_mla(kv_cache_config: KVCacheConfig) -> bool:

@@ -10,6 +10,11 @@ Contract:
   path) and cache salt. ``prefix_hasher`` computes the same hashes for a
   plain-token prompt (admin flush / tree view by prefix) with vLLM's own
   block hasher, so the two always agree.
+- ``PageHashes``: where vLLM hashes coarser than a page (a Mamba hybrid
+  without vLLM's prefix caching hashes per ``max_model_len`` tokens), the
+  connector hashes each request per page with vLLM's own block hasher (the
+  same extra keys: multimodal features, LoRA, cache salt, embeddings) and
+  hands the scheduler a view of the request with those hashes.
 - ``check_stable_hashes``: L3 keys must survive restarts and be shared
   between engines. vLLM's block hashes are stable for its cryptographic
   algorithms (``sha256``, ``sha256_cbor``: fixed seed) and for any algorithm
@@ -21,8 +26,8 @@ Contract:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hicache.connector.config import HiCacheConfigError
 from hicache.tiers.index.page_keys import KeyNamespace
@@ -30,6 +35,7 @@ from hicache.tiers.index.page_keys import KeyNamespace
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 # vLLM's algorithms whose NONE_HASH seed is random per process without PYTHONHASHSEED.
 RANDOM_SEEDED_ALGOS = ("xxhash", "xxhash_cbor")
@@ -43,8 +49,7 @@ def key_namespace(
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
-    spec = groups[0].kv_cache_spec
-    assert isinstance(spec, AttentionSpec), "pool_geometry admits attention groups only"
+    spec = next(g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, AttentionSpec))
     layout = kv_cache_config.kv_cache_layout or "default"
     extra: tuple[str, ...] = ()
     if len(groups) > 1:
@@ -108,3 +113,52 @@ class VllmPrefixHasher:
         request = Request("hicache-prefix", list(tokens), SamplingParams(max_tokens=1), None,
                           lora_request=lora, cache_salt=cache_salt, block_hasher=self._hasher)
         return list(request.block_hashes)
+
+
+class _HashInput:
+    """The request as vLLM's block hasher reads it, with our own hash list."""
+
+    def __init__(self, request: Request, hashes: list[Any]) -> None:
+        self._request = request
+        self.block_hashes = hashes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+class PageHashedRequest:
+    """A request whose ``block_hashes`` are per page (see ``PageHashes``)."""
+
+    def __init__(self, request: Request, hashes: list[Any],
+                 hasher: Callable[[Any], list[Any]]) -> None:
+        self._request = request
+        self._input = _HashInput(request, hashes)
+        self._hasher = hasher
+
+    @property
+    def block_hashes(self) -> list[Any]:
+        hashes: list[Any] = self._input.block_hashes
+        hashes.extend(self._hasher(self._input))
+        return hashes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+class PageHashes:
+    """Per-page block hashes of live requests, by vLLM's hasher (see module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, page_size: int) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        self._hasher = get_request_block_hasher(page_size, hash_fn)
+        self._hashes: dict[str, list[Any]] = {}
+
+    def view(self, request: Request) -> PageHashedRequest:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        return PageHashedRequest(request, hashes, self._hasher)
+
+    def forget(self, req_id: str) -> None:
+        self._hashes.pop(req_id, None)

@@ -51,6 +51,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -129,7 +130,7 @@ class HiCacheWorker:
         self._l3_retired: dict[str, float] = {}
         self._side_stream: torch.cuda.Stream | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layers: list[torch.Tensor] = []
         groups = self._group_layer_names or [list(kv_caches)]
         self._group_rows = [[] for _ in groups]
@@ -138,18 +139,20 @@ class HiCacheWorker:
         for g, names in enumerate(groups):
             seen: dict[tuple[int, int], int] = {}
             for name in names:
-                tensor = kv_caches[name]
+                view = _block_view(kv_caches[name], self.l1_num_blocks, self.geometry.block_bytes)
                 # Layers of a group that share another layer's KV map to one row.
-                ident = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+                ident = (view.untyped_storage().data_ptr(), int(view.storage_offset()))
                 if ident not in seen:
                     seen[ident] = len(layers)
                     first_row.setdefault(ident, len(layers))
                     self._group_rows[g].append(len(layers))
                     self._group_of_row.append(g)
-                    layers.append(block_byte_view(tensor, self.l1_num_blocks))
+                    layers.append(view)
                 self._layer_index[name] = seen[ident]
         for name, tensor in kv_caches.items():
             # A layer outside every group reads another layer's KV: wait for that one.
+            if not isinstance(tensor, torch.Tensor):
+                continue
             ident = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
             if name not in self._layer_index and ident in first_row:
                 self._layer_index[name] = first_row[ident]
@@ -516,6 +519,31 @@ class HiCacheWorker:
         if self.pool is None:
             raise RuntimeError("HiCache worker used before register_kv_caches")
         return self.pool
+
+
+def _block_view(kv: Any, num_blocks: int, block_bytes: int) -> torch.Tensor:
+    """One layer's L1 as ``(num_blocks, block_bytes)`` uint8, sharing memory: an
+    attention layer's KV tensor, or a Mamba layer's state tensors (conv, ssm),
+    which view the same per-block pages of one buffer (the page's first
+    ``block_bytes``, padding included)."""
+    if isinstance(kv, torch.Tensor):
+        view = block_byte_view(kv, num_blocks)
+        if view.shape[1] < block_bytes <= view.stride(0):
+            # A state page smaller than the block (vLLM pads it to the attention
+            # page size): copy the whole block, padding included.
+            view = view.as_strided((num_blocks, block_bytes), (view.stride(0), 1))
+        return view
+    parts = list(kv)
+    item = [t.element_size() for t in parts]
+    strides = {t.stride(0) * n for t, n in zip(parts, item, strict=True)}
+    storages = {t.untyped_storage().data_ptr() for t in parts}
+    if len(strides) != 1 or len(storages) != 1 or next(iter(strides)) < block_bytes:
+        raise ValueError(f"state tensors of one layer do not share one block layout "
+                         f"(block strides {sorted(strides)} B, {len(storages)} buffers)")
+    base = min(t.storage_offset() * n for t, n in zip(parts, item, strict=True))
+    raw = torch.empty(0, dtype=torch.uint8, device=parts[0].device)
+    raw.set_(parts[0].untyped_storage())
+    return raw.as_strided((num_blocks, block_bytes), (next(iter(strides)), 1), base)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
+    "nemotron_h": ("NemotronHForCausalLM", "nemotron_h"),
 }
 
 #: Fields added to :class:`TinyModelSpec` after FORMAT_VERSION 1. :func:`spec_hash` leaves
@@ -81,13 +82,17 @@ _LATER_FIELDS = (
     "qk_nope_head_dim",
     "qk_rope_head_dim",
     "v_head_dim",
+    "hybrid_pattern",
 )
 _MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 #: Format versions of the architectures added after FORMAT_VERSION 1, part of their hash
 #: only (the Llama presets hash FORMAT_VERSION alone): bump one when the files written for
 #: that architecture change. deepseek_v2 2: config.json gained the rope_scaling workaround.
-ARCHITECTURE_FORMAT_VERSIONS = {"mistral": 1, "deepseek_v2": 2}
+ARCHITECTURE_FORMAT_VERSIONS = {"mistral": 1, "deepseek_v2": 2, "nemotron_h": 1}
+#: nemotron_h's Mamba2 mixer: state size, groups, conv kernel (heads and head dim are the
+#: attention's).
+MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 16, 1, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,8 @@ class TinyModelSpec:
     qk_nope_head_dim: int | None = None  # per-head query/key dims without RoPE
     qk_rope_head_dim: int | None = None  # per-head query/key RoPE dims (key part shared)
     v_head_dim: int | None = None  # per-head value dims
+    # nemotron_h only: one letter per layer, "M" Mamba2, "*" attention, "-" MLP.
+    hybrid_pattern: str | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -144,6 +151,13 @@ class TinyModelSpec:
             if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - kinds:
                 raise ValueError(f"layer_types must give one of {sorted(kinds)} per layer "
                                  f"({self.num_hidden_layers}), got {self.layer_types}")
+        if (self.architecture == "nemotron_h") != (self.hybrid_pattern is not None):
+            raise ValueError("architecture 'nemotron_h' and hybrid_pattern go together")
+        if self.hybrid_pattern is not None and (
+                len(self.hybrid_pattern) != self.num_hidden_layers
+                or set(self.hybrid_pattern) - set("M*-")):
+            raise ValueError(f"hybrid_pattern needs one of 'M', '*', '-' per layer "
+                             f"({self.num_hidden_layers}), got {self.hybrid_pattern!r}")
         mla = [name for name in (*_MLA_FIELDS, "q_lora_rank") if getattr(self, name) is not None]
         if self.architecture == "deepseek_v2":
             missing = [name for name in _MLA_FIELDS if getattr(self, name) is None]
@@ -210,6 +224,18 @@ PRESETS: dict[str, TinyModelSpec] = {
         qk_rope_head_dim=64,
         qk_nope_head_dim=32,
         v_head_dim=32,
+    ),
+    # Nemotron-H-style Mamba2 + attention hybrid (Mamba2, attention, Mamba2, MLP), "test"'s
+    # widths: vLLM's hybrid manager gives it two MambaSpec groups and one full-attention
+    # group. vLLM 0.32's CPU Mamba2 kernel runs it with prefix caching off only.
+    "nemotron_h": TinyModelSpec(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        architecture="nemotron_h",
+        hybrid_pattern="M*M-",
     ),
 }
 
@@ -283,6 +309,8 @@ def build_model(spec: TinyModelSpec, out_dir: Path) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     if spec.architecture == "deepseek_v2":
         _write_mla_weights(spec, vocab_size, out_dir / "model.safetensors")
+    elif spec.architecture == "nemotron_h":
+        _write_nemotron_h_weights(spec, vocab_size, out_dir / "model.safetensors")
     else:  # llama and mistral share the HF weight layout
         _write_weights(spec, vocab_size, out_dir / "model.safetensors")
 
@@ -362,6 +390,29 @@ def model_config(spec: TinyModelSpec, vocab_size: int, ids: dict[str, int]) -> d
                 "routed_scaling_factor": 1.0,
             }
         )
+    elif spec.architecture == "nemotron_h":
+        assert spec.hybrid_pattern is not None
+        kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+        config.update({
+            "hybrid_override_pattern": spec.hybrid_pattern,
+            "layers_block_type": [kinds[c] for c in spec.hybrid_pattern],
+            "mamba_num_heads": spec.num_attention_heads,
+            "mamba_head_dim": spec.head_dim,
+            "ssm_state_size": MAMBA_STATE,
+            "n_groups": MAMBA_GROUPS,
+            "conv_kernel": MAMBA_CONV,
+            "chunk_size": 128,
+            "use_conv_bias": True,
+            "mamba_hidden_act": "silu",
+            "mamba_proj_bias": False,
+            "mlp_hidden_act": "relu2",
+            "use_bias": False,
+            "residual_in_fp32": False,
+            "time_step_min": 0.001,
+            "time_step_max": 0.1,
+            "time_step_floor": 0.0001,
+        })
+        del config["hidden_act"]
     return config
 
 
@@ -459,6 +510,58 @@ def _write_weights(spec: TinyModelSpec, vocab_size: int, path: Path) -> None:
         tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
     tensors["model.norm.weight"] = torch.ones(h, dtype=dtype)
+    tensors["lm_head.weight"] = proj(vocab_size, h, spec.lm_head_gain)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_nemotron_h_weights(spec: TinyModelSpec, vocab_size: int, path: Path) -> None:
+    """Seeded weights in HF Nemotron-H layout: Mamba2 mixers, attention, relu2 MLPs."""
+    import torch
+    from safetensors.torch import save_file
+
+    assert spec.hybrid_pattern is not None
+    gen = torch.Generator().manual_seed(spec.seed)
+    dtype = getattr(torch, spec.dtype)
+    h, hd, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
+    inner = heads * hd  # Mamba2 inner width
+    conv_dim = inner + 2 * MAMBA_GROUPS * MAMBA_STATE
+
+    def gauss(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(dtype).contiguous()
+
+    def proj(rows: int, cols: int, gain: float) -> torch.Tensor:
+        return gauss(rows, cols, std=gain / math.sqrt(cols))
+
+    # Time steps from 0.01 to 0.1 (as softplus(dt_bias)), decay rates 1..heads.
+    dt = torch.linspace(0.01, 0.1, heads)
+    tensors: dict[str, torch.Tensor] = {"model.embeddings.weight": gauss(vocab_size, h,
+                                                                         std=spec.embed_std)}
+    for i, kind in enumerate(spec.hybrid_pattern):
+        p = f"model.layers.{i}."
+        tensors[p + "norm.weight"] = torch.ones(h, dtype=dtype)
+        m = p + "mixer."
+        if kind == "M":
+            tensors[m + "in_proj.weight"] = proj(2 * inner + 2 * MAMBA_GROUPS * MAMBA_STATE
+                                                 + heads, h, spec.proj_gain)
+            tensors[m + "conv1d.weight"] = gauss(conv_dim, 1, MAMBA_CONV,
+                                                 std=1 / math.sqrt(MAMBA_CONV))
+            tensors[m + "conv1d.bias"] = torch.zeros(conv_dim, dtype=dtype)
+            tensors[m + "A_log"] = torch.log(torch.arange(1, heads + 1, dtype=torch.float32)
+                                             ).to(dtype)
+            tensors[m + "D"] = torch.ones(heads, dtype=dtype)
+            tensors[m + "dt_bias"] = (dt + torch.log(-torch.expm1(-dt))).to(dtype)
+            tensors[m + "norm.weight"] = torch.ones(inner, dtype=dtype)
+            tensors[m + "out_proj.weight"] = proj(h, inner, spec.proj_gain)
+        elif kind == "*":
+            q_out, kv_out = heads * hd, spec.num_key_value_heads * hd
+            tensors[m + "q_proj.weight"] = proj(q_out, h, spec.qk_gain)
+            tensors[m + "k_proj.weight"] = proj(kv_out, h, spec.qk_gain)
+            tensors[m + "v_proj.weight"] = proj(kv_out, h, spec.proj_gain)
+            tensors[m + "o_proj.weight"] = proj(h, q_out, spec.proj_gain)
+        else:
+            tensors[m + "up_proj.weight"] = proj(spec.intermediate_size, h, spec.proj_gain)
+            tensors[m + "down_proj.weight"] = proj(h, spec.intermediate_size, spec.proj_gain)
+    tensors["model.norm_f.weight"] = torch.ones(h, dtype=dtype)
     tensors["lm_head.weight"] = proj(vocab_size, h, spec.lm_head_gain)
     save_file(tensors, str(path), metadata={"format": "pt"})
 

@@ -2,8 +2,8 @@
 
 A Gemma-3-style hybrid config gives window groups and a full group; the pool
 counts every group's layers and sizes a ratio budget from the engine's real
-tensors (which the groups share); a Mamba state group is refused at start,
-naming the group kinds, instead of failing later.
+tensors (which the groups share); a Mamba group is a state group without
+vLLM's own prefix caching, and refused with it, naming the flag to set.
 """
 
 from __future__ import annotations
@@ -47,9 +47,17 @@ def test_gemma3_style_groups():
     assert geometry.num_slots == 2 * NUM_BLOCKS * page // (6 * page)
 
 
-def test_a_mamba_group_is_refused_by_name():
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 16), (2, 8, 8)),
-                      dtypes=(torch.float32, torch.float32))
-    config = _config([_attn(FullAttentionSpec), mamba])
-    with pytest.raises(HiCacheConfigError, match=r"MambaSpec.*not supported yet"):
-        kv_groups(config)
+def _mamba(mode: str) -> MambaSpec:
+    return MambaSpec(block_size=2048, shapes=((4, 16), (2, 8, 8)),
+                     dtypes=(torch.float32, torch.float32), mamba_cache_mode=mode,
+                     page_size_padded=_attn(FullAttentionSpec).page_size_bytes)
+
+
+def test_a_mamba_group_is_a_state_group():
+    groups = kv_groups(_config([_mamba("none"), _attn(FullAttentionSpec), _mamba("none")]))
+    assert [g.kind for g in groups.groups] == ["state", "full", "state"]
+
+
+def test_mamba_with_vllms_prefix_caching_is_refused_naming_the_flag():
+    with pytest.raises(HiCacheConfigError, match=r"--no-enable-prefix-caching"):
+        kv_groups(_config([_attn(FullAttentionSpec), _mamba("align")]))

@@ -104,3 +104,21 @@ def test_a_page_without_its_window_stays_out_of_l3(tmp_path):
         assert w.storage.batch_exists([KEY_B.hex()]) == 0
     finally:
         w.shutdown()
+
+
+def test_a_mamba_layers_padded_state_pages_are_copied_whole():
+    from hicache.connector.worker import _block_view
+
+    # vLLM's CPU layout: int8 state bytes (20 of them) in 64-byte pages.
+    buffer = torch.arange(L1_BLOCKS * 64, dtype=torch.int32).to(torch.int8)
+    state = buffer.as_strided((L1_BLOCKS, 1, 1, 20), (64, 20, 20, 1))
+    view = _block_view(state, L1_BLOCKS, 64)
+    assert view.shape == (L1_BLOCKS, 64)
+    assert torch.equal(view[3], buffer[192:256].view(torch.uint8))
+    # Upstream's layout: conv and ssm state tensors viewing one buffer's pages.
+    raw = torch.zeros(L1_BLOCKS * 16, dtype=torch.float32)
+    conv = raw.as_strided((L1_BLOCKS, 4), (16, 1), 0)
+    ssm = raw.as_strided((L1_BLOCKS, 8), (16, 1), 4)
+    both = _block_view([conv, ssm], L1_BLOCKS, 64)
+    ssm[2].fill_(1.0)
+    assert torch.equal(both[2].view(torch.float32)[4:12], torch.ones(8))

@@ -70,10 +70,11 @@ class L2Manager:
         return self._missing.get(slot, 0)
 
     def plan_store(self, keys: Sequence[PageKey], block_ids: GroupBlockIds,
-                   ) -> list[PagePlan] | None:
+                   state_at: int | None = None) -> list[PagePlan] | None:
         """Store the pages of ``keys`` beyond the prefix already in L2, from
         ``block_ids`` (the request's blocks, per group): allocate their slots
-        and publish them.
+        and publish them. ``state_at``: the page whose end the request's state
+        blocks hold the state after (state groups; None: no page).
 
         Returns the copies to plan ([] when nothing is missing or storable),
         or None when L2 has no room now (the caller may try again later).
@@ -85,7 +86,7 @@ class L2Manager:
         # stored ends the store (see the module docstring for windowed groups).
         masks: list[int] = []
         for page in range(match.num_pages, len(keys)):
-            blocks = self.groups.page_blocks(block_ids, page, bpp)
+            blocks = self.groups.page_blocks(block_ids, page, bpp, state_at=state_at)
             mask = self.groups.missing_mask(blocks) if blocks else None
             if mask is None:
                 self._stats.store_skipped_pages += len(keys) - page
@@ -115,7 +116,7 @@ class L2Manager:
             page = match.num_pages + i
             self._missing[slot] = masks[i]
             self._stats.stored_partial_pages += masks[i] != 0
-            blocks = self.groups.page_blocks(block_ids, page, bpp)
+            blocks = self.groups.page_blocks(block_ids, page, bpp, state_at=state_at)
             plans.append(PagePlan(slot, keys[page], 0, blocks))
         self._stats.stored_pages += len(plans)
         self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)

@@ -54,10 +54,12 @@ class StorePlanner:
             if state is None:
                 continue
             request = state.request
-            ready = min(request.num_computed_tokens + n, len(request.all_token_ids))
+            end = request.num_computed_tokens + n
+            ready = min(end, len(request.all_token_ids))
             ready_pages = ready // self.page_size
             if ready_pages > state.stored_pages:
-                stores.extend(self._store(state, ready_pages, self._block_ids_of(req_id)))
+                stores.extend(self._store(state, ready_pages, self._block_ids_of(req_id),
+                                          self._state_page(end)))
         return stores, release
 
     def plan_finished(self, state: RequestState, block_ids: GroupBlockIds) -> bool:
@@ -75,21 +77,27 @@ class StorePlanner:
         ready_pages = min(ready // self.page_size, held // self.l2.blocks_per_page)
         if ready_pages <= state.stored_pages:
             return False
-        plans = self._store(state, ready_pages, block_ids)
+        plans = self._store(state, ready_pages, block_ids,
+                            self._state_page(request.num_computed_tokens))
         if not plans:
             return False
         self._deferred.extend(plans)
         self._release_after_store.append(request.request_id)
         return True
 
+    def _state_page(self, computed: int) -> int | None:
+        """The page whose end a request's state blocks hold the state after, once
+        ``computed`` tokens are computed (None: not a page end)."""
+        return computed // self.page_size - 1 if computed % self.page_size == 0 else None
+
     def _store(self, state: RequestState, ready_pages: int, block_ids: GroupBlockIds,
-               ) -> list[PagePlan]:
+               state_at: int | None = None) -> list[PagePlan]:
         """Copies of the request's pages in [in-L2 prefix, ready_pages) worth storing."""
         keys = state.page_keys()[:ready_pages]
         worth = self.policy.pages_worth_storing(keys, state.counted_pages)
         state.counted_pages = max(state.counted_pages, len(keys))
         keys = keys[:worth]
-        plans = self.l2.plan_store(keys, block_ids)
+        plans = self.l2.plan_store(keys, block_ids, state_at)
         if plans is None:
             return []
         state.stored_pages = ready_pages

@@ -16,9 +16,17 @@ Contract:
   (the window moved on) is stored *missing* for that page (``missing_mask``,
   bit ``g`` = group ``g`` missing). A full-attention group is never missing:
   a page without it is not stored.
+- State groups (Mamba / linear attention, vLLM's ``MambaSpec`` without its
+  own prefix caching): a request has one state block, which holds the state
+  after its last computed token. A page carries it (a checkpoint: the state
+  after the page's last token) only when it was stored at a step that ended
+  exactly on the page's end (``state_at``); elsewhere the group is missing.
+  The checkpoint sits at the page's first block offset; the page's other
+  entries for the group are the null block.
 - A hit may end after page ``P`` only where every windowed group has its
   bytes in the pages vLLM keeps real blocks for at that point (the last
-  ``window`` tokens before the hit's end, from vLLM's own skip rule);
+  ``window`` tokens before the hit's end, from vLLM's own skip rule) and
+  every state group has its checkpoint in page ``P - 1``;
   ``usable_pages`` finds the longest such hit.
 """
 
@@ -33,7 +41,7 @@ from hicache.tiers.index.plans import NULL_BLOCK_ID
 # Per-group block ids of one request, in vLLM's group order.
 GroupBlockIds = Sequence[Sequence[int]]
 
-GroupKind = Literal["full", "window"]
+GroupKind = Literal["full", "window", "state"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,8 @@ class KVGroup:
     """One KV-cache group: what its layers need of a prefix."""
 
     kind: GroupKind
+    # "full": every page's KV; "window": the KV of the last ``window`` tokens;
+    # "state": a recurrent state checkpoint at the hit's end (Mamba).
     # Tokens before a position that its attention still reads (kind "window"):
     # vLLM's sliding window (plus any extra retained tokens), or the chunk of
     # chunked-local attention (which never reads further back).
@@ -73,16 +83,28 @@ class KVGroups:
 
     @property
     def windowed(self) -> bool:
-        return any(g.kind == "window" for g in self.groups)
+        """Some group lacks bytes in some pages: hits end where they are complete."""
+        return any(g.kind != "full" for g in self.groups)
+
+    @property
+    def has_state(self) -> bool:
+        return any(g.kind == "state" for g in self.groups)
 
     def page_blocks(self, block_ids: GroupBlockIds, page: int, blocks_per_page: int,
-                    lo: int = 0, hi: int | None = None) -> tuple[int, ...]:
+                    lo: int = 0, hi: int | None = None, state_at: int | None = None,
+                    ) -> tuple[int, ...]:
         """Blocks ``[lo, hi)`` of page ``page`` (block offsets in the page), every
-        group's, concatenated in group order; () when a group lacks them."""
+        group's, concatenated in group order; () when a group lacks them. A state
+        group gives its state block where ``page == state_at`` (at offset 0), else
+        the null block."""
         hi = blocks_per_page if hi is None else hi
         start = page * blocks_per_page
         out: list[int] = []
-        for ids in block_ids:
+        for group, ids in zip(self.groups, block_ids, strict=True):
+            if group.kind == "state":
+                here = page == state_at and lo == 0 and len(ids) > 0
+                out.extend([ids[0] if here else NULL_BLOCK_ID] + [NULL_BLOCK_ID] * (hi - lo - 1))
+                continue
             part = ids[start + lo : start + hi]
             if len(part) < hi - lo:
                 return ()
@@ -100,7 +122,10 @@ class KVGroups:
         group lacks blocks)."""
         mask = 0
         for g, (group, ids) in enumerate(zip(self.groups, self.split(blocks), strict=True)):
-            if NULL_BLOCK_ID in ids:
+            if group.kind == "state":
+                if not ids or ids[0] == NULL_BLOCK_ID:
+                    mask |= 1 << g
+            elif NULL_BLOCK_ID in ids:
                 if group.kind == "full":
                     return None
                 mask |= 1 << g
@@ -117,7 +142,9 @@ class KVGroups:
             if end <= first_token:
                 return 0
             if all(self._has_window(masks, g, group, first_token, end, page_size)
-                   for g, group in enumerate(self.groups) if group.kind == "window"):
+                   for g, group in enumerate(self.groups) if group.kind == "window") and \
+                    all(not masks[pages - 1] & (1 << g)
+                        for g, group in enumerate(self.groups) if group.kind == "state"):
                 return pages
         return 0
 

@@ -101,7 +101,7 @@ def test_cache_root_from_environment(monkeypatch, tmp_path):
 
 
 def test_unknown_preset(tmp_path):
-    with pytest.raises(ValueError, match="unknown tiny model preset 'huge'.*bench, gemma3, mla, swa, test"):
+    with pytest.raises(ValueError, match="unknown tiny model preset 'huge'.*bench, gemma3, mla, nemotron_h, swa, test"):
         tm.ensure_tiny_model("huge", tmp_path)
     assert not list(tmp_path.iterdir())
 
@@ -381,3 +381,10 @@ def _greedy_top2_gaps(model, vocab: int) -> list[float]:
         generated = out.sequences[0, len(prompt) :].tolist()
         assert len(set(generated)) >= 8, generated  # not collapsed into one token
     return gaps
+
+
+def test_nemotron_h_pattern_is_validated():
+    with pytest.raises(ValueError, match="hybrid_pattern needs one of"):
+        dataclasses.replace(tm.PRESETS["nemotron_h"], hybrid_pattern="M*X-")
+    with pytest.raises(ValueError, match="go together"):
+        dataclasses.replace(tm.PRESETS["test"], hybrid_pattern="M*M-")

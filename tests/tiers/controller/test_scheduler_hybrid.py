@@ -151,3 +151,30 @@ def test_l3_pages_extend_the_hit_and_a_short_fetch_is_not_asked_again(tmp_path):
     assert sched.get_num_new_matched_tokens(req, 0) == (PAGE, True)  # L2 only
     sched.request_finished(req, blocks(9))
     assert "a" not in sched.fetches.came_short
+
+
+def test_mamba_states_are_checkpointed_where_a_step_ends_on_a_page_end():
+    groups = KVGroups((KVGroup("state"), KVGroup("full")))
+    tables: dict[str, list[list[int]]] = {}
+    sched = HiCacheScheduler(
+        geometry=PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64),
+        namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: tables[rid],
+        groups=groups)
+    req = request("a", range(100, 120))  # 20 tokens
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    tables["a"] = [[50], list(range(300, 306))]
+    sched.update_state_after_alloc(req, tables["a"], 0)
+    # Step 1 computes 16 tokens: ends on page 1's end, whose state it checkpoints.
+    stores = sched.build_connector_meta({"a": 16}).stores
+    assert [p.block_ids for p in stores] == [(0, 0, 300, 301), (50, 0, 302, 303)]
+    assert [sched.l2.missing_of(p.slot) for p in stores] == [0b01, 0]
+    # A prompt sharing 20 tokens may only end after page 1 (the checkpoint)...
+    back = request("b", list(range(100, 120)) + [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert sched.get_num_new_matched_tokens(back, 0) == (2 * PAGE, True)
+    sched.update_state_after_alloc(back, [[60], list(range(400, 408))], 2 * PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    # ...and its state block gets that checkpoint, the attention blocks every page.
+    assert [p.block_ids for p in fetch.l2_pages] == [(0, 0, 400, 401), (60, 0, 402, 403)]
+    # A prompt that shares only page 0 has no checkpoint to end on.
+    short = request("c", list(range(100, 108)) + [5, 6, 7])
+    assert sched.get_num_new_matched_tokens(short, 0) == (0, False)

@@ -71,3 +71,23 @@ def test_the_needed_pages_follow_vllms_skip_rule(window):
         # vLLM keeps real blocks for tokens >= end - window + 1 (SlidingWindowManager).
         needed = missing_page * PAGE + PAGE - 1 >= end - window + 1
         assert (groups.usable_pages(masks, 0, PAGE) == 4) == (not needed), (window, missing_page)
+
+
+# Nemotron-H's shape: two Mamba state groups and one full-attention group.
+MAMBA = KVGroups((KVGroup("state"), KVGroup("full"), KVGroup("state")))
+
+
+def test_a_state_block_goes_to_the_page_it_checkpoints_only():
+    ids = [[9], [1, 2, 3, 4], [8]]  # one state block per request and state group
+    assert MAMBA.page_blocks(ids, 1, 2, state_at=1) == (9, 0, 3, 4, 8, 0)
+    assert MAMBA.page_blocks(ids, 0, 2, state_at=1) == (0, 0, 1, 2, 0, 0)
+    assert MAMBA.page_blocks(ids, 1, 2) == (0, 0, 3, 4, 0, 0)
+    assert MAMBA.missing_mask((9, 0, 3, 4, 8, 0)) == 0
+    assert MAMBA.missing_mask((0, 0, 1, 2, 0, 0)) == 0b101
+
+
+def test_a_hit_ends_on_a_checkpoint():
+    without = 0b101
+    assert MAMBA.usable_pages([without, without, 0, without], 0, PAGE) == 3
+    assert MAMBA.usable_pages([without, 0b001, without], 0, PAGE) == 0  # one state lacks
+    assert MAMBA.usable_pages([0, without], 0, PAGE) == 1
