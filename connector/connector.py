@@ -18,8 +18,9 @@ attention model gets one KV-cache group per layer kind; a page then holds
 every group's blocks (tiers/index/kv_groups.py) and every hit is
 asynchronous (see tiers/controller/scheduler.py). Mamba / linear-attention
 state groups (vLLM's prefix caching off, its "none" Mamba cache mode) get a
-state checkpoint in pages that end where a step ended, from L2 only (no L3
-yet). Pipeline parallelism is not supported.
+state checkpoint in pages that end where a step ended; L3 holds every
+page's body and the checkpointed pages whole (tiers/controller/fetches.py).
+Pipeline parallelism is not supported.
 """
 
 from __future__ import annotations
@@ -116,8 +117,6 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # handed to vLLM (see connector/vllm_metrics.py).
         self._kv_stats = HiCacheKVStats()
         self._admin_server: Any = None
-        # L3 for models with state groups is not built yet: L2 only there.
-        self._l3_off = groups.has_state and self.config.hicache_storage_backend is not None
         namespace = key_namespace(vllm_config, kv_cache_config, page_size)
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -191,7 +190,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             for note in notes:
                 logger.info("HiCache: %s", note)
-            backend_name = None if self._l3_off else self.config.hicache_storage_backend
+            backend_name = self.config.hicache_storage_backend
 
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -237,10 +236,6 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """
         name = self.config.hicache_storage_backend
         if name is None:
-            return None
-        if self._l3_off:
-            logger.warning("HiCache: %s L3 is not used for models with Mamba / linear-"
-                           "attention state groups yet; serving from L1 and L2", name)
             return None
         try:
             backend = build(name, self.config.backend_extra_config())

@@ -380,10 +380,8 @@ class HiCacheWorker:
                 for page in meta.stores:
                     pool.set_key(page.slot, page.key)
                 if self.storage_io is not None and self.l3_writer:
-                    # A page stored without a windowed group's blocks (vLLM's null
-                    # block there) is partial: L2 only, never backed up.
-                    self.storage_io.submit_backup([(p.key, p.slot) for p in meta.stores
-                                                   if NULL_BLOCK_ID not in p.block_ids])
+                    self.storage_io.submit_backup([(p.key, p.slot, at) for p in meta.stores
+                                                   for at in _l3_keys(p)])
                 self.stats.saved_pages += len(meta.stores)
                 if store_seconds is not None:
                     self.stats.observe("l2_store_seconds", store_seconds)
@@ -544,6 +542,14 @@ def _block_view(kv: Any, num_blocks: int, block_bytes: int) -> torch.Tensor:
     raw = torch.empty(0, dtype=torch.uint8, device=parts[0].device)
     raw.set_(parts[0].untyped_storage())
     return raw.as_strided((num_blocks, block_bytes), (next(iter(strides)), 1), base)
+
+
+def _l3_keys(page: PagePlan) -> tuple[bytes, ...]:
+    """The L3 keys a stored page is backed up under: the plan's, else its key, except
+    that a page stored without some group's blocks (vLLM's null block) stays in L2."""
+    if page.l3_keys is not None:
+        return page.l3_keys
+    return () if NULL_BLOCK_ID in page.block_ids else (page.key,)
 
 
 @dataclass(frozen=True)

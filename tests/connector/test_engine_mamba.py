@@ -15,9 +15,12 @@ on a page with a checkpoint, whose states are loaded into the request's
 state blocks. Answers are longer than a page, so every decode crosses a page
 end and leaves a checkpoint near the end of each history.
 
+L3 (file backend): every page's body (attention KV) and the checkpointed
+pages whole; a restarted engine serves the histories from L3, ending on
+their last checkpoint.
+
 Oracles: vLLM without a connector (fp32), vLLM with a connector that never
-loads (bf16, a shared system prompt; see that test for why not histories). An L3 backend is configured but not used for state models yet
-(L2 only, logged): the engine must still serve.
+loads (bf16, a shared system prompt; see that test for why not histories).
 """
 
 from __future__ import annotations
@@ -77,13 +80,19 @@ def _hicache(model: str, dtype: str, l3: str | None = None):
     config: dict = {"hicache_size": 0.05}
     if l3 is not None:
         config.update({"hicache_storage_backend": "file",
-                       "hicache_storage_backend_extra_config": {"path": l3}})
+                       "hicache_storage_backend_extra_config": {"path": l3},
+                       "hicache_storage_prefetch_policy": "wait_complete"})
     return open_llm(_spec(model, dtype, in_process=True, hicache=config))
 
 
 @pytest.fixture(scope="module")
-def served(nemotron_h, tmp_path_factory) -> tuple[list[TurnResult], list[str], dict]:
-    llm = _hicache(nemotron_h, "float32", str(tmp_path_factory.mktemp("mamba-l3")))
+def l3_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("mamba-l3"))
+
+
+@pytest.fixture(scope="module")
+def served(nemotron_h, l3_dir) -> tuple[list[TurnResult], list[str], dict]:
+    llm = _hicache(nemotron_h, "float32", l3_dir)
     try:
         core = llm.llm_engine.engine_core.engine_core
         groups = [type(g.kv_cache_spec).__name__
@@ -119,8 +128,30 @@ def test_returning_histories_come_from_l2_up_to_their_last_checkpoint(served):
             page = stats["page_size"]
             last = (history - 1) // page * page
             assert cached == last, (turn, cached, history)
-    assert stats["l2_hit_pages"] > 0 and stats["l3_lookups"] == 0
+    assert stats["l2_hit_pages"] > 0
     assert stats["stored_partial_pages"] > 0  # pages without a checkpoint
+
+
+@pytest.fixture(scope="module")
+def restarted(nemotron_h, l3_dir, served, oracle) -> tuple[TurnResult, dict]:
+    """A new engine on the same L3: the last turn's histories, from L3 only."""
+    llm = _hicache(nemotron_h, "float32", l3_dir)
+    try:
+        got = run_turns(llm, oracle[2].prompts, WORKLOAD.answer_tokens, one_by_one=True)
+        sched = scheduler_connector(llm).hicache_scheduler
+        return got, {**sched.stats.as_dict(), "page_size": sched.page_size}
+    finally:
+        close_llm(llm)
+
+
+def test_a_restarted_engine_serves_histories_from_l3(restarted, oracle):
+    got, stats = restarted
+    assert got.outputs == oracle[2].outputs
+    page = stats["page_size"]
+    for prompt, cached in zip(got.prompts, got.num_cached_tokens, strict=True):
+        history = len(prompt) - WORKLOAD.question_tokens
+        assert cached == (history - 1) // page * page, (cached, history)
+    assert stats["l3_fetched_pages"] > 0 and stats["l3_failed_pages"] == 0
 
 
 def _shared_prompt(llm, prompts: list[list[int]]) -> TurnResult:

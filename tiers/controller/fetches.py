@@ -14,6 +14,12 @@ Contract:
   slots are reserved for the L3 pages (``reserve``), and the worker fetches
   and loads on its I/O thread within the prefetch policy's timeout
   (``policies.py``).
+- Models with Mamba state groups: L3 holds every page's body (every group
+  but the state ones, ``page_keys.body_key``) and the pages with a state
+  checkpoint whole; a run is looked up over bodies and ends on the last
+  page of it (at most ``CHECKPOINT_PROBES`` from its end) held whole. Its
+  pages are read from their bodies, the last one whole, and enter the tree
+  without their state but the last.
 - Every L3 page after the L2 match is fetched, also those vLLM's own prefix
   cache covers (no blocks to fill), so what enters the tree is a contiguous
   extension of the locked prefix.
@@ -27,6 +33,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,11 +42,15 @@ from typing import Protocol
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.policies import PrefetchPolicy
 from hicache.tiers.controller.stats import SchedulerStats
-from hicache.tiers.index.page_keys import PageKey
+from hicache.tiers.index.page_keys import PageKey, body_key
 from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.index.radix_tree import MatchResult, TreeNode
 
 logger = logging.getLogger(__name__)
+
+# How far back from the end of an L3 run of bodies a lookup asks for a page
+# held whole (a Mamba checkpoint): one batch_exists call each.
+CHECKPOINT_PROBES = 4
 
 
 class L3Store(Protocol):
@@ -69,6 +80,8 @@ class InflightFetch:
     slots: list[int]
     # Pages fetched, one entry per rank that reported.
     reports: list[int] = field(default_factory=list)
+    # Residency of the L3 pages once in L2 (empty: complete).
+    masks: list[int] = field(default_factory=list)
 
 
 class L3Fetches:
@@ -103,15 +116,27 @@ class L3Fetches:
         if len(keys) < max(1, threshold):
             return 0
         self._stats.l3_lookups += 1
+        checkpoints = self.l2.groups.has_state
         try:
-            found = self.storage.batch_exists([k.hex() for k in keys])
+            wanted = [body_key(k) if checkpoints else k for k in keys]
+            found = self.storage.batch_exists([k.hex() for k in wanted])
+            # The fetched pages need L2 slots: never promise more than L2 can hold now.
+            found = min(found, self.l2.room())
+            if checkpoints:
+                found = self._last_checkpoint(keys, found)
         except Exception:  # noqa: BLE001 - a failing L3 is a miss, never an engine error
             logger.exception("HiCache: L3 lookup failed; treating as a miss")
             self._stats.l3_lookup_errors += 1
             return 0
-        # The fetched pages need L2 slots: never promise more than L2 can hold now.
-        found = min(found, self.l2.room())
         return found if found >= max(1, threshold) else 0
+
+    def _last_checkpoint(self, keys: Sequence[PageKey], found: int) -> int:
+        """The longest run of the first ``found`` pages whose last page L3 holds whole."""
+        assert self.storage is not None
+        for end in range(found, max(found - CHECKPOINT_PROBES, 0), -1):
+            if self.storage.batch_exists([keys[end - 1].hex()]):
+                return end
+        return 0
 
     def reserve(self, req_id: str, node: TreeNode, pages: int) -> list[int]:
         """Lock the L2 prefix ending at ``node`` (until the fetch ends) and reserve
@@ -138,6 +163,12 @@ class L3Fetches:
             planned.get(slots[page], PagePlan(slots[page], keys[page], 0, ()))
             for page in range(match.num_pages, len(slots))
         )
+        masks: list[int] = []
+        if self.l2.groups.has_state and l3_plans:
+            # Bodies, and the run's last page whole (see the module docstring).
+            l3_plans = tuple(dataclasses.replace(p, l3_key=body_key(p.key))
+                             for p in l3_plans[:-1]) + l3_plans[-1:]
+            masks = [self.l2.groups.state_mask] * (len(l3_plans) - 1) + [0]
         fetch = RequestFetch(
             req_id, tuple(p for p in pages if p.slot not in mine), l3_plans, unloadable,
             self.policy.timeout_s(len(l3_slots) * self.page_size),
@@ -146,6 +177,7 @@ class L3Fetches:
         self.in_flight[req_id] = InflightFetch(
             match.node, list(keys[: match.num_pages]),
             list(keys[match.num_pages : match.num_pages + len(l3_slots)]), l3_slots,
+            masks=masks,
         )
         return fetch
 
@@ -171,5 +203,8 @@ class L3Fetches:
             self.came_short.add(req_id)
         self._stats.l3_fetched_pages += fetched
         self._stats.l3_failed_pages += len(fetch.slots) - fetched
+        masks = list(fetch.masks)
+        if self.l2.groups.has_state and fetched < len(fetch.slots):
+            masks[:fetched] = [self.l2.groups.state_mask] * fetched  # the checkpoint never came
         self.l2.publish_fetched(fetch.node, fetch.prefix_keys, fetch.keys, fetch.slots,
-                                fetched)
+                                fetched, masks)

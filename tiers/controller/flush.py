@@ -26,7 +26,12 @@ from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.requests import RequestTable
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.commands import ClearStore, DeletePages, L3Removal
-from hicache.tiers.index.page_keys import PageKey, block_page_keys, token_block_hashes
+from hicache.tiers.index.page_keys import (
+    PageKey,
+    block_page_keys,
+    body_key,
+    token_block_hashes,
+)
 
 # (token ids, cache salt, LoRA name) -> the engine's block hashes of that prompt.
 PrefixHasher = Callable[[Sequence[int], "str | None", "str | None"], list[bytes]]
@@ -94,6 +99,9 @@ class Flusher:
                 counts["l2_pages"], counts["skipped_locked"] = self.l2.remove(victims)
             if "l3" in tiers:
                 doomed = dict.fromkeys(removed_keys + ([keys[-1]] if aligned else []))
+                if self.l2.groups.has_state:
+                    # Their bodies too (models with Mamba state groups, page_keys.body_key).
+                    doomed.update(dict.fromkeys(PageKey(body_key(k)) for k in list(doomed)))
                 l3_op = DeletePages(tuple(doomed))
         self._requests.forget_stored()
         self._stats.flushed_l2_pages += counts["l2_pages"]

@@ -117,20 +117,23 @@ class L2Manager:
             self._missing[slot] = masks[i]
             self._stats.stored_partial_pages += masks[i] != 0
             blocks = self.groups.page_blocks(block_ids, page, bpp, state_at=state_at)
-            plans.append(PagePlan(slot, keys[page], 0, blocks))
+            plans.append(PagePlan(slot, keys[page], 0, blocks,
+                                  l3_keys=self.groups.l3_keys(keys[page], masks[i])))
         self._stats.stored_pages += len(plans)
         self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)
         return plans
 
     def publish_fetched(self, node: TreeNode, prefix_keys: Sequence[PageKey],
-                        keys: Sequence[PageKey], slots: Sequence[int], fetched: int) -> None:
+                        keys: Sequence[PageKey], slots: Sequence[int], fetched: int,
+                        masks: Sequence[int] = ()) -> None:
         """An L3 fetch ended: its first ``fetched`` pages (``keys``, in their reserved
-        ``slots``) extend the locked prefix ``node`` in the tree; unlock it and free
-        every reserved slot that no page of the tree holds."""
+        ``slots``, with residency ``masks``: default complete) extend the locked
+        prefix ``node`` in the tree; unlock it and free every reserved slot that no
+        page of the tree holds."""
         unused = list(slots[fetched:])
         attached = node is self.tree.root or node.parent is not None
-        for slot in slots[:fetched]:
-            self._missing[slot] = 0  # L3 holds complete pages only
+        for i, slot in enumerate(slots[:fetched]):
+            self._missing[slot] = masks[i] if i < len(masks) else 0
         if fetched and attached:
             # The prefix is locked, hence still resident.
             prefix = self.tree.match_prefix(prefix_keys)

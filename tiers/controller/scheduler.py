@@ -161,7 +161,10 @@ class HiCacheScheduler:
         if request.request_id not in self.fetches.came_short:
             l3_pages = self.fetches.lookup(keys[match.num_pages : max_pages])
         if self.groups.windowed:
-            masks = [self.l2.missing_of(slot) for slot in match.host_slots] + [0] * l3_pages
+            masks = [self.l2.missing_of(slot) for slot in match.host_slots]
+            if l3_pages:
+                # L3 pages are complete; with state groups, bodies but the last.
+                masks += [self.groups.state_mask] * (l3_pages - 1) + [0]
             usable = self.groups.usable_pages(masks, num_computed_tokens, self.page_size)
             if usable < match.num_pages:
                 match, l3_pages = self.tree.match_prefix(keys[:usable]), 0

@@ -28,6 +28,8 @@ Contract:
   ``window`` tokens before the hit's end, from vLLM's own skip rule) and
   every state group has its checkpoint in page ``P - 1``;
   ``usable_pages`` finds the longest such hit.
+- L3 holds complete pages only, and with state groups every page's body
+  (all groups but the state ones) under ``body_key`` too: ``l3_keys``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from hicache.tiers.index.page_keys import body_key
 from hicache.tiers.index.plans import NULL_BLOCK_ID
 
 # Per-group block ids of one request, in vLLM's group order.
@@ -89,6 +92,21 @@ class KVGroups:
     @property
     def has_state(self) -> bool:
         return any(g.kind == "state" for g in self.groups)
+
+    @property
+    def state_mask(self) -> int:
+        """The bits of the state groups (a page without its checkpoint)."""
+        return sum(1 << g for g, group in enumerate(self.groups) if group.kind == "state")
+
+    def l3_keys(self, key: bytes, mask: int) -> tuple[bytes, ...]:
+        """The L3 keys of a page stored with residency ``mask``: a complete page
+        under its key; with state groups, every page whose other groups are
+        complete under its body's key too (page_keys.body_key); else none."""
+        if not self.has_state:
+            return () if mask else (key,)
+        if mask & ~self.state_mask:
+            return ()
+        return (body_key(key),) if mask else (key, body_key(key))
 
     def page_blocks(self, block_ids: GroupBlockIds, page: int, blocks_per_page: int,
                     lo: int = 0, hi: int | None = None, state_at: int | None = None,

@@ -200,3 +200,13 @@ class PageKeyChain:
     def keys(self) -> list[PageKey]:
         """All keys so far (a copy)."""
         return list(self._keys)
+
+
+def body_key(key: bytes) -> bytes:
+    """The L3 key of a page's body: every KV-cache group but the Mamba state ones.
+
+    Models with Mamba state groups store each page's body under this key, and
+    pages that carry a state checkpoint under their own key too, so an L3 hit
+    can run over bodies and end on a checkpoint (tiers/controller/fetches.py).
+    """
+    return hashlib.sha256(b"hicache-page-body" + key).digest()[: len(key)]

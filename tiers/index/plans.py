@@ -56,6 +56,11 @@ class PagePlan:
     # cache groups, every group's blocks for those tokens, concatenated in
     # group order (tiers/index/kv_groups.py).
     block_ids: tuple[int, ...]
+    # Stores: the L3 keys the page is backed up under (None: its key, unless a
+    # block is vLLM's null block: then none). Fetches: the L3 key it is read
+    # from (None: its key). See page_keys.body_key.
+    l3_keys: tuple[bytes, ...] | None = None
+    l3_key: bytes | None = None
 
 
 @dataclass(frozen=True)

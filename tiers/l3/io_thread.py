@@ -12,8 +12,11 @@ Contract:
   copied into the request's vLLM blocks, on this thread. ``poll`` returns
   finished fetches as ``FetchResult``: how many L3 pages arrived (a prefix)
   and the blocks that were not filled, for vLLM to recompute.
-- ``submit_backup(pages)``: (page key, slot) pairs just written to L2 are
-  copied to L3 in the background (``batch_set_v1``), after pending fetches.
+- ``submit_backup(pages)``: (page key, slot, L3 key) triples just written to
+  L2 are copied to L3 under the L3 key (the page key, or the key of its
+  body, see tiers/index/page_keys.py ``body_key``) in the background
+  (``batch_set_v1``), after pending fetches. A fetched page is read from
+  its plan's ``l3_key`` when it has one.
   A slot must not be overwritten while its backup reads it: the worker
   calls ``release_slots`` before writing to L2 slots, which drops queued
   backups of those slots and waits for a running one (bounded by the
@@ -93,7 +96,7 @@ class StorageIO:
         self.stats = StorageIOStats()
         self._cv = threading.Condition()
         self._fetch_q: deque[_Job] = deque()
-        self._backup_q: deque[list[tuple[bytes, int]]] = deque()
+        self._backup_q: deque[list[tuple[bytes, int, bytes]]] = deque()
         self._running_backup: set[int] = set()
         self._removals: deque[list[bytes] | None] = deque()
         self._jobs: list[_Job] = []  # submitted, not yet returned by poll
@@ -111,7 +114,7 @@ class StorageIO:
             self._fetch_q.append(job)
             self._cv.notify_all()
 
-    def submit_backup(self, pages: list[tuple[bytes, int]]) -> None:
+    def submit_backup(self, pages: list[tuple[bytes, int, bytes]]) -> None:
         if not pages:
             return
         with self._cv:
@@ -171,9 +174,9 @@ class StorageIO:
 
     def _drop_backups(self, drop: Callable[[bytes, int], bool]) -> None:
         """Remove queued (page key, slot) backups for which ``drop`` is true; caller holds _cv."""
-        kept: deque[list[tuple[bytes, int]]] = deque()
+        kept: deque[list[tuple[bytes, int, bytes]]] = deque()
         for batch in self._backup_q:
-            rest = [(k, s) for k, s in batch if not drop(k, s)]
+            rest = [(k, s, at) for k, s, at in batch if not drop(k, s)]
             self.stats.backups_dropped += len(batch) - len(rest)
             if rest:
                 kept.append(rest)
@@ -192,7 +195,7 @@ class StorageIO:
                     job, backup, removal = None, None, self._removals.popleft()
                 elif self._backup_q:
                     job, backup = None, self._backup_q.popleft()
-                    self._running_backup = {s for _, s in backup}
+                    self._running_backup = {s for _, s, _ in backup}
                 else:
                     return  # stopping, nothing left
             try:
@@ -216,16 +219,17 @@ class StorageIO:
         except Exception:  # noqa: BLE001 - reported, never raised into the engine
             logger.exception("HiCache L3: flush on this rank failed")
 
-    def _backup(self, pages: list[tuple[bytes, int]]) -> None:
+    def _backup(self, pages: list[tuple[bytes, int, bytes]]) -> None:
         for i in range(0, len(pages), BATCH_PAGES):
             batch = pages[i : i + BATCH_PAGES]
             # A slot may have been reused since (dropped backups cover queued
             # ones; this covers a key the worker invalidated meanwhile).
-            batch = [(k, s) for k, s in batch if self.pool.holds(s, k)]
+            batch = [(k, s, at) for k, s, at in batch if self.pool.holds(s, k)]
             if not batch:
                 continue
             try:
-                ok = self.backend.batch_set_v1([k.hex() for k, _ in batch], [s for _, s in batch])
+                ok = self.backend.batch_set_v1([at.hex() for _, _, at in batch],
+                                               [s for _, s, _ in batch])
             except Exception:  # noqa: BLE001 - a failing L3 never reaches the engine
                 logger.exception("HiCache L3: backup of %d pages failed", len(batch))
                 ok = [False] * len(batch)
@@ -256,7 +260,7 @@ class StorageIO:
             for page in batch:
                 self.pool.set_key(page.slot, None)
             try:
-                ok = self.backend.batch_get_v1([p.key.hex() for p in batch],
+                ok = self.backend.batch_get_v1([(p.l3_key or p.key).hex() for p in batch],
                                                [p.slot for p in batch])
             except Exception:  # noqa: BLE001 - a failing L3 is a miss
                 logger.exception("HiCache L3: fetch of %d pages failed", len(batch))

@@ -122,7 +122,7 @@ def test_backups_are_written_and_dropped_when_their_slot_is_reused(tmp_path):
     slow, _, _, _ = make(tmp_path)
     io.backend.get_delay_s = 0.5
     io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=30), (), None))
-    io.submit_backup([(KEYS[i], i) for i in range(8)])
+    io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(8)])
     io.release_slots([3, 4])  # the worker is about to overwrite slots 3 and 4
     pool.set_key(3, None)
     pool.set_key(4, None)
@@ -140,7 +140,7 @@ def test_removal_drops_queued_backups_and_deletes_after_the_running_one(tmp_path
         pool.set_key(40 + i, KEYS[30 + i] if i < 4 else KEYS[i])
     io.backend.get_delay_s = 0.3  # keep the thread busy with a fetch first
     io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=20), (), None))
-    io.submit_backup([(KEYS[30 + i], 40 + i) for i in range(4)])
+    io.submit_backup([(KEYS[30 + i], 40 + i, KEYS[30 + i]) for i in range(4)])
     io.submit_removal([KEYS[30], KEYS[31], KEYS[0]])
     io.shutdown()
     # The queued backups of 30/31 were dropped (none can land after the flush)
