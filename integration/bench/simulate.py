@@ -108,11 +108,39 @@ def calibrate(*, bench_json: str | Path | None = None, copy_json: str | Path | N
 
 
 def model_page_bytes(model_dir: str | Path, page_size: int, dtype_bytes: int = 2) -> int:
-    """KV bytes per page of a Hugging Face model directory (its config.json)."""
+    """Bytes of one L2 page of a Hugging Face model directory (its config.json).
+
+    A page holds every KV-cache group's part (tiers/index/kv_groups.py): the
+    K and V of its tokens in every attention layer, sliding-window layers
+    included, and for a Mamba hybrid one state checkpoint (conv + SSM state)
+    per Mamba layer. Layers without a cache (MLP, MoE) count nothing. vLLM's
+    padding of Mamba pages to the attention block size is left out."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * heads * head_dim * dtype_bytes * page_size
+    attention, mamba = _layer_counts(cfg)
+    total = 2 * attention * heads * head_dim * dtype_bytes * page_size
+    if mamba:
+        inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
+        conv = (inner + 2 * cfg.get("n_groups", 1) * cfg["ssm_state_size"]) * (
+            cfg.get("conv_kernel", 4) - 1) * dtype_bytes
+        ssm_bytes = 4 if cfg.get("mamba_ssm_cache_dtype", "float32") == "float32" else dtype_bytes
+        ssm = inner * cfg["ssm_state_size"] * ssm_bytes
+        total += mamba * (conv + ssm)
+    return total
+
+
+def _layer_counts(cfg: dict) -> tuple[int, int]:
+    """(attention layers, Mamba layers) of a config: Nemotron-H's pattern ("M"
+    Mamba, "*" attention), a ``layers_block_type`` list, else all attention."""
+    pattern = cfg.get("hybrid_override_pattern")
+    if pattern:
+        return pattern.count("*"), pattern.count("M")
+    kinds = cfg.get("layers_block_type")
+    if kinds:
+        return (sum(k in ("attention", "full_attention") for k in kinds),
+                sum(k in ("mamba", "linear_attention") for k in kinds))
+    return cfg["num_hidden_layers"], 0
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,18 @@ def test_cli_rejects_bad_options(tmp_path):
     res = CliRunner().invoke(app, ["simulate", str(bad)])
     assert res.exit_code == 2 and "missing key 'output_tokens'" in res.output
     assert isinstance(CostModel().ttft_s(10, 0, 0, 0), float)
+
+
+def test_page_bytes_count_each_kv_cache_groups_real_bytes():
+    from hicache.integration.bench.simulate import model_page_bytes
+    from hicache.integration.models.tiny_model import ensure_tiny_model
+
+    # Gemma-3 style: five sliding-window layers and one full layer, all with KV
+    # (2 KV heads x 32 dims, K and V, bf16).
+    assert model_page_bytes(ensure_tiny_model("gemma3"), 32) == 6 * 2 * 2 * 32 * 2 * 32
+    # Nemotron-H style (Mamba2, attention, Mamba2, MLP): one attention layer's KV,
+    # and a conv + SSM state checkpoint per Mamba layer; the MLP layer has none.
+    kv = 1 * 2 * 2 * 32 * 2 * 64
+    conv = (8 * 32 + 2 * 16) * 3 * 2
+    ssm = 8 * 32 * 16 * 4
+    assert model_page_bytes(ensure_tiny_model("nemotron_h"), 64) == kv + 2 * (conv + ssm)

@@ -178,3 +178,37 @@ def test_mamba_states_are_checkpointed_where_a_step_ends_on_a_page_end():
     # A prompt that shares only page 0 has no checkpoint to end on.
     short = request("c", list(range(100, 108)) + [5, 6, 7])
     assert sched.get_num_new_matched_tokens(short, 0) == (0, False)
+
+
+def test_mamba_l3_runs_over_bodies_and_ends_on_a_whole_page(tmp_path):
+    from hicache.tiers.index.page_keys import body_key
+
+    groups = KVGroups((KVGroup("state"), KVGroup("full")))
+    geometry = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
+    tokens = list(range(100, 137))  # 4 full pages + 5
+    keys = keys_of(NS.seed(), tokens, PAGE)
+    writer = FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first",
+                                       geometry.page_bytes, extra_config={"path": str(tmp_path)}))
+    writer.register_host_pool(HostPagePool(geometry, layout="page_first", pin_memory=False))
+    # Another engine stored every page's body, and page 2 whole (its checkpoint).
+    stored = [body_key(k).hex() for k in keys] + [keys[2].hex()]
+    assert all(writer.batch_set_v1(stored, list(range(len(stored)))))
+    reader = FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first",
+                                       geometry.page_bytes, extra_config={"path": str(tmp_path)}))
+    sched = HiCacheScheduler(
+        geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: [[], []], groups=groups, storage=reader,
+        prefetch={"prefetch_threshold": 1})
+    req = request("a", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * PAGE, True)
+    sched.update_state_after_alloc(req, [[70], list(range(10, 20))], 3 * PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert [p.l3_key for p in fetch.l3_pages] == [body_key(keys[0]), body_key(keys[1]), None]
+    assert [p.block_ids for p in fetch.l3_pages] == [(0, 0, 10, 11), (0, 0, 12, 13),
+                                                     (70, 0, 14, 15)]
+    sched.on_worker_report(WorkerReport(fetched={"a": [3]}))
+    match = sched.tree.match_prefix(keys)
+    assert [sched.l2.missing_of(s) for s in match.host_slots] == [0b01, 0b01, 0]
+    # Stores of such a model: a body for every page, the checkpointed page whole too.
+    assert groups.l3_keys(keys[0], 0b01) == (body_key(keys[0]),)
+    assert groups.l3_keys(keys[0], 0) == (keys[0], body_key(keys[0]))
