@@ -9,6 +9,8 @@ HiCache engine with an empty L2 that serves the returning turns from both
 ranks' L3 shards. The L3 lookup asks every rank's shard, so no rank is
 promised pages it lacks: with either rank's shard of a history deleted, the
 history is not offered (recomputed), rather than promised and then failed.
+Last, the Gemma-3-style hybrid at TP=2 (vLLM's hybrid manager on), against
+vLLM without a connector.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, run_multi_turn
 from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
+    first_turn_prompts,
+    next_turn_prompts,
     run_turns,
 )
 from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
@@ -134,3 +138,39 @@ def test_restarted_tp2_engine_serves_from_every_ranks_shard(tiny_model, written,
     assert lost_a.outputs == turn.outputs[2:3] and lost_b.outputs == turn.outputs[3:]
     # Only the shared system prompt, which the first two left in L2.
     assert lost_a.num_cached_tokens == [shared] == lost_b.num_cached_tokens, (name_a, name_b)
+
+
+HYBRID = MultiTurnSpec(conversations=2, history_tokens=1536, shared_prefix_tokens=0,
+                       question_tokens=64, answer_tokens=16, seed=33)
+
+
+def _hybrid_turns(hicache: dict | None) -> list[TurnResult]:
+    """The Gemma-3-style model (vLLM's hybrid manager: 5 sliding-window groups and
+    a full one) at TP=2; with HiCache, vLLM's prefix caching is off, so every
+    returning history comes from L2."""
+    from hicache.integration.models.tiny_model import ensure_tiny_model
+
+    llm = open_llm(EngineSpec(
+        model=str(ensure_tiny_model("gemma3")), hicache=hicache,
+        prefix_caching=hicache is None, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+        extra_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}))
+    try:
+        out: list[TurnResult] = []
+        for i in range(TURNS):
+            prompts = (first_turn_prompts(HYBRID) if i == 0
+                       else next_turn_prompts(HYBRID, out[-1], i))
+            out.append(run_turns(llm, prompts, HYBRID.answer_tokens, one_by_one=True))
+        return out
+    finally:
+        close_llm(llm)
+
+
+def test_hybrid_model_at_tp2_token_identical():
+    want = _hybrid_turns(None)
+    got = _hybrid_turns({"hicache_size": 0.05})
+    for turn, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.outputs == w.outputs, f"turn {turn}"
+    for turn in (1, 2):
+        for prompt, cached in zip(got[turn].prompts, got[turn].num_cached_tokens, strict=True):
+            history = len(prompt) - HYBRID.question_tokens
+            assert cached >= history // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, (turn, cached)
