@@ -109,6 +109,21 @@ def _as_json(responses: dict[int | str, dict[str, Any]]) -> dict[int | str, dict
     return out
 
 
+def _only_query(*allowed: str) -> Any:
+    """A dependency refusing query parameters other than ``allowed`` (a typo such
+    as ``?dpeth=4`` would otherwise be ignored silently), naming both."""
+
+    def check(request: Request) -> None:
+        unknown = sorted(set(request.query_params) - set(allowed))
+        if unknown:
+            raise RequestValidationError([{
+                "type": "extra_forbidden", "loc": ("query", name),
+                "msg": f"unknown query parameter {name!r}; allowed: {', '.join(allowed)}",
+                "input": request.query_params[name]} for name in unknown])
+
+    return check
+
+
 def create_app(
     target: AdminTarget, token: SecretStr | str | None, *, require_token_for_reads: bool
 ) -> FastAPI:
@@ -205,7 +220,7 @@ def create_app(
         "/tree",
         response_model=TreeResponse,
         responses=_GUARDED,
-        dependencies=[read_auth],
+        dependencies=[read_auth, Depends(_only_query("prefix", "depth"))],
         tags=["read"],
     )
     def get_tree(

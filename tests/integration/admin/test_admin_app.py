@@ -406,11 +406,14 @@ def test_tree(live: Live) -> None:
         ({"prefix": "1,,2"}, "prefix"),
         ({"prefix": "-1"}, "prefix"),
         ({"prefix": str(1 << 64)}, "prefix"),
+        ({"dpeth": 4}, "dpeth"),  # a typo is refused, not ignored
     ):
         r = live.client.get("/tree", params=params)
         assert r.status_code == 422, (params, r.text)
         locs = [d["loc"] for d in r.json()["detail"]]
         assert ["query", name] in locs, (params, locs)
+    r = live.client.get("/tree", params={"depth": 2, "dpeth": 4})
+    assert "allowed: prefix, depth" in r.json()["detail"][0]["msg"]
 
 
 def test_openapi_documents_every_endpoint(live: Live) -> None:
