@@ -59,8 +59,8 @@ def failure_reason(log: Path, fallback: str) -> str:
     hits = [m for m in (_ERROR_LINE.search(line) for line in lines) if m]
     generic = ("Engine core initialization failed", "please check the stack trace")
     specific = [m for m in hits if not any(g in m.group(0) for g in generic)]
-    pick = (specific or hits or [None])[-1]
-    return fallback if pick is None else pick.group(0)[:300]
+    picks = specific or hits
+    return picks[-1].group(0)[:300] if picks else fallback
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:

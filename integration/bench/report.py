@@ -136,6 +136,7 @@ def write_plots(results: Mapping[str, BenchResult | Mapping[str, Any]],
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +172,7 @@ def write_plots(results: Mapping[str, BenchResult | Mapping[str, Any]],
     ax.set_ylabel("cached prompt tokens (%)")
     ax.set_ylim(0, 102)
     ax.set_title("Prompt tokens served from cache, per turn")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     paths.append(_save(fig, out / "cached_share_per_turn.png"))

@@ -21,6 +21,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 
 class TraceError(ValueError):
@@ -88,8 +89,8 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
             raise TraceError(f"{where}: key {key!r} must be {getattr(kind, '__name__', kind)}")
         return d[key]
 
-    arrival = float(need("arrival", (int, float)))  # type: ignore[arg-type]
-    output = int(need("output_tokens", int))  # type: ignore[arg-type]
+    arrival = float(cast(float, need("arrival", (int, float))))
+    output = cast(int, need("output_tokens", int))
     if output < 0 or arrival < 0:
         raise TraceError(f"{where}: 'arrival' and 'output_tokens' must be >= 0")
     finish = d.get("finish")
@@ -97,19 +98,23 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
         raise TraceError(f"{where}: key 'finish' must be a number >= 'arrival'")
     if ("prompt" in d) == ("page_hashes" in d):
         raise TraceError(f"{where}: give exactly one of 'prompt' (token ids) or 'page_hashes'")
-    prompt = hashes = page_size = None
+    prompt: tuple[int, ...] | None = None
+    hashes: tuple[str, ...] | None = None
+    page_size: int | None = None
     if "prompt" in d:
-        raw = need("prompt", list)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):  # type: ignore[union-attr]
+        raw = cast("list[object]", need("prompt", list))
+        tokens = [t for t in raw if isinstance(t, int) and not isinstance(t, bool) and t >= 0]
+        if len(tokens) != len(raw):
             raise TraceError(f"{where}: key 'prompt' must be a list of token ids (ints >= 0)")
-        prompt = tuple(raw)  # type: ignore[arg-type]
+        prompt = tuple(tokens)
         prompt_tokens = len(prompt)
     else:
-        raw = need("page_hashes", list)
-        if not all(isinstance(h, str) and h for h in raw):  # type: ignore[union-attr]
+        raw = cast("list[object]", need("page_hashes", list))
+        names = [h for h in raw if isinstance(h, str) and h]
+        if len(names) != len(raw):
             raise TraceError(f"{where}: key 'page_hashes' must be a list of non-empty strings")
-        hashes = tuple(raw)  # type: ignore[arg-type]
-        page_size = int(need("page_size", int))  # type: ignore[arg-type]
+        hashes = tuple(names)
+        page_size = cast(int, need("page_size", int))
         if page_size <= 0:
             raise TraceError(f"{where}: key 'page_size' must be > 0")
         prompt_tokens = int(d.get("prompt_tokens", len(hashes) * page_size))

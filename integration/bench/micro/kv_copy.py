@@ -25,6 +25,7 @@ pages sit at random places, as after some churn in vLLM's block pool.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -112,9 +113,9 @@ def _measure(
     for path, direction in [(p, d) for p in sorted(paths, key=lambda p: p.name)
                             for d in ("save", "load")]:
         if direction == "save":
-            fn = lambda: path.save(layers, pool.canonical, transfer)  # noqa: B023, E731
+            fn = functools.partial(path.save, layers, pool.canonical, transfer, None)
         else:
-            fn = lambda: path.load(pool.canonical, layers, transfer)  # noqa: B023, E731
+            fn = functools.partial(path.load, pool.canonical, layers, transfer, None)
         seconds = _timed(fn, device)
         base_s = baseline[direction]
         row = {
@@ -158,7 +159,7 @@ def print_table(rows: list[dict[str, Any]], device: str) -> None:
         if gpu:
             line += f" {r.get('per_page_gbps', 0.0):>8.2f} {r.get('per_page_ratio', 0.0):>6.2f}"
         print(line)
-    best = {}
+    best: dict[Any, Any] = {}
     for r in rows:
         if r["page_size"] >= 64:
             key = (r["page_size"], r["pages"], r["direction"])

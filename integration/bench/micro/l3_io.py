@@ -82,24 +82,24 @@ def _raw_file(directory: Path, pool: HostPagePool, pages: int, repeats: int,
             for i, page in enumerate(src):
                 tmp = target / f"{i}.tmp"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.write(fd, page)
+                os.write(fd, page.data)
                 os.close(fd)
                 os.replace(tmp, target / f"{i}.page")
         else:
             fd = os.open(target / "all", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             for page in src:
-                os.write(fd, page)
+                os.write(fd, page.data)
             os.close(fd)
 
     def read() -> None:
         if per_page:
             for i, page in enumerate(dst):
                 with open(target / f"{i}.page", "rb", buffering=0) as f:
-                    f.readinto(memoryview(page))
+                    f.readinto(page.data)
         else:
             with open(target / "all", "rb", buffering=0) as f:
                 for page in dst:
-                    f.readinto(memoryview(page))
+                    f.readinto(page.data)
 
     w = _median_seconds(write, repeats, before=clean)
     r = _median_seconds(read, repeats)

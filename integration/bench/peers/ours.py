@@ -35,6 +35,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Sequence
@@ -116,18 +117,18 @@ def _radix_page_size(p: int, hit: list[list[int]], miss: list[list[int]],
     for _ in range(repeats):
         for hashed, suffix in ((False, ""), (True, "+hash")):
             tree = HiRadixTree()
-            rec(f"request{suffix}", _timed(lambda t=tree, h=hashed: request(t, h))[0],
+            rec(f"request{suffix}", _timed(functools.partial(request, tree, hashed))[0],
                 tree.total_pages() * p)
             tree = HiRadixTree()
-            rec(f"insert{suffix}", _timed(lambda t=tree, h=hashed: insert(t, h))[0],
+            rec(f"insert{suffix}", _timed(functools.partial(insert, tree, hashed))[0],
                 tree.total_pages() * p)
-            s, n = _timed(lambda t=tree, h=hashed: match(t, hit, hit_keys, h))
+            s, n = _timed(functools.partial(match, tree, hit, hit_keys, hashed))
             rec(f"match{suffix}", s, n * p)
-            s, n = _timed(lambda t=tree, h=hashed: match(t, miss, miss_keys, h))
+            s, n = _timed(functools.partial(match, tree, miss, miss_keys, hashed))
             rec(f"miss{suffix}", s, n * p)
         # Eviction takes no keys: timed once, on the last tree of the round.
         want = tree.total_pages() // 2
-        s, freed = _timed(lambda t=tree, w=want: t.evict(w))
+        s, freed = _timed(functools.partial(tree.evict, want))
         rec("evict", s, len(freed) * p)
         rec("hash-only", _timed(lambda: [page_keys(seed, t, p) for t in hit])[0], None)
     amounts = {"insert": offered, "match": checks["match"], "miss": len(miss),
@@ -199,8 +200,8 @@ class _KVHarness:
         self.backend = _file_backend(workdir / "ours-kv-l3", geom.page_bytes, self.pool)
         # Warm both directions (numba compiles or loads its cache on first use).
         warm = self._transfer(range(1), [0])
-        self.path.save(self.layers, self.pool.canonical, warm)
-        self.path.load(self.pool.canonical, self.layers, warm)
+        self.path.save(self.layers, self.pool.canonical, warm, None)
+        self.path.load(self.pool.canonical, self.layers, warm, None)
 
     def _transfer(self, pages: Sequence[int], slots: Sequence[int]) -> BlockTransfer:
         bpp = self.bpp
@@ -221,7 +222,7 @@ class _KVHarness:
         slots = self.alloc.alloc(len(keys) - match.num_pages)
         assert slots is not None, "L2 pool full"
         pages = range(match.num_pages, len(keys))
-        self.path.save(self.layers, self.pool.canonical, self._transfer(pages, slots))
+        self.path.save(self.layers, self.pool.canonical, self._transfer(pages, slots), None)
         for page, slot in zip(pages, slots, strict=True):
             self.pool.set_key(slot, keys[page])
         self.tree.insert(keys, list(match.host_slots) + slots)
@@ -239,7 +240,7 @@ class _KVHarness:
             slots = match.host_slots
             assert all(self.pool.holds(s, k) for s, k in zip(slots, keys, strict=False))
             self.path.load(self.pool.canonical, self.layers,
-                           self._transfer(range(match.num_pages), slots))
+                           self._transfer(range(match.num_pages), slots), None)
         finally:
             self.tree.unlock(match.node)
         return match.num_pages * self.page

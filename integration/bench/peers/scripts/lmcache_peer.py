@@ -129,7 +129,8 @@ def kv(doc: dict[str, Any], arrays: dict[str, np.ndarray], workdir: Path) -> dic
         try:
             disk_backend = (engine.storage_manager.storage_backends["LocalDiskBackend"]
                             if disk is not None else None)
-            store_s, retrieve_s = [], []
+            store_s: list[float] = []
+            retrieve_s: list[float] = []
             verified = True
             for rep in range(doc["repeats"] + 1):  # round 0 warms up and is dropped
                 if rep == 1:

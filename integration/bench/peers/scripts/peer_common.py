@@ -13,6 +13,7 @@ with, so both sides of a comparison time exactly the same procedure.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -39,6 +40,10 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, out
 
 
+def _exists_all(store: Any, keys: list[str]) -> list[bool]:
+    return [store.exists(k) for k in keys]
+
+
 def file_case(case: dict[str, Any], arrays: dict[str, np.ndarray], repeats: int,
               directory: Path, open_store: Callable[[Path, int], Any],
               set_ok: Callable[[Any], bool], get_ok: Callable[[Any], bool]) -> dict[str, Metric]:
@@ -63,14 +68,14 @@ def file_case(case: dict[str, Any], arrays: dict[str, np.ndarray], repeats: int,
         shutil.rmtree(directory, ignore_errors=True)
         store = open_store(directory, page_bytes)
         os.sync()  # no earlier writeback pending when the clock starts
-        s, ok = timed(lambda st=store: st.batch_set(keys, values))
+        s, ok = timed(functools.partial(store.batch_set, keys, values))
         assert set_ok(ok), f"{type(store).__name__}.batch_set failed"
         times["set"].append(s)
-        s, found = timed(lambda st=store: [st.exists(k) for k in keys])
+        s, found = timed(functools.partial(_exists_all, store, keys))
         assert all(found), f"{type(store).__name__} lost a page"
         times["exists"].append(s)
         targets.zero_()
-        s, got = timed(lambda st=store: st.batch_get(keys, target_list))
+        s, got = timed(functools.partial(store.batch_get, keys, target_list))
         verified = verified and get_ok(got) and torch.equal(targets, data)
         times["get"].append(s)
         getattr(store, "close", lambda: None)()
