@@ -109,7 +109,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 "HiCacheConnector with vLLM's hybrid KV cache manager needs a vLLM whose "
                 "connectors report failed loads per request (get_transfer_results); with "
                 "this vLLM run with --disable-hybrid-kv-cache-manager")
-        geometry = pool_geometry(kv_cache_config, self.config, page_size // block_size)
+        geometry = pool_geometry(kv_cache_config, self.config, page_size // block_size, groups)
         self._scheduler: HiCacheScheduler | None = None
         self._worker: HiCacheWorker | None = None
         self._admin: SchedulerAdmin | None = None
@@ -495,13 +495,14 @@ def describe_groups(groups: KVGroups) -> str:
 
 
 def pool_geometry(
-    kv_cache_config: KVCacheConfig, config: HiCacheConfig, blocks_per_page: int
+    kv_cache_config: KVCacheConfig, config: HiCacheConfig, blocks_per_page: int,
+    groups: KVGroups | None = None,
 ) -> PoolGeometry:
     """L2 geometry from the engine's KV-cache config; the same on scheduler and workers.
 
     A page holds every layer of every group; the ratio budget is taken of the
     engine's real KV bytes (groups of the hybrid manager share tensors)."""
-    groups = kv_groups(kv_cache_config)
+    groups = groups or kv_groups(kv_cache_config)
     block_bytes = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     # The hybrid allocator gives a block of every group's layer i the same
     # tensor: the engine holds as many layers' blocks as its largest group.

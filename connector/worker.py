@@ -201,7 +201,7 @@ class HiCacheWorker:
         self.storage = backend
         self.storage_io = StorageIO(backend, self.pool, self._load_fetched_pages)
 
-    def _load_fetched_pages(self, pages: list[PagePlan]) -> None:
+    def _load_fetched_pages(self, pages: list[PagePlan]) -> GroupTransfer:
         """L2 -> L1 for a fetched request, on the L3 thread (torch copies: thread-safe;
         on CUDA a side stream, synchronised before the request is reported)."""
         pool = self._require_pool()
@@ -213,6 +213,7 @@ class HiCacheWorker:
                 if len(transfer.groups[group]):
                     block_copy.load_blocks(pool.canonical, self.layers, transfer.groups[group],
                                            rows)
+        return transfer
 
     def _transfer(self, pages: Sequence[PagePlan]) -> GroupTransfer:
         """The copies of ``pages``, one ``BlockTransfer`` per KV-cache group."""
@@ -283,8 +284,7 @@ class HiCacheWorker:
             pages.append(page)
         if pages:
             try:
-                self._load_fetched_pages(pages)
-                transfer = self._transfer(pages)
+                transfer = self._load_fetched_pages(pages)
                 self.stats.loaded_blocks += transfer.num_blocks
                 self.stats.loaded_bytes += transfer.num_bytes(self.geometry.block_bytes)
             except Exception:  # noqa: BLE001 - recompute instead

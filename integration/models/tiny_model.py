@@ -171,28 +171,21 @@ class TinyModelSpec:
         return self.hidden_size // self.num_attention_heads
 
 
-# "test" as a Mistral model whose every layer attends to the last 384 tokens only. Same
-# seed and shapes, so the same tokenizer and weights: while a sequence fits in the
-# window its greedy output is that of "test".
-_SWA = TinyModelSpec(
+# Fast enough for unit tests: ~1.6 M parameters. The other small presets are its shapes.
+_TEST = TinyModelSpec(
     hidden_size=256,
     num_hidden_layers=4,
     num_attention_heads=8,
     num_key_value_heads=2,
     intermediate_size=512,
-    architecture="mistral",
-    sliding_window=384,
 )
+# "test" as a Mistral model whose every layer attends to the last 384 tokens only. Same
+# seed and shapes, so the same tokenizer and weights: while a sequence fits in the
+# window its greedy output is that of "test".
+_SWA = dataclasses.replace(_TEST, architecture="mistral", sliding_window=384)
 
 PRESETS: dict[str, TinyModelSpec] = {
-    # Fast enough for unit tests: ~1.6 M parameters.
-    "test": TinyModelSpec(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=512,
-    ),
+    "test": _TEST,
     # Large enough that prefill compute dominates on CPU: ~93 M parameters.
     "bench": TinyModelSpec(
         hidden_size=1024,
@@ -228,15 +221,7 @@ PRESETS: dict[str, TinyModelSpec] = {
     # Nemotron-H-style Mamba2 + attention hybrid (Mamba2, attention, Mamba2, MLP), "test"'s
     # widths: vLLM's hybrid manager gives it two MambaSpec groups and one full-attention
     # group. vLLM 0.32's CPU Mamba2 kernel runs it with prefix caching off only.
-    "nemotron_h": TinyModelSpec(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        architecture="nemotron_h",
-        hybrid_pattern="M*M-",
-    ),
+    "nemotron_h": dataclasses.replace(_TEST, architecture="nemotron_h", hybrid_pattern="M*M-"),
 }
 
 

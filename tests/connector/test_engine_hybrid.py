@@ -26,17 +26,14 @@ enough to keep everything; tokens must be identical.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from conftest import MAX_MODEL_LEN
+from support.workloads import turns_then_branches
 
 from hicache.connector.null_connector import TRANSFER_CONFIG
 from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
-    first_turn_prompts,
-    next_turn_prompts,
     run_turns,
 )
 from hicache.integration.models.tiny_model import ensure_tiny_model
@@ -59,16 +56,6 @@ L1_BLOCKS = 400
 STEPS = 4  # the HiCache engine's; the oracle also runs step 4, for the restarted engine
 
 
-def _prompts(previous: list[TurnResult], step: int) -> list[list[int]]:
-    """Steps 0-2: the conversations' turns; steps 3, 4: branches sharing HEAD tokens."""
-    if step == 0:
-        return first_turn_prompts(WORKLOAD)
-    if step < 3:
-        return next_turn_prompts(WORKLOAD, previous[-1], step)
-    rng = random.Random(step + 2)
-    return [p[:HEAD] + [rng.randrange(8, 2000) for _ in range(200)] for p in previous[0].prompts]
-
-
 def _empty_l1(llm) -> None:
     """Empty vLLM's own prefix cache (write_back may still hold a finished request's
     blocks: one more step releases them)."""
@@ -82,7 +69,9 @@ def _run(llm, *, empty_l1: bool, steps: int = STEPS) -> list[TurnResult]:
     for step in range(steps):
         if empty_l1:
             _empty_l1(llm)
-        out.append(run_turns(llm, _prompts(out, step), WORKLOAD.answer_tokens, one_by_one=True))
+        # Steps 0-2: the conversations' turns; steps 3, 4: branches sharing HEAD tokens.
+        prompts = turns_then_branches(WORKLOAD, out, step, HEAD)
+        out.append(run_turns(llm, prompts, WORKLOAD.answer_tokens, one_by_one=True))
     return out
 
 

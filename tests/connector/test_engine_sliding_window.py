@@ -16,16 +16,13 @@ without a connector (float32). L1 is small, so returning turns need L2.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from conftest import MAX_MODEL_LEN
+from support.workloads import turns_then_branches
 
 from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
-    first_turn_prompts,
-    next_turn_prompts,
     run_turns,
 )
 from hicache.integration.models.tiny_model import ensure_tiny_model
@@ -52,20 +49,12 @@ def swa_model() -> str:
     return str(ensure_tiny_model("swa"))
 
 
-def _prompts(previous: list[TurnResult], step: int) -> list[list[int]]:
-    """Steps 0-2: the conversation's turns; step 3: branches sharing HEAD tokens."""
-    if step == 0:
-        return first_turn_prompts(WORKLOAD)
-    if step < 3:
-        return next_turn_prompts(WORKLOAD, previous[-1], step)
-    rng = random.Random(5)
-    return [p[:HEAD] + [rng.randrange(8, 2000) for _ in range(200)] for p in previous[0].prompts]
-
-
 def _run(llm) -> list[TurnResult]:
+    """Steps 0-2: the conversations' turns; step 3: branches sharing HEAD tokens."""
     out: list[TurnResult] = []
     for step in range(4):
-        out.append(run_turns(llm, _prompts(out, step), WORKLOAD.answer_tokens, one_by_one=True))
+        prompts = turns_then_branches(WORKLOAD, out, step, HEAD)
+        out.append(run_turns(llm, prompts, WORKLOAD.answer_tokens, one_by_one=True))
     return out
 
 

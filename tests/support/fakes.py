@@ -3,12 +3,25 @@
 The request is the simulator's (``SimRequest``): block hashes from the
 engine-free stand-in (``token_block_hashes``), which is also the scheduler's
 default prefix hasher, so flushes by prefix find the same keys as requests.
+``file_store`` / ``write_pages``: the real file backend as the scheduler's L3
+view, and pages put into it as another engine would have.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hicache.integration.bench.sim_engine import SimRequest
-from hicache.tiers.index.page_keys import PageKey, block_page_keys, token_block_hashes
+from hicache.tiers.index.page_keys import (
+    KeyNamespace,
+    PageKey,
+    block_page_keys,
+    token_block_hashes,
+)
+from hicache.tiers.l2.geometry import PoolGeometry
+from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.file_backend import FileBackend
 
 
 def request(rid: str, tokens: list[int], computed: int = 0, block_size: int = 4) -> SimRequest:
@@ -18,3 +31,18 @@ def request(rid: str, tokens: list[int], computed: int = 0, block_size: int = 4)
 def keys_of(seed: bytes, tokens: list[int], page: int, block_size: int = 4) -> list[PageKey]:
     """The page keys a request of ``tokens`` gets."""
     return block_page_keys(seed, token_block_hashes(tokens, block_size), page // block_size)
+
+
+def file_store(path: Path, namespace: KeyNamespace, geometry: PoolGeometry) -> FileBackend:
+    """The real file backend in ``path``, for pages of ``geometry``."""
+    return FileBackend(StorageConfig(0, 1, namespace.fingerprint(), "page_first",
+                                     geometry.page_bytes, extra_config={"path": str(path)}))
+
+
+def write_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeometry,
+                keys: list[str]) -> None:
+    """Pages under ``keys`` (hex) in the file store in ``path``, as another engine
+    would have written them."""
+    writer = file_store(path, namespace, geometry)
+    writer.register_host_pool(HostPagePool(geometry, layout="page_first", pin_memory=False))
+    assert all(writer.batch_set_v1(keys, list(range(len(keys)))))

@@ -85,6 +85,7 @@ class L2Manager:
         # and the tree must stay prefix-closed: the first page that cannot be
         # stored ends the store (see the module docstring for windowed groups).
         masks: list[int] = []
+        page_blocks: list[tuple[int, ...]] = []
         for page in range(match.num_pages, len(keys)):
             blocks = self.groups.page_blocks(block_ids, page, bpp, state_at=state_at)
             mask = self.groups.missing_mask(blocks) if blocks else None
@@ -93,6 +94,7 @@ class L2Manager:
                 keys = keys[:page]
                 break
             masks.append(mask)
+            page_blocks.append(blocks)
         if match.num_pages >= len(keys):
             return []
         need = len(keys) - match.num_pages
@@ -116,8 +118,7 @@ class L2Manager:
             page = match.num_pages + i
             self._missing[slot] = masks[i]
             self._stats.stored_partial_pages += masks[i] != 0
-            blocks = self.groups.page_blocks(block_ids, page, bpp, state_at=state_at)
-            plans.append(PagePlan(slot, keys[page], 0, blocks,
+            plans.append(PagePlan(slot, keys[page], 0, page_blocks[i],
                                   l3_keys=self.groups.l3_keys(keys[page], masks[i])))
         self._stats.stored_pages += len(plans)
         self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)

@@ -88,7 +88,7 @@ class StorageIO:
         self,
         backend: StorageBackend,
         pool: HostPagePool,
-        load_pages: Callable[[list[PagePlan]], None],
+        load_pages: Callable[[list[PagePlan]], object],
     ) -> None:
         self.backend = backend
         self.pool = pool

@@ -11,16 +11,13 @@ asked of L3 again for the same request.
 
 from __future__ import annotations
 
-from support.fakes import keys_of, request
+from support.fakes import file_store, keys_of, request, write_pages
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.kv_groups import KVGroup, KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
-from hicache.tiers.l2.host_pool import HostPagePool
-from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
 
 BS = 4  # tokens per vLLM block
 PAGE = 8  # tokens per page: 2 blocks
@@ -29,17 +26,6 @@ GEOM = PoolGeometry(num_slots=32, num_layers=3, blocks_per_page=2, block_bytes=6
 NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
 
 
-def backend(tmp_path) -> FileBackend:
-    return FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                     extra_config={"path": str(tmp_path)}))
-
-
-def store_pages(tmp_path, tokens) -> None:
-    """Every full page of ``tokens`` in L3, as another engine would have put them."""
-    writer = backend(tmp_path)
-    writer.register_host_pool(HostPagePool(GEOM, layout="page_first", pin_memory=False))
-    keys = [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)]
-    assert all(writer.batch_set_v1(keys, list(range(len(keys)))))
 
 
 def make_scheduler(storage=None, **kw) -> HiCacheScheduler:
@@ -137,8 +123,8 @@ def test_a_full_attention_null_block_ends_the_store():
 
 def test_l3_pages_extend_the_hit_and_a_short_fetch_is_not_asked_again(tmp_path):
     tokens = list(range(100, 133))
-    store_pages(tmp_path, tokens)
-    sched = make_scheduler(storage=backend(tmp_path))
+    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)])
+    sched = make_scheduler(storage=file_store(tmp_path, NS, GEOM))
     req = request("a", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, True)
     sched.update_state_after_alloc(req, blocks(9), 4 * PAGE)
@@ -187,14 +173,9 @@ def test_mamba_l3_runs_over_bodies_and_ends_on_a_whole_page(tmp_path):
     geometry = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
     tokens = list(range(100, 137))  # 4 full pages + 5
     keys = keys_of(NS.seed(), tokens, PAGE)
-    writer = FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first",
-                                       geometry.page_bytes, extra_config={"path": str(tmp_path)}))
-    writer.register_host_pool(HostPagePool(geometry, layout="page_first", pin_memory=False))
     # Another engine stored every page's body, and page 2 whole (its checkpoint).
-    stored = [body_key(k).hex() for k in keys] + [keys[2].hex()]
-    assert all(writer.batch_set_v1(stored, list(range(len(stored)))))
-    reader = FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first",
-                                       geometry.page_bytes, extra_config={"path": str(tmp_path)}))
+    write_pages(tmp_path, NS, geometry, [body_key(k).hex() for k in keys] + [keys[2].hex()])
+    reader = file_store(tmp_path, NS, geometry)
     sched = HiCacheScheduler(
         geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
         block_ids_of=lambda rid: [[], []], groups=groups, storage=reader,

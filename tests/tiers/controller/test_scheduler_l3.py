@@ -1,14 +1,12 @@
 """Scheduler half with an L3 backend, without an engine: async hits, reserved slots,
 publishing what every rank fetched. The backend is the real file backend."""
 
-from support.fakes import keys_of, request
+from support.fakes import file_store, keys_of, request, write_pages
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
-from hicache.tiers.l2.host_pool import HostPagePool
-from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 
 BS, PAGE = 4, 8
@@ -19,17 +17,12 @@ NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
 
 
 def backend(tmp_path) -> FileBackend:
-    return FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                     extra_config={"path": str(tmp_path)}))
+    return file_store(tmp_path, NS, GEOM)
 
 
 def store_pages(tmp_path, tokens) -> None:
     """Put every full page of ``tokens`` into L3, as another engine would have."""
-    writer = backend(tmp_path)
-    pool = HostPagePool(GEOM, layout="page_first", pin_memory=False)
-    writer.register_host_pool(pool)
-    keys = [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)]
-    assert all(writer.batch_set_v1(keys, list(range(len(keys)))))
+    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)])
 
 
 def scheduler(tmp_path, **kw) -> HiCacheScheduler:
