@@ -73,7 +73,10 @@ class StorePlanner:
         """
         request = state.request
         ready = min(request.num_computed_tokens, len(request.all_token_ids))
-        held = min((len(ids) for ids in block_ids), default=0)
+        # A state group (Mamba) holds one block per request, not one per page.
+        groups = self.l2.groups.groups
+        held = min((len(ids) for g, ids in zip(groups, block_ids, strict=True)
+                    if g.kind != "state"), default=0)
         ready_pages = min(ready // self.page_size, held // self.l2.blocks_per_page)
         if ready_pages <= state.stored_pages:
             return False

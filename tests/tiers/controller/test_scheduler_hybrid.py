@@ -193,3 +193,24 @@ def test_mamba_l3_runs_over_bodies_and_ends_on_a_whole_page(tmp_path):
     # Stores of such a model: a body for every page, the checkpointed page whole too.
     assert groups.l3_keys(keys[0], 0b01) == (body_key(keys[0]),)
     assert groups.l3_keys(keys[0], 0) == (keys[0], body_key(keys[0]))
+
+
+def test_write_back_stores_a_mamba_request_whole_with_its_last_checkpoint():
+    groups = KVGroups((KVGroup("state"), KVGroup("full")))
+    tables: dict[str, list[list[int]]] = {}
+    sched = HiCacheScheduler(
+        geometry=PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64),
+        namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: tables[rid],
+        groups=groups, write_policy="write_back")
+    req = request("a", range(100, 132))  # 4 full pages
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    tables["a"] = [[50], list(range(300, 308))]
+    sched.update_state_after_alloc(req, tables["a"], 0)
+    sched.build_connector_meta({"a": 32})
+    req.num_computed_tokens = 32
+    # One state block for the request, eight attention blocks: all four pages go.
+    assert sched.request_finished(req, tables["a"]) is True
+    stores = sched.build_connector_meta({}).stores
+    assert len(stores) == 4
+    assert [sched.l2.missing_of(p.slot) for p in stores] == [0b01, 0b01, 0b01, 0]
+    assert stores[-1].block_ids == (50, 0, 306, 307)
