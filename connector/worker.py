@@ -173,14 +173,17 @@ class HiCacheWorker:
         geometry = PoolGeometry(
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
-        self.pool = HostPagePool(geometry, layout=self.layout)
+        self.pool = HostPagePool(geometry, layout=self.layout, device=layers[0].device)
+        memory = self.pool.memory
         logger.info(
             "HiCache L2 pool: %d pages x %.2f MiB = %.2f GiB, %s, %s, copies: %s",
             geometry.num_slots,
             geometry.page_bytes / 2**20,
             geometry.buffer_bytes / 2**30,
             self.layout,
-            "pinned" if self.pool.buffer.is_pinned() else "pageable",
+            ("pinned (cudaHostRegister" + ("" if memory.numa_node is None
+                                           else f", NUMA node {memory.numa_node}") + ")")
+            if memory.pinned else "pageable",
             self.copy_path.name,
         )
         if self._storage_spec is not None:
@@ -414,6 +417,8 @@ class HiCacheWorker:
             self.storage_io.shutdown()
         if self.storage is not None:
             self.storage.close()
+        if self.pool is not None:
+            self.pool.close()
 
     def take_released(self) -> set[str]:
         released, self._released = self._released, set()

@@ -7,8 +7,11 @@ Contract:
   arithmetic the scheduler shares), computed identically in the scheduler
   and in every worker, so slot numbers chosen by the scheduler are valid on
   every rank.
-- ``HostPagePool`` allocates exactly ``geometry.buffer_bytes`` once (pinned
-  when CUDA is available) and never grows: host memory stays within budget.
+- ``HostPagePool`` allocates exactly ``geometry.buffer_bytes`` once and never
+  grows: host memory stays within budget. With CUDA it is page-locked
+  through ``host_memory.allocate`` (mmap + ``cudaHostRegister``: exactly the
+  pool's bytes, on the GPU's NUMA node), not torch's power-of-two caching
+  pinned allocator; ``close()`` unregisters it.
 - Layouts order (slot, layer, block-in-page) units of one engine block's
   bytes, as SGLang's host layouts order (page, layer, token) units. The
   block is the finest unit here because its inner bytes mean different
@@ -33,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from hicache.tiers.l2.geometry import GB, PoolGeometry
+from hicache.tiers.l2.host_memory import HostBuffer, allocate
 
 # PoolGeometry and GB live in the torch-free geometry module; importers of this
 # module get them here too.
@@ -55,19 +59,21 @@ class HostPagePool:
         *,
         layout: str = "page_first_direct",
         pin_memory: bool | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if layout not in LAYOUT_DIMS:
             raise ValueError(f"unknown host layout {layout!r}; allowed: {sorted(LAYOUT_DIMS)}")
         if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
+            pin_memory = (device.type == "cuda" if device is not None
+                          else torch.cuda.is_available())
         self.geometry = geometry
         self.layout = layout
         canonical_shape = (geometry.num_slots, geometry.num_layers, geometry.blocks_per_page,
                            geometry.block_bytes)
         order = LAYOUT_DIMS[layout]
-        self.buffer = torch.empty(
-            tuple(canonical_shape[d] for d in order), dtype=torch.uint8, pin_memory=pin_memory
-        )
+        # device: the GPU the pool serves (its NUMA node gets the pages).
+        self.memory: HostBuffer = allocate(geometry.buffer_bytes, pin=pin_memory, device=device)
+        self.buffer = self.memory.tensor.view(tuple(canonical_shape[d] for d in order))
         # Inverse permutation: canonical dim i is buffer dim order.index(i).
         self.canonical = self.buffer.permute(*(order.index(i) for i in range(4)))
         self._slot_keys: list[bytes | None] = [None] * geometry.num_slots
@@ -102,6 +108,17 @@ class HostPagePool:
             view.copy_(data)
         else:
             self.canonical[slot].copy_(data.view(self.canonical.shape[1:]))
+
+    def close(self) -> None:
+        """Unpin the buffer (idempotent); call when no copy uses it any more."""
+        self.memory.release()
+
+    def __del__(self) -> None:
+        # A registration outliving its mapping would make CUDA refuse the next
+        # pool mapped at the same address (cudaErrorHostMemoryAlreadyRegistered).
+        memory = getattr(self, "memory", None)
+        if memory is not None:
+            memory.release()
 
     def invalidate_all(self) -> None:
         self._slot_keys = [None] * self.geometry.num_slots
