@@ -249,6 +249,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return backend
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # The worker waits for each layer's load and starts each layer's save from
+        # vLLM's per-layer attention hooks. A full CUDA graph replays attention
+        # without calling them (loads not waited for, saves never started), so
+        # vLLM must keep attention outside its graphs: PIECEWISE mode.
+        return True
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         # vLLM >= 0.33 asks; untested with our raw views of vLLM's KV tensors,
         # so vLLM refuses --enable-sleep-mode with HiCache rather than risk it.
