@@ -18,9 +18,11 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -61,7 +63,30 @@ class BlockTransfer:
         return cls(tuple(runs))
 
     def __len__(self) -> int:
+        return self.num_blocks
+
+    @functools.cached_property
+    def num_blocks(self) -> int:
+        """Blocks moved (computed once: a transfer is asked for it per layer)."""
         return sum(run.length for run in self.runs)
+
+    @functools.cached_property
+    def units(self) -> np.ndarray:
+        """(3, blocks) int64, read-only: engine block, slot and block offset of every
+        block moved, in run order. Computed once per transfer with whole-array
+        operations (a copy kernel asks for it once per layer)."""
+        if not self.runs:
+            out = np.empty((3, 0), dtype=np.int64)
+        else:
+            cols = np.array([(r.block_start, r.slot, r.offset, r.length) for r in self.runs],
+                            dtype=np.int64)
+            lengths = cols[:, 3]
+            run_of = np.repeat(np.arange(len(self.runs)), lengths)
+            within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths,
+                                                                lengths)
+            out = np.stack([cols[run_of, 0] + within, cols[run_of, 1], cols[run_of, 2] + within])
+        out.flags.writeable = False
+        return out
 
 
 def block_byte_view(layer_kv: torch.Tensor, num_blocks: int) -> torch.Tensor:

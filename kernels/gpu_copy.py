@@ -221,16 +221,10 @@ def _units(
     transfer: BlockTransfer, layers: Sequence[torch.Tensor], pool: torch.Tensor,
     indices: Sequence[int],
 ) -> np.ndarray:
-    """(3, n_units) int64: engine block, slot, block offset of every block moved."""
-    n = len(transfer)
-    out = np.empty((3, n), dtype=np.int64)
-    i = 0
-    for run in transfer.runs:
-        rng = np.arange(run.length, dtype=np.int64)
-        out[0, i : i + run.length] = run.block_start + rng
-        out[1, i : i + run.length] = run.slot
-        out[2, i : i + run.length] = run.offset + rng
-        i += run.length
+    """(3, n_units) int64: engine block, slot, block offset of every block moved
+    (the transfer's cached ``units``), checked against the layers and the pool."""
+    out = transfer.units
+    n = out.shape[1]
     num_blocks = min(layers[j].shape[0] for j in indices)
     for row, limit, what in ((0, num_blocks, "engine block"), (1, pool.shape[0], "pool slot"),
                              (2, pool.shape[2], "block offset in page")):
