@@ -23,8 +23,9 @@ from hicache.tiers.l2.host_memory import allocate
 
 
 def _reserved() -> int:
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("reserved_bytes.current", stats.get("segment.current", 0)))
+    """Bytes of the blocks torch's caching host allocator holds in use (its blocks
+    are rounded up, so this is what is locked for the tensors alive)."""
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
 
 def _h2d_gbps(host: torch.Tensor) -> float:
