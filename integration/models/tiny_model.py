@@ -218,6 +218,19 @@ PRESETS: dict[str, TinyModelSpec] = {
         qk_nope_head_dim=32,
         v_head_dim=32,
     ),
+    # Llama-3-8B widths (GQA 32/8 heads of 128, SwiGLU 14336) on 8 layers, 40k context:
+    # ~1.9 G parameters, so a long prefill costs real time on a GPU (the GPU end-to-end
+    # run, integration/bench/gpu/e2e.py). 32 KiB of bf16 KV per token.
+    "gpu8b": TinyModelSpec(
+        hidden_size=4096,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=40960,
+        rope_theta=500000.0,
+    ),
     # Nemotron-H-style Mamba2 + attention hybrid (Mamba2, attention, Mamba2, MLP), "test"'s
     # widths: vLLM's hybrid manager gives it two MambaSpec groups and one full-attention
     # group. vLLM 0.32's CPU Mamba2 kernel runs it with prefix caching off only.
