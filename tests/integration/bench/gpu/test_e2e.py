@@ -61,7 +61,7 @@ def test_failed_case_reports_its_log_tail(tmp_path):
     args = argparse.Namespace(
         device="cpu", dtype="bfloat16", block_size=32, max_model_len=1024, histories=[64],
         conversations=1, gen=2, warmup=0, host_gb=0.1, gpu_util=0.5,
-        l3_dir=str(tmp_path / "l3"))
+        l3_dir=str(tmp_path / "l3"), switch_interval=0.0)
     result = e2e._run_child("null-eager", args, str(tmp_path / "no-such-model"), tmp_path,
                             timeout=300)
     assert result["status"].startswith("failed") and result["log_tail"]
