@@ -39,6 +39,15 @@ def test_identity_compares_each_branch_with_the_null_branch_of_the_same_prompt()
     assert table["hicache-graphs"]["oracle"] is None  # no null case in that mode
 
 
+def test_a_repeat_is_compared_with_its_original_branch_by_branch():
+    first = _case("null-graphs", "null", "graphs", [_row("turn1", [1]), _row("floor", [2])])
+    again = dict(_case("null-graphs-repeat", "null", "graphs",
+                       [_row("turn1", [1]), _row("floor", [3])]), repeat_of="null-graphs")
+    (row,) = e2e.identity({"null-graphs": first, "null-graphs-repeat": again})
+    assert (row["case"], row["oracle"], row["compared"], row["identical"]) == (
+        "null-graphs-repeat", "null-graphs", 2, 1)
+
+
 def test_ttft_table_takes_medians_and_ratios_to_recompute_of_the_same_mode():
     null = _case("null-eager", "null", "eager", [
         _row("recompute", [1], ttft=t, conv=c) for c, t in enumerate((0.2, 0.4, 0.3))
