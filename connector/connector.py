@@ -62,6 +62,7 @@ from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroup, KVGroups
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3.base import StorageBackend, StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
+from hicache.tiers.l3.io_thread import IDLE_WAIT_S
 from hicache.tiers.l3.rank_shards import RankShards
 
 if TYPE_CHECKING:
@@ -299,6 +300,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             )
         if self._admin is not None:
             plan.storage_commands = self._admin.take_commands()
+        plan.idle = scheduler_output.total_num_scheduled_tokens == 0
         return HiCacheStepMetadata.wrap(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -390,7 +392,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # (defer_finalize); the release then reaches vLLM one step later, and
         # vLLM keeps stepping while it holds a finished request's blocks.
         released = self.hicache_worker.take_released()
-        received = self.hicache_worker.take_received()
+        meta = self._connector_metadata if self.has_connector_metadata() else None
+        idle = isinstance(meta, HiCacheStepMetadata) and meta.idle
+        received = self.hicache_worker.take_received(IDLE_WAIT_S if idle else 0.0)
         return (released or None), (received or None)
 
     def get_kv_connector_stats(self) -> HiCacheKVStats | None:

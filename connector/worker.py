@@ -424,10 +424,14 @@ class HiCacheWorker:
         released, self._released = self._released, set()
         return released
 
-    def take_received(self) -> set[str]:
+    def take_received(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose L3 fetch finished (for vLLM's finished_recving); their
-        unfilled blocks go to take_load_errors, their counts to take_report."""
+        unfilled blocks go to take_load_errors, their counts to take_report.
+        ``wait_s`` > 0 (a step in which nothing computes): first wait up to that
+        long for a pending fetch to finish (tiers/l3/io_thread.py ``wait_results``)."""
         results, self._retired = list(self._retired), []
+        if self.storage_io is not None and wait_s > 0 and self.storage_io.wait_results(wait_s):
+            self.stats.idle_fetch_waits += 1
         if self.storage_io is not None:
             results.extend(self.storage_io.poll())
         for result in results:

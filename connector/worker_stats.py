@@ -42,6 +42,8 @@ class WorkerStats:
     # saves started during the forward pass (not at its end).
     layer_waits: int = 0
     layer_saves_in_forward: int = 0
+    # Idle engine steps that waited for an L3 fetch and saw one finish.
+    idle_fetch_waits: int = 0
     # Latency key -> seconds observed since the last report.
     observations: dict[str, list[float]] = field(default_factory=dict)
 

@@ -176,6 +176,12 @@ class TestSlowStoreUnderTimeout:
         assert stats.fetch_failed_pages > 0
         assert worker.stats.load_errors > 0
 
+    def test_idle_steps_wait_for_the_fetch_instead_of_spinning(self, run):
+        # Each request waited alone: every step meanwhile computed nothing, so
+        # the worker blocked on the fetch (GIL released) and saw each one end.
+        _, worker = run
+        assert worker.stats.idle_fetch_waits == worker.storage_io.stats.fetches == 3
+
 
 def restart_round_trip(tiny_model, baseline, backend: str, extra: dict, conversations: int = 3):
     """Engine A serves turn 1 of a few conversations and stops; engine B (empty L2)

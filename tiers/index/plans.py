@@ -101,6 +101,9 @@ class StepPlan:
     # Admin commands for every worker, applied before anything else of the
     # step (tiers/index/commands.py).
     storage_commands: list[StorageCommand] = field(default_factory=list)
+    # No request computes in this step (vLLM only waits for loads): the worker
+    # may block a little for its L3 fetches instead of letting the engine spin.
+    idle: bool = False
 
 
 @dataclass

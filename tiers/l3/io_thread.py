@@ -28,6 +28,14 @@ Contract:
 - Fetches run first, then removals, then backups; a fetch never waits for
   the backup queue.
 - Nothing raises into the engine: a backend exception fails that batch.
+- ``wait_results(timeout_s)`` blocks the caller, the GIL released, until a
+  submitted fetch has finished or the timeout passed. The worker calls it
+  at the end of an engine step in which nothing computes (``IDLE_WAIT_S``):
+  vLLM would otherwise run its step loop back to back in Python while the
+  request waits for this fetch, and a thread that keeps the GIL busy makes
+  this one wait up to the interpreter's switch interval (5 ms) for the GIL
+  after every system call. Measured before this: file L3 hits 20-45x slower
+  than recompute on an H100, 8.6x faster with a 0.5 ms switch interval.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ from hicache.tiers.l3.base import StorageBackend
 logger = logging.getLogger(__name__)
 
 BATCH_PAGES = 32
+# Longest an idle engine step waits for a fetch: bounds how late the engine
+# notices a new request arriving meanwhile.
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -140,6 +151,15 @@ class StorageIO:
                 self._jobs.remove(job)
                 done.append(job.result)  # type: ignore[arg-type]
         return done
+
+    def wait_results(self, timeout_s: float) -> bool:
+        """Until a submitted fetch has a result (True) or ``timeout_s`` passed, or
+        none is pending (False); see the module docstring."""
+        with self._cv:
+            if not self._jobs:
+                return False
+            return self._cv.wait_for(
+                lambda: any(j.result is not None for j in self._jobs), timeout_s)
 
     def submit_removal(self, keys: list[bytes] | None) -> None:
         """Delete pages from L3 (None = everything) after any running backup, and

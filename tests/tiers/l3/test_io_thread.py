@@ -148,3 +148,26 @@ def test_removal_drops_queued_backups_and_deletes_after_the_running_one(tmp_path
     assert [backend.exists(KEYS[k].hex()) for k in (30, 31, 32, 33, 0, 1)] == [
         False, False, True, True, False, True]
     assert io.stats.deleted_pages == 3 and io.stats.backups_dropped == 2
+
+
+def test_wait_results_returns_once_a_fetch_finished_and_false_with_none_pending(tmp_path):
+    """What an idle engine step does (connector get_finished): block, the GIL free,
+    until the fetch is done. The generous timeout only bounds a broken wait."""
+    seed_l3(tmp_path, 40)
+    io, _, _, loaded = make(tmp_path)
+    assert io.wait_results(0.001) is False  # nothing submitted: no wait at all
+    io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), None))
+    assert io.wait_results(60.0) is True
+    (result,) = io.poll()  # finished, without polling in a loop
+    assert result.fetched_pages == 40 and len(loaded) == 1
+    assert io.wait_results(0.001) is False
+    io.shutdown()
+
+
+def test_wait_results_gives_up_at_its_timeout_while_the_store_is_slow(tmp_path):
+    seed_l3(tmp_path, 40)
+    io, _, _, _ = make(tmp_path, fault_get_delay_s=5.0)
+    io.submit_fetch(RequestFetch("r", (), plan(40, 4), (), None))
+    assert io.wait_results(0.01) is False  # the store takes 5 s per batch
+    assert io.poll() == []
+    io.shutdown()
