@@ -101,7 +101,7 @@ def test_cache_root_from_environment(monkeypatch, tmp_path):
 
 
 def test_unknown_preset(tmp_path):
-    with pytest.raises(ValueError, match="unknown tiny model preset 'huge'.*bench, gemma3, mla, nemotron_h, swa, test"):
+    with pytest.raises(ValueError, match="unknown tiny model preset 'huge'.*bench, gemma3, gpu8b, mla, nemotron_h, swa, test"):
         tm.ensure_tiny_model("huge", tmp_path)
     assert not list(tmp_path.iterdir())
 
