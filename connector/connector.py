@@ -164,6 +164,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 hash_block_size=hashed_block,
                 prefix_hasher=self._prefix_hasher,
                 groups=groups,
+                background_lookups=True,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -382,6 +383,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._admin_server is not None:
             self._admin_server.stop()
             self._admin_server = None
+        if self._scheduler is not None and self._scheduler.fetches.probes is not None:
+            self._scheduler.fetches.probes.close()
         if self._scheduler is not None and self._scheduler.storage is not None:
             self._scheduler.storage.close()
 

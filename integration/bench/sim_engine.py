@@ -354,9 +354,11 @@ class SimEngine:
         tokens = req.all_token_ids
         hit_blocks = self.l1.match(block_keys[: (len(tokens) - 1) // cfg.block_size])
         local = hit_blocks * cfg.block_size
-        lookup = None
+        lookup: tuple[int, bool] | None = None
         if self.sched is not None:
-            lookup = self.sched.get_num_new_matched_tokens(req, local)
+            external, is_async = self.sched.get_num_new_matched_tokens(req, local)
+            assert external is not None  # the simulator's scheduler asks L3 inline
+            lookup = (external, is_async)
         total_blocks = -(-len(tokens) // cfg.block_size)
         blocks = self.l1.allocate(block_keys[:hit_blocks], total_blocks - hit_blocks)
         if blocks is None:

@@ -10,6 +10,8 @@ Select it like any third-party backend::
 
 Faults (extra-config keys, all optional):
 - ``fault_get_delay_s``: sleep this long in every ``batch_get_v1`` call (a slow store).
+- ``fault_exists_delay_s``: sleep this long in every ``batch_exists`` call (a slow
+  lookup); the names of the threads that called it are kept in ``exists_threads``.
 - ``fault_delete_after_exists``: delete every page file right after
   ``batch_exists`` found it (a page vanishing between lookup and read).
 - ``fault_fail_gets``: every read raises ``OSError`` (a store that went down).
@@ -19,6 +21,7 @@ Everything else is the file backend's (``path``, ``capacity_gb``, ``fsync``).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import torch
@@ -26,7 +29,8 @@ import torch
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 
-FAULT_KEYS = ("fault_get_delay_s", "fault_delete_after_exists", "fault_fail_gets")
+FAULT_KEYS = ("fault_get_delay_s", "fault_delete_after_exists", "fault_fail_gets",
+              "fault_exists_delay_s")
 
 
 class FaultyFileBackend(FileBackend):
@@ -39,8 +43,13 @@ class FaultyFileBackend(FileBackend):
         self.get_delay_s = float(faults.get("fault_get_delay_s", 0.0))
         self.delete_after_exists = bool(faults.get("fault_delete_after_exists", False))
         self.fail_gets = bool(faults.get("fault_fail_gets", False))
+        self.exists_delay_s = float(faults.get("fault_exists_delay_s", 0.0))
+        self.exists_threads: list[str] = []
 
     def batch_exists(self, keys: list[str]) -> int:
+        self.exists_threads.append(threading.current_thread().name)
+        if self.exists_delay_s:
+            time.sleep(self.exists_delay_s)
         found = super().batch_exists(keys)
         if self.delete_after_exists:
             for key in keys[:found]:

@@ -2,7 +2,11 @@
 
 Contract:
 - L3 is not mirrored in the tree: it is asked on demand, as SGLang does
-  (its ``batch_exists`` before every prefetch). The lookup asks the
+  (its ``batch_exists`` before every prefetch). With ``probes`` (the
+  connector's setting) and a store whose lookups may run concurrently, the
+  question runs in the background (tiers/controller/probes.py) and
+  ``lookup`` answers None until it is known; models with Mamba state groups
+  and other stores are asked inline. The lookup asks the
   scheduler's own view of the store (``L3Store``: one backend, or
   ``RankShards``, the shortest run over every rank's shard; MLA has one
   shared shard), so no rank is promised pages it lacks. Runs shorter than
@@ -41,6 +45,7 @@ from typing import Protocol
 
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.policies import PrefetchPolicy
+from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey, body_key
 from hicache.tiers.index.plans import PagePlan, RequestFetch
@@ -89,7 +94,7 @@ class L3Fetches:
 
     def __init__(self, l2: L2Manager, stats: SchedulerStats, *, storage: L3Store | None,
                  policy: PrefetchPolicy, settings: dict[str, float], page_size: int,
-                 tp_size: int) -> None:
+                 tp_size: int, probes: L3Probes | None = None) -> None:
         self.l2 = l2
         # None = no L3; the admin may attach or detach one at any time.
         self.storage = storage
@@ -104,19 +109,36 @@ class L3Fetches:
         self.came_short: set[str] = set()
         self._stats = stats
         self._planned: list[RequestFetch] = []
+        # Background lookups (None: every lookup inline).
+        self.probes = probes
 
     def is_fetching(self, req_id: str) -> bool:
         return req_id in self.in_flight
 
-    def lookup(self, keys: Sequence[PageKey]) -> int:
-        """Pages of ``keys`` that L3 holds consecutively and that are worth fetching."""
+    def lookup(self, keys: Sequence[PageKey], req_id: str = "") -> int | None:
+        """Pages of ``keys`` that L3 holds consecutively and that are worth fetching;
+        None while a background lookup for ``req_id`` is not finished."""
         if self.storage is None or not keys:
             return 0
         threshold = -(-int(self.settings.get("prefetch_threshold", 256)) // self.page_size)
         if len(keys) < max(1, threshold):
             return 0
-        self._stats.l3_lookups += 1
         checkpoints = self.l2.groups.has_state
+        if (self.probes is not None and not checkpoints
+                and getattr(self.storage, "concurrent_lookups", False)):
+            started = self.probes.started
+            answer = self.probes.result(req_id, keys, self.storage)
+            self._stats.l3_lookups += self.probes.started - started
+            if answer is None:
+                self._stats.l3_lookups_pending += 1
+                return None
+            found, failed = answer
+            if failed:
+                self._stats.l3_lookup_errors += 1
+                return 0
+            found = min(found, self.l2.room())
+            return found if found >= max(1, threshold) else 0
+        self._stats.l3_lookups += 1
         try:
             wanted = [body_key(k) if checkpoints else k for k in keys]
             found = self.storage.batch_exists([k.hex() for k in wanted])

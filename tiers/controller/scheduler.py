@@ -52,6 +52,7 @@ from hicache.tiers.controller.policies import (
     make_prefetch_policy,
     make_write_policy,
 )
+from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.requests import RequestTable, SchedulerRequest
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
@@ -86,7 +87,10 @@ class HiCacheScheduler:
         hash_block_size: int | None = None,
         prefix_hasher: PrefixHasher | None = None,
         groups: KVGroups | None = None,
+        background_lookups: bool = False,
     ) -> None:
+        """``background_lookups``: L3 lookups of stores that allow it run on
+        probe threads (fetches.py); False asks every store inline (tests)."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -123,7 +127,8 @@ class HiCacheScheduler:
         self.fetches = L3Fetches(
             self.l2, self.stats, storage=storage,
             policy=make_prefetch_policy(prefetch_policy, settings), settings=settings,
-            page_size=page_size, tp_size=tp_size)
+            page_size=page_size, tp_size=tp_size,
+            probes=L3Probes() if background_lookups else None)
         self.flusher = Flusher(
             self.l2, self.requests, self.stats, seed=seed, page_size=page_size,
             hashes_per_page=self.hashes_per_page,
@@ -149,8 +154,9 @@ class HiCacheScheduler:
 
     def get_num_new_matched_tokens(
         self, request: SchedulerRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """(tokens HiCache can provide beyond vLLM's own hit, whether asynchronously)."""
+    ) -> tuple[int | None, bool]:
+        """(tokens HiCache can provide beyond vLLM's own hit, whether asynchronously);
+        (None, False) while the L3 lookup runs in the background (fetches.py)."""
         state = self.requests.state_of(request)
         keys = state.page_keys()
         # At least one token must be left for the forward pass to produce logits.
@@ -159,7 +165,10 @@ class HiCacheScheduler:
         self.stats.lookups += 1
         l3_pages = 0
         if request.request_id not in self.fetches.came_short:
-            l3_pages = self.fetches.lookup(keys[match.num_pages : max_pages])
+            found = self.fetches.lookup(keys[match.num_pages : max_pages], request.request_id)
+            if found is None:
+                return None, False  # the L3 lookup runs in the background: vLLM asks again
+            l3_pages = found
         if self.groups.windowed:
             masks = [self.l2.missing_of(slot) for slot in match.host_slots]
             if l3_pages:
@@ -191,6 +200,8 @@ class HiCacheScheduler:
         """vLLM allocated the request's blocks (``block_ids``: per KV-cache group):
         plan the load (or fetch) of its hit."""
         state = self.requests.get(request.request_id)
+        if self.fetches.probes is not None:
+            self.fetches.probes.forget(request.request_id)  # admitted: its answer is used
         if state is None:
             return
         match, state.pending_match = state.pending_match, None
@@ -256,6 +267,8 @@ class HiCacheScheduler:
         True = keep its blocks until done."""
         state = self.requests.pop(request.request_id)
         self.fetches.came_short.discard(request.request_id)
+        if self.fetches.probes is not None:
+            self.fetches.probes.forget(request.request_id)
         if state is None or not any(block_ids) or self.fetches.is_fetching(request.request_id):
             # A request finished (aborted) while its L3 fetch runs: vLLM keeps its
             # blocks until the worker reports the fetch; nothing to store.

@@ -30,6 +30,8 @@ class SchedulerStats:
     l3_fetched_pages: int = 0
     l3_failed_pages: int = 0
     l3_lookup_errors: int = 0
+    # Lookups answered "not known yet" (a background probe still running).
+    l3_lookups_pending: int = 0
     # Per tier, in pages, counted once per admitted request: a page is a hit
     # in the first tier that held it (L1 = vLLM's own prefix cache) and a miss
     # in every tier asked before.

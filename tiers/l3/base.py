@@ -37,7 +37,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -135,6 +135,12 @@ class StorageStats:
 
 class StorageBackend(ABC):
     """Base class of every L3 backend; subclasses implement get / set / exists."""
+
+    # True when ``batch_exists`` may run on several threads at once, beside the
+    # worker's reads and writes: the scheduler then looks pages up in the
+    # background (tiers/controller/probes.py). False keeps lookups on vLLM's
+    # scheduling thread, one at a time.
+    concurrent_lookups: ClassVar[bool] = False
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config

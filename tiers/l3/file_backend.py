@@ -71,6 +71,9 @@ class FileExtraConfig(Settings):
 class FileBackend(StorageBackend):
     """Pages as files under one directory; see the module docstring."""
 
+    # stat() per page, the index under its lock: safe on any number of threads.
+    concurrent_lookups = True
+
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         extra = validate_extra(config.extra_config, FileExtraConfig, "file")

@@ -30,6 +30,10 @@ class RankShards:
             raise ValueError("RankShards needs at least one shard")
         self.shards = list(shards)
 
+    @property
+    def concurrent_lookups(self) -> bool:
+        return all(shard.concurrent_lookups for shard in self.shards)
+
     def batch_exists(self, keys: list[str]) -> int:
         found = len(keys)
         for shard in self.shards:
