@@ -228,6 +228,12 @@ def _ptr(t: torch.Tensor) -> int:
 class MooncakeBackend(StorageBackend):
     """HiCache L3 pages as Mooncake Store objects (header || payload)."""
 
+    # Mooncake's client takes calls from any thread (SGLang's prefetch and backup
+    # threads share one); our breaker state is under _lock and the staging
+    # buffers are per thread. A dead master then costs a probe thread its
+    # timeout, not vLLM's scheduling thread.
+    concurrent_lookups = True
+
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         self.settings = MooncakeSettings.from_config(config)
