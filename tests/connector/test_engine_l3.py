@@ -131,18 +131,20 @@ def test_corrupt_and_truncated_pages_are_recomputed(tiny_model, baseline, writte
 def test_pages_deleted_between_lookup_and_read(tiny_model, baseline, written, tmp_path_factory):
     path = copy_of(written, tmp_path_factory, "l3-vanish")
     llm = engine(tiny_model, "dynamic",
-                 {**FAULTY, "path": str(path), "fault_delete_after_exists": True})
+                 {**FAULTY, "path": str(path), "fault_delete_after_exists": True},
+                 in_process=True)
     try:
         got = run_turns(llm, baseline.turns[1].prompts[:3], WORKLOAD.answer_tokens)
+        counters = worker_connector().hicache_worker.counters()
     finally:
         close_llm(llm)
     assert got.outputs == baseline.turns[1].outputs[:3]
-    # Nothing came from L3 (every page vanished before its read); the shared
-    # system prompt's pages, recomputed by the request admitted first, came
-    # from L2. Which request that is depends on when each one's background
-    # L3 lookup answered (vLLM admits a request once it is known).
-    shared = WORKLOAD.shared_prefix_tokens // BLOCK_SIZE * BLOCK_SIZE
-    assert sorted(got.num_cached_tokens) == [0, shared, shared]
+    # Every page vanished between the lookup and its read: nothing came from L3,
+    # the reads failed and were recomputed. (How many tokens each request then
+    # got from L2 depends on the order in which their background lookups
+    # answered, so num_cached_tokens is not checked.)
+    assert counters["l3_fetched_pages"] == 0
+    assert counters["l3_fetch_failed_pages"] > 0
     assert not list((path / "quarantine").iterdir())
 
 
