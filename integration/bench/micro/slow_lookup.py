@@ -55,10 +55,7 @@ def run_once(model: str, delay: float, background: bool, prompts: list[list[int]
                          "concurrent_lookups": background}})
         llm = open_llm(spec)
         try:
-            from vllm import SamplingParams
-
-            params: list[Any] = [SamplingParams(max_tokens=args.long_tokens, temperature=0.0,
-                                                ignore_eos=True)]
+            params: list[Any] = [greedy_params(args.long_tokens)]
             params += [greedy_params(args.answer_tokens)] * len(prompts)
             t0 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in [long_prompt, *prompts]],
