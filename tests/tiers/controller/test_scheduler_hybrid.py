@@ -24,15 +24,16 @@ PAGE = 8  # tokens per page: 2 blocks
 GROUPS = KVGroups((KVGroup("window", 12), KVGroup("window", 12), KVGroup("full")))
 GEOM = PoolGeometry(num_slots=32, num_layers=3, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+# Mamba hybrid: one state group (a block per request), one full-attention group.
+MAMBA = KVGroups((KVGroup("state"), KVGroup("full")))
+MAMBA_GEOM = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
 
 
-
-
-def make_scheduler(storage=None, **kw) -> HiCacheScheduler:
+def make_scheduler(storage=None, groups=GROUPS, geometry=GEOM, **kw) -> HiCacheScheduler:
     tables: dict[str, list[list[int]]] = {}
     s = HiCacheScheduler(
-        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: tables[rid], groups=GROUPS, storage=storage,
+        geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: tables[rid], groups=groups, storage=storage,
         prefetch={"prefetch_threshold": 1}, **kw)
     s.tables = tables  # type: ignore[attr-defined]
     return s
@@ -140,12 +141,8 @@ def test_l3_pages_extend_the_hit_and_a_short_fetch_is_not_asked_again(tmp_path):
 
 
 def test_mamba_states_are_checkpointed_where_a_step_ends_on_a_page_end():
-    groups = KVGroups((KVGroup("state"), KVGroup("full")))
-    tables: dict[str, list[list[int]]] = {}
-    sched = HiCacheScheduler(
-        geometry=PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64),
-        namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: tables[rid],
-        groups=groups)
+    sched = make_scheduler(groups=MAMBA, geometry=MAMBA_GEOM)
+    tables = sched.tables  # type: ignore[attr-defined]
     req = request("a", range(100, 120))  # 20 tokens
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     tables["a"] = [[50], list(range(300, 306))]
@@ -169,17 +166,13 @@ def test_mamba_states_are_checkpointed_where_a_step_ends_on_a_page_end():
 def test_mamba_l3_runs_over_bodies_and_ends_on_a_whole_page(tmp_path):
     from hicache.tiers.index.page_keys import body_key
 
-    groups = KVGroups((KVGroup("state"), KVGroup("full")))
-    geometry = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
     tokens = list(range(100, 137))  # 4 full pages + 5
     keys = keys_of(NS.seed(), tokens, PAGE)
     # Another engine stored every page's body, and page 2 whole (its checkpoint).
-    write_pages(tmp_path, NS, geometry, [body_key(k).hex() for k in keys] + [keys[2].hex()])
-    reader = file_store(tmp_path, NS, geometry)
-    sched = HiCacheScheduler(
-        geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: [[], []], groups=groups, storage=reader,
-        prefetch={"prefetch_threshold": 1})
+    write_pages(tmp_path, NS, MAMBA_GEOM, [body_key(k).hex() for k in keys] + [keys[2].hex()])
+    sched = make_scheduler(file_store(tmp_path, NS, MAMBA_GEOM), groups=MAMBA,
+                           geometry=MAMBA_GEOM)
+    sched.tables["a"] = [[], []]  # type: ignore[attr-defined]
     req = request("a", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (3 * PAGE, True)
     sched.update_state_after_alloc(req, [[70], list(range(10, 20))], 3 * PAGE)
@@ -191,17 +184,13 @@ def test_mamba_l3_runs_over_bodies_and_ends_on_a_whole_page(tmp_path):
     match = sched.tree.match_prefix(keys)
     assert [sched.l2.missing_of(s) for s in match.host_slots] == [0b01, 0b01, 0]
     # Stores of such a model: a body for every page, the checkpointed page whole too.
-    assert groups.l3_keys(keys[0], 0b01) == (body_key(keys[0]),)
-    assert groups.l3_keys(keys[0], 0) == (keys[0], body_key(keys[0]))
+    assert MAMBA.l3_keys(keys[0], 0b01) == (body_key(keys[0]),)
+    assert MAMBA.l3_keys(keys[0], 0) == (keys[0], body_key(keys[0]))
 
 
 def test_write_back_stores_a_mamba_request_whole_with_its_last_checkpoint():
-    groups = KVGroups((KVGroup("state"), KVGroup("full")))
-    tables: dict[str, list[list[int]]] = {}
-    sched = HiCacheScheduler(
-        geometry=PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64),
-        namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: tables[rid],
-        groups=groups, write_policy="write_back")
+    sched = make_scheduler(groups=MAMBA, geometry=MAMBA_GEOM, write_policy="write_back")
+    tables = sched.tables  # type: ignore[attr-defined]
     req = request("a", range(100, 132))  # 4 full pages
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     tables["a"] = [[50], list(range(300, 308))]
