@@ -395,7 +395,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # (defer_finalize); the release then reaches vLLM one step later, and
         # vLLM keeps stepping while it holds a finished request's blocks.
         released = self.hicache_worker.take_released()
-        meta = self._connector_metadata if self.has_connector_metadata() else None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, HiCacheStepMetadata) and meta.idle
         received = self.hicache_worker.take_received(IDLE_WAIT_S if idle else 0.0)
         return (released or None), (received or None)
