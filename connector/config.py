@@ -103,10 +103,17 @@ class HiCacheConfig(Settings):
         default_factory=StorageExtraConfig,
         description="backend settings (a JSON object or its string) plus HiCache's "
         "prefetch_threshold (tokens) and prefetch_timeout_{base,per_ki_token,max} (s)")
-    # best_effort = what arrived by the next engine step; wait_complete = all of
-    # them; timeout = until min(max, base + per_ki_token * tokens / 1024) seconds.
+    # How long a request waits for its L3 pages: best_effort = not at all (what
+    # is in L2 when it is scheduled; a fetch at admission: what arrived by the
+    # next engine step); wait_complete = until all arrived; timeout = up to
+    # min(max, base + per_ki_token * tokens / 1024) seconds.
     hicache_storage_prefetch_policy: PrefetchPolicyName = Field(
         "timeout", description="how long a request waits for its L3 pages")
+    # A request's L3 pages are read into L2 while it waits in vLLM's queue
+    # (tiers/controller/prefetches.py); off = only once vLLM admits it.
+    hicache_prefetch_at_arrival: bool = Field(
+        True, description="prefetch a new request's L3 pages into L2 while it waits "
+        "to be scheduled")
     hicache_admin_host: NonEmptyStr = Field(
         "127.0.0.1", description="address of the admin HTTP endpoint")
     hicache_admin_port: int = Field(

@@ -165,6 +165,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 prefix_hasher=self._prefix_hasher,
                 groups=groups,
                 background_lookups=True,
+                prefetch_at_arrival=self.config.hicache_prefetch_at_arrival,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -285,6 +286,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         with self.hicache_scheduler.lock:
             return self.hicache_scheduler.get_num_new_matched_tokens(self._keyed(request),
                                                                      num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        with self.hicache_scheduler.lock:
+            self.hicache_scheduler.on_new_request(self._keyed(request))
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -13,6 +13,8 @@ Contract:
 - A fetch with no L3 pages (an asynchronous L2 hit, which every hit is with
   several groups) is served at once in ``start_load``: vLLM does not run
   the request in this step, and reports it received at the step's end.
+  A prefetch (a request vLLM has not admitted, ``RequestFetch.prefetch``)
+  stops in L2: its count goes to the scheduler, nothing to vLLM.
 - Failed loads of a request whose hit was asynchronous go back to vLLM as
   block ids (``take_load_errors``), or, with several KV-cache groups, where
   vLLM cannot map block ids to requests, as the request's id
@@ -316,6 +318,9 @@ class HiCacheWorker:
             self._pipeline.wait_layer(index)
 
     def _fail_fetch(self, fetch: RequestFetch) -> None:
+        if fetch.prefetch:  # nothing for vLLM: the scheduler frees the slots
+            self._fetched[fetch.req_id] = [0]
+            return
         errors = set(fetch.unloadable_block_ids)
         for page in (*fetch.l2_pages, *fetch.l3_pages):
             errors.update(page.block_ids)
@@ -436,6 +441,9 @@ class HiCacheWorker:
             results.extend(self.storage_io.poll())
         for result in results:
             self.stats.observe("l3_fetch_seconds", result.seconds)
+            if result.prefetch:  # L3 -> L2 for a request vLLM has not admitted
+                self._fetched[result.req_id] = [result.fetched_pages]
+                continue
             self._end_fetch(result.req_id, result.fetched_pages, set(result.error_block_ids))
         received, self._released_recv = self._released_recv, set()
         return received

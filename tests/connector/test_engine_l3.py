@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from hicache.integration.bench.multi_turn import run_turns
 from hicache.integration.vllm.engine import (
     EngineSpec,
     close_llm,
+    greedy_params,
     open_llm,
     scheduler_connector,
     worker_connector,
@@ -32,10 +34,12 @@ pytestmark = pytest.mark.engine
 FAULTY = {"module_path": "support.fault_injection", "class_name": "FaultyFileBackend"}
 
 
-def engine(tiny_model: str, backend: str, extra: dict, *, in_process: bool = False, **more):
+def engine(tiny_model: str, backend: str, extra: dict, *, in_process: bool = False,
+           max_num_seqs: int = 8, **more):
     return open_llm(EngineSpec(
         model=tiny_model, prefix_caching=False, block_size=BLOCK_SIZE,
         num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN, in_process=in_process,
+        max_num_seqs=max_num_seqs,
         hicache={"hicache_size": 0.05, "hicache_storage_backend": backend,
                  "hicache_storage_backend_extra_config": extra, **more},
     ))
@@ -150,7 +154,8 @@ def test_pages_deleted_between_lookup_and_read(tiny_model, baseline, written, tm
 
 class TestSlowStoreUnderTimeout:
     """A store that takes 0.6 s per read batch, a 0.25 s deadline: the wait ends at
-    the deadline plus the batch already in flight, the rest is recomputed."""
+    the deadline plus the batch already in flight, the rest is recomputed. This is
+    the fetch at admission (prefetch at arrival off; TestPrefetchAtArrival has it on)."""
 
     DELAY = 0.6
     DEADLINE = 0.25
@@ -161,7 +166,8 @@ class TestSlowStoreUnderTimeout:
         extra = {**FAULTY, "path": str(path), "fault_get_delay_s": self.DELAY,
                  "prefetch_timeout_base": self.DEADLINE, "prefetch_timeout_per_ki_token": 0}
         llm = engine(tiny_model, "dynamic", extra, in_process=True,
-                     hicache_storage_prefetch_policy="timeout")
+                     hicache_storage_prefetch_policy="timeout",
+                     hicache_prefetch_at_arrival=False)
         try:
             got = run_turns(llm, baseline.turns[1].prompts[:3], WORKLOAD.answer_tokens,
                             one_by_one=True)
@@ -191,6 +197,115 @@ class TestSlowStoreUnderTimeout:
         # the worker blocked on the fetch (GIL released) and saw each one end.
         _, worker = run
         assert worker.stats.idle_fetch_waits == worker.storage_io.stats.fetches == 3
+
+
+class TestPrefetchAtArrival:
+    """A returning conversation whose history only L3 holds arrives while another
+    request decodes and every run slot is taken (max_num_seqs=1): it queues, and
+    its prefetch reads the history into L2 meanwhile. The test steps the engine by
+    hand and lets it go on only once the worker's I/O thread has read the pages
+    (a wait on that thread, not on a clock), while the decode has many steps to go.
+    Under ``best_effort``, which never waits, the request is then admitted with
+    its whole history in L2 and loads it synchronously: no fetch at admission."""
+
+    DECODE_TOKENS = 120
+
+    @pytest.fixture(scope="class")
+    def run(self, tiny_model, baseline, written, tmp_path_factory):
+        path = copy_of(written, tmp_path_factory, "l3-arrival")
+        llm = engine(tiny_model, "file", {"path": str(path)}, in_process=True,
+                     max_num_seqs=1, hicache_storage_prefetch_policy="best_effort")
+        eng = llm.llm_engine
+        sched = scheduler_connector(llm).hicache_scheduler
+        worker = worker_connector().hicache_worker
+        # Not a history anyone stored: its keys chain from its first token.
+        decode = list(reversed(baseline.turns[0].prompts[0]))
+        returning = baseline.turns[1].prompts[1]
+        finished: dict[str, list[int]] = {}
+        cached: dict[str, int] = {}
+
+        def step() -> None:
+            for out in eng.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+                    cached[out.request_id] = int(out.num_cached_tokens or 0)
+
+        try:
+            eng.add_request("decode", {"prompt_token_ids": decode},
+                            greedy_params(self.DECODE_TOKENS))
+            step()
+            eng.add_request("returning", {"prompt_token_ids": returning},
+                            greedy_params(WORKLOAD.answer_tokens))
+            probes = sched.fetches.probes._probes
+            for future in [p.future for rid, p in probes.items() if "returning" in rid]:
+                assert wait([future], timeout=60).done  # its arrival lookup answered
+            step()
+            while sched.stats.prefetches == 0 and not finished:
+                step()  # until a plan carried the prefetch to the worker
+            io = worker.storage_io
+            if io.stats.fetches == 0:  # not read yet: wait for the I/O thread
+                assert io.wait_results(60), "the prefetch never finished"
+            queued_while_prefetched = not finished
+            while eng.has_unfinished_requests():
+                step()
+            yield finished, cached, queued_while_prefetched, sched, worker
+        finally:
+            close_llm(llm)
+
+    def test_tokens_identical(self, run, baseline):
+        finished, _, queued, _, _ = run
+        assert queued, "the decode ended before the prefetch: the scenario did not happen"
+        (returning,) = [v for k, v in finished.items() if "returning" in k]
+        assert returning == baseline.turns[1].outputs[1]
+
+    def test_history_was_in_l2_when_admitted(self, run, baseline):
+        _, cached, _, sched, worker = run
+        pages = history_pages(baseline, 1)[1] // BLOCK_SIZE
+        (tokens,) = [v for k, v in cached.items() if "returning" in k]
+        assert tokens == pages * BLOCK_SIZE
+        st = sched.stats
+        assert st.prefetches == 1 and st.prefetch_pages == pages
+        # It never waited and never needed a fetch at admission: the one L3 read
+        # was the prefetch, and its pages were loaded from L2 synchronously.
+        assert st.prefetch_waits == 0 and st.prefetch_late == 0
+        assert worker.storage_io.stats.fetches == 1
+        assert worker.storage_io.stats.fetched_pages == pages
+        assert st.loaded_pages == pages and not sched.fetches.in_flight
+        assert st.l3_hit_pages == pages and st.l2_hit_pages == 0  # where it was on arrival
+
+
+class TestSlowStorePrefetchUnderTimeout:
+    """Prefetch at arrival with the 0.6 s-per-batch store and a 0.25 s deadline:
+    each request waits for its prefetch (vLLM told None) and goes on without it at
+    the deadline; the worker stops the prefetch after the batch in flight, whose
+    pages stay in L2. Tokens identical."""
+
+    @pytest.fixture(scope="class")
+    def run(self, tiny_model, baseline, written, tmp_path_factory):
+        path = copy_of(written, tmp_path_factory, "l3-slow-prefetch")
+        extra = {**FAULTY, "path": str(path), "fault_get_delay_s": 0.6,
+                 "prefetch_timeout_base": 0.25, "prefetch_timeout_per_ki_token": 0}
+        llm = engine(tiny_model, "dynamic", extra, in_process=True,
+                     hicache_storage_prefetch_policy="timeout")
+        try:
+            got = run_turns(llm, baseline.turns[1].prompts[:3], WORKLOAD.answer_tokens,
+                            one_by_one=True)
+            yield got, scheduler_connector(llm).hicache_scheduler, worker_connector()
+        finally:
+            close_llm(llm)
+
+    def test_tokens_identical(self, run, baseline):
+        got, _, _ = run
+        assert got.outputs == baseline.turns[1].outputs[:3]
+
+    def test_requests_waited_and_the_worker_stopped_at_the_deadline(self, run):
+        _, sched, connector = run
+        io = connector.hicache_worker.storage_io.stats
+        assert sched.stats.prefetches == 3 and sched.stats.prefetch_waits > 0
+        assert io.fetches == 3 and io.fetch_deadline_misses == 3
+        # The first read its batch in flight; a later one may have been queued
+        # behind the one before past its own deadline (then it read nothing).
+        assert BATCH_PAGES <= io.fetched_pages <= 3 * BATCH_PAGES
 
 
 class TestSlowLookups:

@@ -6,7 +6,8 @@ pool row, copied with its own group's blocks. Hits arrive as fetches without
 L3 pages and are served at once; a failed one is reported per request
 (``take_failed_recving``), never as block ids, which vLLM cannot map to
 requests with several groups. A page stored without a window's blocks is
-never backed up to L3. Real host pool, real file backend.
+never backed up to L3. A prefetch at arrival stops in L2 and reaches only
+the scheduler. Real host pool, real file backend.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from hicache.connector.metadata import HiCacheStepMetadata
 from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
-from hicache.tiers.index.plans import PagePlan, RequestFetch
+from hicache.tiers.index.plans import PagePlan, RequestFetch, prefetch_id
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
@@ -122,3 +123,35 @@ def test_a_mamba_layers_padded_state_pages_are_copied_whole():
     both = _block_view([conv, ssm], L1_BLOCKS, 64)
     ssm[2].fill_(1.0)
     assert torch.equal(both[2].view(torch.float32)[4:12], torch.ones(8))
+
+
+def test_a_prefetch_fills_l2_and_is_never_reported_to_vllm(tmp_path):
+    w = make_worker(tmp_path)
+    try:
+        w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (1, 2, 3, 4))]))
+        deadline = time.monotonic() + 60  # a bound for a loaded machine, not a speed check
+        while w.storage_io.stats.backup_pages < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fetch = RequestFetch(prefetch_id("r"), (), (PagePlan(2, KEY_A, 0, ()),), (), None,
+                             prefetch=True)
+        w.start_load(HiCacheStepMetadata(fetches=[fetch]))
+        fetched: dict[str, list[int]] = {}
+        while not fetched and time.monotonic() < deadline:
+            assert w.take_received(wait_s=0.01) == set()  # vLLM never hears of it
+            report = w.take_report()
+            fetched = dict(report.fetched) if report is not None else {}
+        assert fetched == {prefetch_id("r"): [1]}
+        assert w.pool.holds(2, KEY_A) and torch.equal(w.pool.buffer[2], w.pool.buffer[0])
+        assert w.take_failed_recving() == set() and w.take_load_errors() == set()
+    finally:
+        w.shutdown()
+
+
+def test_a_prefetch_without_l3_ends_at_once_with_nothing():
+    w = make_worker()
+    fetch = RequestFetch(prefetch_id("r"), (), (PagePlan(2, KEY_A, 0, ()),), (), None,
+                         prefetch=True)
+    w.start_load(HiCacheStepMetadata(fetches=[fetch]))
+    assert w.take_received() == set()
+    report = w.take_report()
+    assert report is not None and report.fetched == {prefetch_id("r"): [0]}

@@ -4,11 +4,13 @@ The request is the simulator's (``SimRequest``): block hashes from the
 engine-free stand-in (``token_block_hashes``), which is also the scheduler's
 default prefix hasher, so flushes by prefix find the same keys as requests.
 ``file_store`` / ``write_pages``: the real file backend as the scheduler's L3
-view, and pages put into it as another engine would have.
+view, and pages put into it as another engine would have. ``GatedStore``: a
+store whose lookups wait for the test to open a gate (no clock involved).
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from hicache.integration.bench.sim_engine import SimRequest
@@ -46,3 +48,25 @@ def write_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeometry,
     writer = file_store(path, namespace, geometry)
     writer.register_host_pool(HostPagePool(geometry, layout="page_first", pin_memory=False))
     assert all(writer.batch_set_v1(keys, list(range(len(keys)))))
+
+
+class GatedStore:
+    """batch_exists blocks until ``gate`` opens; counts the callers inside."""
+
+    concurrent_lookups = True
+
+    def __init__(self, store=None, found: int | None = None, fail: bool = False) -> None:
+        self.gate = threading.Event()
+        self.inside = threading.Semaphore(0)
+        self.store, self.found, self.fail = store, found, fail
+
+    def batch_exists(self, keys):
+        self.inside.release()
+        assert self.gate.wait(30), "gate never opened"
+        if self.fail:
+            raise OSError("store down")
+        return self.store.batch_exists(keys) if self.store is not None else self.found
+
+    def entered(self, n: int) -> None:
+        for _ in range(n):
+            assert self.inside.acquire(timeout=30), "probe never reached the store"

@@ -87,6 +87,8 @@ class InflightFetch:
     reports: list[int] = field(default_factory=list)
     # Residency of the L3 pages once in L2 (empty: complete).
     masks: list[int] = field(default_factory=list)
+    # A prefetch at arrival (no request waits on it in vLLM).
+    prefetch: bool = False
 
 
 class L3Fetches:
@@ -203,6 +205,33 @@ class L3Fetches:
         )
         return fetch
 
+    def start_prefetch(self, fetch_id: str, match: MatchResult, keys: Sequence[PageKey],
+                       slots: list[int], timeout_s: float | None) -> RequestFetch:
+        """Plan a prefetch at arrival (``fetch_id``: ``plans.prefetch_id``): the L3
+        pages after ``match`` (its node locked) into ``slots``, no blocks, for at
+        most ``timeout_s`` on the worker; it ends like a fetch (``on_report``), its
+        pages entering the tree."""
+        l3_plans = tuple(PagePlan(slot, keys[match.num_pages + i], 0, ())
+                         for i, slot in enumerate(slots))
+        fetch = RequestFetch(fetch_id, (), l3_plans, (), timeout_s, prefetch=True)
+        self._planned.append(fetch)
+        self.in_flight[fetch_id] = InflightFetch(
+            match.node, list(keys[: match.num_pages]),
+            list(keys[match.num_pages : match.num_pages + len(slots)]), slots,
+            prefetch=True)
+        return fetch
+
+    def cancel_planned(self, fetch_id: str) -> bool:
+        """Drop a fetch not yet handed to the workers: its slots are freed and its
+        prefix unlocked. False when it has already left (it then ends normally)."""
+        planned = [f for f in self._planned if f.req_id == fetch_id]
+        if not planned or fetch_id not in self.in_flight:
+            return False
+        self._planned = [f for f in self._planned if f.req_id != fetch_id]
+        fetch = self.in_flight.pop(fetch_id)
+        self.l2.publish_fetched(fetch.node, fetch.prefix_keys, fetch.keys, fetch.slots, 0)
+        return True
+
     def take(self) -> list[RequestFetch]:
         """The fetches planned since the last plan."""
         planned, self._planned = self._planned, []
@@ -221,7 +250,7 @@ class L3Fetches:
     def _finish(self, req_id: str, fetched: int) -> None:
         """Every rank has the fetch's first ``fetched`` L3 pages in L2: publish them."""
         fetch = self.in_flight.pop(req_id)
-        if fetched < len(fetch.slots):
+        if fetched < len(fetch.slots) and not fetch.prefetch:
             self.came_short.add(req_id)
         self._stats.l3_fetched_pages += fetched
         self._stats.l3_failed_pages += len(fetch.slots) - fetched

@@ -71,6 +71,9 @@ class RequestState:
     # External tokens of the last admission that come from L3 pages (for
     # vLLM's per-source cached-token metric).
     l3_tokens: int = 0
+    # Tokens at the end of the last lookup's L2 match that the request's
+    # prefetch at arrival brought from L3 (tiers/controller/prefetches.py).
+    prefetched_tokens: int = 0
 
     def page_keys(self) -> list[PageKey]:
         """Keys of the request's full pages so far (keys the newly completed ones)."""

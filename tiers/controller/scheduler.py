@@ -10,6 +10,7 @@ module of its own, which states its contract:
   stores.py      the write path (write policy): which pages are copied to L2
   loads.py       the read path: which blocks of a hit come from which L2 slot
   fetches.py     L3: the lookup past the L2 match and the fetches in flight
+  prefetches.py  L3 -> L2 prefetch of requests waiting in vLLM's queue
   flush.py       the admin's flush and prefix keys
   policies.py    write / prefetch / eviction policies, chosen by name
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from hicache.tiers.controller.fetches import L3Fetches, L3Store
@@ -52,6 +54,7 @@ from hicache.tiers.controller.policies import (
     make_prefetch_policy,
     make_write_policy,
 )
+from hicache.tiers.controller.prefetches import ArrivalPrefetches
 from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.requests import RequestTable, SchedulerRequest
 from hicache.tiers.controller.stats import SchedulerStats
@@ -88,9 +91,14 @@ class HiCacheScheduler:
         prefix_hasher: PrefixHasher | None = None,
         groups: KVGroups | None = None,
         background_lookups: bool = False,
+        prefetch_at_arrival: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``background_lookups``: L3 lookups of stores that allow it run on
-        probe threads (fetches.py); False asks every store inline (tests)."""
+        probe threads (fetches.py); False asks every store inline (tests).
+        ``prefetch_at_arrival``: with them, an arriving request's L3 pages are
+        prefetched into L2 while it waits (prefetches.py); ``clock`` times the
+        timeout policy's wait."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -129,6 +137,10 @@ class HiCacheScheduler:
             policy=make_prefetch_policy(prefetch_policy, settings), settings=settings,
             page_size=page_size, tp_size=tp_size,
             probes=L3Probes() if background_lookups else None)
+        self.prefetches = ArrivalPrefetches(
+            self.fetches, self.requests, self.stats, page_size=page_size,
+            capacity_pages=geometry.num_slots, clock=clock)
+        self.prefetch_at_arrival = prefetch_at_arrival
         self.flusher = Flusher(
             self.l2, self.requests, self.stats, seed=seed, page_size=page_size,
             hashes_per_page=self.hashes_per_page,
@@ -152,11 +164,19 @@ class HiCacheScheduler:
 
     # ---- lookup -------------------------------------------------------------------
 
+    def on_new_request(self, request: SchedulerRequest) -> None:
+        """vLLM queued a new request: prefetch its L3 pages into L2 (prefetches.py)."""
+        if self.prefetch_at_arrival:
+            self.prefetches.on_arrival(request)
+
     def get_num_new_matched_tokens(
         self, request: SchedulerRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """(tokens HiCache can provide beyond vLLM's own hit, whether asynchronously);
         (None, False) while the L3 lookup runs in the background (fetches.py)."""
+        gate = self.prefetches.gate(request)
+        if gate == "wait":
+            return None, False  # its prefetch runs: vLLM asks again next step
         state = self.requests.state_of(request)
         keys = state.page_keys()
         # At least one token must be left for the forward pass to produce logits.
@@ -164,7 +184,7 @@ class HiCacheScheduler:
         match = self.tree.match_prefix(keys[:max_pages])
         self.stats.lookups += 1
         l3_pages = 0
-        if request.request_id not in self.fetches.came_short:
+        if gate == "open" and request.request_id not in self.fetches.came_short:
             found = self.fetches.lookup(keys[match.num_pages : max_pages], request.request_id)
             if found is None:
                 return None, False  # the L3 lookup runs in the background: vLLM asks again
@@ -179,8 +199,11 @@ class HiCacheScheduler:
                 match, l3_pages = self.tree.match_prefix(keys[:usable]), 0
             l3_pages = min(l3_pages, usable - match.num_pages)
         hit_tokens = (match.num_pages + l3_pages) * self.page_size
-        state.lookup = (max_pages, num_computed_tokens // self.page_size, match.num_pages,
-                        l3_pages)
+        # Pages the request's prefetch brought count as L3 hits (prefetches.py).
+        prefetched = self.prefetches.prefetched_pages(request.request_id, match.num_pages)
+        state.prefetched_tokens = prefetched * self.page_size
+        state.lookup = (max_pages, num_computed_tokens // self.page_size,
+                        match.num_pages - prefetched, l3_pages + prefetched)
         if hit_tokens <= num_computed_tokens or self.fetches.is_fetching(request.request_id):
             state.pending_match, state.pending_l3_pages = None, 0
             return 0, False
@@ -200,6 +223,7 @@ class HiCacheScheduler:
         """vLLM allocated the request's blocks (``block_ids``: per KV-cache group):
         plan the load (or fetch) of its hit."""
         state = self.requests.get(request.request_id)
+        self.prefetches.admitted(request.request_id)
         if self.fetches.probes is not None:
             self.fetches.probes.forget(request.request_id)  # admitted: its answer is used
         if state is None:
@@ -245,6 +269,11 @@ class HiCacheScheduler:
                 len(p.block_ids) // len(self.groups) for p in fetch.l3_pages)
         else:
             self.loads.add(match.node, RequestLoad(req_id, tuple(pages), unloadable))
+            # Tokens of the hit that the request's prefetch brought from L3: the
+            # last prefetched_tokens of the match.
+            end = match.num_pages * self.page_size
+            state.l3_tokens = max(0, min(start + num_external_tokens, end)
+                                  - max(start, end - state.prefetched_tokens))
         state.stored_pages = max(state.stored_pages, match.num_pages)
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_pages += len(pages)
@@ -256,6 +285,7 @@ class HiCacheScheduler:
         """The step's plan; after it, the loads' pages may be evicted again."""
         if self.l2.drop_bad_slots():
             self.requests.forget_stored()
+        self.prefetches.advance()
         stores, release = self.stores.plan_step(self.requests, num_scheduled_tokens)
         # Loads are taken (and their prefixes unlocked) after the stores are
         # planned: the eviction that makes room for a store must spare them.
@@ -265,6 +295,7 @@ class HiCacheScheduler:
     def request_finished(self, request: SchedulerRequest, block_ids: GroupBlockIds) -> bool:
         """Plan the request's remaining stores (``block_ids``: per KV-cache group);
         True = keep its blocks until done."""
+        self.prefetches.cancel(request.request_id)
         state = self.requests.pop(request.request_id)
         self.fetches.came_short.discard(request.request_id)
         if self.fetches.probes is not None:

@@ -32,6 +32,16 @@ class SchedulerStats:
     l3_lookup_errors: int = 0
     # Lookups answered "not known yet" (a background probe still running).
     l3_lookups_pending: int = 0
+    # Prefetches at arrival (tiers/controller/prefetches.py): started, their
+    # pages, lookups told to wait for one, requests that stopped waiting
+    # (timeout / best_effort), hits not prefetched for lack of room, prefetches
+    # dropped because their request ended first.
+    prefetches: int = 0
+    prefetch_pages: int = 0
+    prefetch_waits: int = 0
+    prefetch_late: int = 0
+    prefetch_skipped: int = 0
+    prefetch_cancelled: int = 0
     # Per tier, in pages, counted once per admitted request: a page is a hit
     # in the first tier that held it (L1 = vLLM's own prefix cache) and a miss
     # in every tier asked before.

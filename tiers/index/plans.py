@@ -86,6 +86,15 @@ class RequestFetch:
     # Seconds the fetch may take (timeout policy); None = wait for all
     # (wait_complete); 0 = stop at the worker's next poll (best_effort).
     timeout_s: float | None = None
+    # A prefetch at arrival (``req_id`` is ``prefetch_id`` of a request vLLM has
+    # not admitted): L3 -> L2 only, no blocks, never reported to vLLM.
+    prefetch: bool = False
+
+
+def prefetch_id(req_id: str) -> str:
+    """The fetch id of a request's prefetch at arrival (tiers/controller/prefetches.py),
+    distinct from any request id's own fetch in plans and reports."""
+    return f"hicache-prefetch:{req_id}"
 
 
 @dataclass

@@ -11,7 +11,8 @@ Contract:
   L2 pages whose slots still hold their keys, then the fetched L3 pages) is
   copied into the request's vLLM blocks, on this thread. ``poll`` returns
   finished fetches as ``FetchResult``: how many L3 pages arrived (a prefix)
-  and the blocks that were not filled, for vLLM to recompute.
+  and the blocks that were not filled, for vLLM to recompute. A prefetch
+  (``RequestFetch.prefetch``, a request not admitted yet) stops in L2.
 - ``submit_backup(pages)``: (page key, slot, L3 key) triples just written to
   L2 are copied to L3 under the L3 key (the page key, or the key of its
   body, see tiers/index/page_keys.py ``body_key``) in the background
@@ -65,6 +66,8 @@ class FetchResult:
     fetched_pages: int
     error_block_ids: set[int]
     seconds: float
+    # A prefetch at arrival: L3 -> L2 only, nothing for vLLM.
+    prefetch: bool = False
 
 
 @dataclass
@@ -295,7 +298,7 @@ class StorageIO:
         for page in pages[fetched:]:
             errors.update(page.block_ids)
         loadable.extend(pages[:fetched])
-        if loadable:
+        if loadable and not fetch.prefetch:
             try:
                 self._load_pages(loadable)
             except Exception:  # noqa: BLE001 - recompute instead
@@ -305,7 +308,8 @@ class StorageIO:
         self.stats.fetches += 1
         self.stats.fetched_pages += fetched
         self.stats.fetch_failed_pages += len(pages) - fetched
-        result = FetchResult(fetch.req_id, fetched, errors, time.monotonic() - job.submitted)
+        result = FetchResult(fetch.req_id, fetched, errors, time.monotonic() - job.submitted,
+                             fetch.prefetch)
         self.stats.max_fetch_seconds = max(self.stats.max_fetch_seconds, result.seconds)
         with self._cv:
             job.result = result

@@ -7,10 +7,9 @@ the timeouts only bound a broken test."""
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import wait
 
-from support.fakes import file_store, keys_of, request, write_pages
+from support.fakes import GatedStore, file_store, keys_of, request, write_pages
 
 from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -21,28 +20,6 @@ BS, PAGE = 4, 8
 GEOM = PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
 KEYS = keys_of(NS.seed(), list(range(100, 164)), PAGE)
-
-
-class GatedStore:
-    """batch_exists blocks until ``gate`` opens; counts the callers inside."""
-
-    concurrent_lookups = True
-
-    def __init__(self, store=None, found: int | None = None, fail: bool = False) -> None:
-        self.gate = threading.Event()
-        self.inside = threading.Semaphore(0)
-        self.store, self.found, self.fail = store, found, fail
-
-    def batch_exists(self, keys):
-        self.inside.release()
-        assert self.gate.wait(30), "gate never opened"
-        if self.fail:
-            raise OSError("store down")
-        return self.store.batch_exists(keys) if self.store is not None else self.found
-
-    def entered(self, n: int) -> None:
-        for _ in range(n):
-            assert self.inside.acquire(timeout=30), "probe never reached the store"
 
 
 def settle(probes: L3Probes, req_id, keys, store):

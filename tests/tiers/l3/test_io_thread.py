@@ -171,3 +171,16 @@ def test_wait_results_gives_up_at_its_timeout_while_the_store_is_slow(tmp_path):
     assert io.wait_results(0.01) is False  # the store takes 5 s per batch
     assert io.poll() == []
     io.shutdown()
+
+
+def test_prefetch_stops_in_l2_and_loads_nothing(tmp_path):
+    stored = seed_l3(tmp_path, 6)
+    io, pool, _, loaded = make(tmp_path)
+    l3 = tuple(PagePlan(50 + i, KEYS[i], 0, ()) for i in range(6))
+    io.submit_fetch(RequestFetch("hicache-prefetch:r", (), l3, (), None, prefetch=True))
+    (result,) = wait_result(io)
+    assert result.prefetch and result.fetched_pages == 6 and not result.error_block_ids
+    assert loaded == []  # no vLLM block is touched
+    assert torch.equal(pool.buffer[50:56], stored)
+    assert all(pool.holds(50 + i, KEYS[i]) for i in range(6))
+    io.shutdown()

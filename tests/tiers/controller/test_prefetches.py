@@ -1,0 +1,201 @@
+"""Prefetch at arrival (tiers/controller/prefetches.py) on the scheduler, without an
+engine: a new request's L3 pages go to L2 while it waits, its lookup waits (or not)
+as the prefetch policy says, and it is then served from L2 synchronously.
+
+Stores are the real file backend, gated where a lookup must be slow; the timeout
+policy runs on a test clock, so nothing depends on how fast the machine is."""
+
+from __future__ import annotations
+
+from concurrent.futures import wait
+
+import pytest
+from support.fakes import GatedStore, file_store, keys_of, request, write_pages
+
+from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.index.plans import WorkerReport, prefetch_id
+from hicache.tiers.l2.geometry import PoolGeometry
+
+BS, PAGE = 4, 8
+GEOM = PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=64)
+NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+TOKENS = list(range(100, 133))  # 4 full pages + 1 token
+PID = prefetch_id("r")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(tmp_path, policy="wait_complete", store=None, clock=None, pages=TOKENS,
+         **kw) -> HiCacheScheduler:
+    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), pages, PAGE)])
+    sched = HiCacheScheduler(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: [[]], storage=store or file_store(tmp_path, NS, GEOM),
+        background_lookups=True, prefetch_at_arrival=True, prefetch_policy=policy,
+        prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0,
+                  "prefetch_timeout_per_ki_token": 0.0, "prefetch_timeout_max": 30.0},
+        clock=clock or Clock(), **kw)
+    return sched
+
+
+def arrive(sched: HiCacheScheduler, req) -> None:
+    """vLLM's on_new_request, then the answer of its probe (waited for, not timed)."""
+    sched.on_new_request(req)
+    probe = sched.fetches.probes._probes.get(req.request_id)
+    if probe is not None:
+        assert wait([probe.future], timeout=30).done
+    sched.prefetches.advance()
+
+
+def test_arrival_prefetches_into_l2_then_the_request_loads_from_l2(tmp_path):
+    sched = make(tmp_path)
+    req = request("r", TOKENS)
+    arrive(sched, req)
+    assert sched.stats.prefetches == 1 and sched.stats.prefetch_pages == 4
+    # Waiting for its prefetch: vLLM is told to ask again.
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    meta = sched.build_connector_meta({})
+    (fetch,) = meta.fetches
+    assert fetch.prefetch and fetch.req_id == PID and fetch.l2_pages == ()
+    assert len(fetch.l3_pages) == 4 and all(p.block_ids == () for p in fetch.l3_pages)
+    assert fetch.timeout_s is None  # wait_complete: the worker reads every page
+    assert sched.slots.num_used == 4 and sched.tree.total_pages() == 0
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    sched.on_worker_report(WorkerReport(fetched={PID: [4]}))
+    assert sched.tree.total_pages() == 4
+    # Admitted now: an L2 hit, loaded synchronously, no second L3 fetch.
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, False)
+    sched.update_state_after_alloc(req, [list(range(10, 18))], 4 * PAGE)
+    meta = sched.build_connector_meta({"r": 1})
+    assert not meta.fetches and len(meta.loads) == 1
+    assert [p.block_ids for p in meta.loads[0].pages] == [(10, 11), (12, 13), (14, 15),
+                                                         (16, 17)]
+    # Counted where the pages were when the request arrived: L3.
+    assert sched.stats.l2_hit_pages == 0 and sched.stats.l3_hit_pages == 4
+    assert sched.l3_tokens_of("r") == 4 * PAGE
+    assert sched.stats.l3_fetched_pages == 4 and sched.stats.prefetch_waits == 2
+    sched.tree.check_invariants()
+
+
+def test_prefetch_waits_for_every_tp_rank(tmp_path):
+    sched = make(tmp_path, tp_size=2)
+    req = request("r", TOKENS)
+    arrive(sched, req)
+    sched.build_connector_meta({})
+    sched.on_worker_report(WorkerReport(fetched={PID: [4]}))
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    sched.on_worker_report(WorkerReport(fetched={PID: [3]}))
+    # The pages both ranks got; the rest is asked of L3 at admission again.
+    assert sched.tree.total_pages() == 3 and sched.slots.num_used == 3
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, True)
+
+
+@pytest.mark.parametrize("policy", ["timeout", "best_effort"])
+def test_a_request_that_stops_waiting_takes_its_l2_match_only(tmp_path, policy):
+    clock = Clock()
+    sched = make(tmp_path, policy=policy, clock=clock)
+    req = request("r", TOKENS)
+    arrive(sched, req)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    # The worker stops a timeout-policy prefetch at the deadline; best_effort's runs on.
+    assert fetch.timeout_s == (1.0 if policy == "timeout" else None)
+    if policy == "timeout":
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        clock.now += 0.99
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        clock.now += 0.02  # past the 1 s deadline
+    # Nothing is in L2 yet: recompute, and the prefetch's pages serve later turns.
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [list(range(10, 18))], 0)
+    assert sched.stats.prefetch_late == 1
+    sched.on_worker_report(WorkerReport(fetched={PID: [4]}))
+    assert sched.tree.total_pages() == 4
+    later = request("s", TOKENS)
+    assert sched.get_num_new_matched_tokens(later, 0) == (4 * PAGE, False)
+
+
+def test_a_request_aborted_before_its_prefetch_left_frees_the_slots(tmp_path):
+    sched = make(tmp_path)
+    req = request("r", TOKENS)
+    arrive(sched, req)
+    assert sched.slots.num_used == 4
+    sched.request_finished(req, ([],))
+    assert sched.stats.prefetch_cancelled == 1
+    assert sched.slots.num_used == 0 and not sched.fetches.in_flight
+    assert not sched.build_connector_meta({}).fetches
+    sched.tree.check_invariants()
+
+
+def test_a_prefetch_already_sent_ends_normally_after_its_request_left(tmp_path):
+    sched = make(tmp_path)
+    req = request("r", TOKENS)
+    arrive(sched, req)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    sched.request_finished(req, ([],))
+    assert sched.stats.prefetch_cancelled == 0
+    sched.on_worker_report(WorkerReport(fetched={PID: [4]}))
+    assert sched.tree.total_pages() == 4 and not sched.fetches.in_flight
+
+
+def test_slow_lookup_starts_the_prefetch_when_it_answers(tmp_path):
+    store = GatedStore(file_store(tmp_path, NS, GEOM))
+    sched = make(tmp_path, store=store)
+    req = request("r", TOKENS)
+    sched.on_new_request(req)
+    store.entered(1)
+    sched.prefetches.advance()
+    assert sched.stats.prefetches == 0
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    store.gate.set()
+    assert wait([sched.fetches.probes._probes["r"].future], timeout=30).done
+    (fetch,) = sched.build_connector_meta({}).fetches  # advance() started it
+    assert fetch.prefetch and sched.stats.prefetches == 1
+    sched.fetches.probes.close()
+
+
+def test_prefetches_in_flight_are_bounded_by_half_of_l2(tmp_path):
+    other = list(range(300, 333))
+    sched = make(tmp_path, pages=TOKENS + other)
+    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), other, PAGE)])
+    longer = request("r", TOKENS)
+    arrive(sched, longer)
+    arrive(sched, request("s", other))
+    arrive(sched, request("t", list(range(500, 533))))  # not in L3: no prefetch
+    assert sched.stats.prefetch_pages == 8 == GEOM.num_slots // 2
+    third = list(range(700, 733))
+    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), third, PAGE)])
+    arrive(sched, request("u", third))
+    assert sched.stats.prefetch_pages == 8 and sched.stats.prefetch_skipped == 1
+
+
+def test_no_prefetch_when_turned_off_or_below_the_threshold(tmp_path):
+    sched = make(tmp_path)
+    sched.prefetch_at_arrival = False
+    arrive(sched, request("r", TOKENS))
+    assert sched.stats.prefetches == 0 and not sched.build_connector_meta({}).fetches
+    sched = make(tmp_path / "b")
+    sched.prefetch["prefetch_threshold"] = 5 * PAGE
+    arrive(sched, request("r", TOKENS))
+    assert sched.stats.prefetches == 0
+
+
+def test_an_arrival_lookup_answered_at_admission_starts_the_prefetch_there(tmp_path):
+    store = GatedStore(file_store(tmp_path, NS, GEOM))
+    sched = make(tmp_path, store=store)
+    req = request("r", TOKENS)
+    sched.on_new_request(req)
+    store.entered(1)
+    store.gate.set()
+    assert wait([sched.fetches.probes._probes["r"].future], timeout=30).done
+    # vLLM tries to admit it before any plan: the answer starts the prefetch, and
+    # the request waits for it instead of an admission-time fetch.
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert sched.stats.prefetches == 1 and not sched.fetches.is_fetching("r")
+    sched.fetches.probes.close()
