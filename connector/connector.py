@@ -47,6 +47,7 @@ from hicache.connector.config import (
     LoadFailurePolicyName,
 )
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
+from hicache.connector.vllm_events import kv_events_enabled, to_vllm
 from hicache.connector.vllm_keys import (
     PageHashes,
     VllmPrefixHasher,
@@ -66,9 +67,11 @@ from hicache.tiers.l3.io_thread import IDLE_WAIT_S
 from hicache.tiers.l3.rank_shards import RankShards
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from types import FrameType
 
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -166,6 +169,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=groups,
                 background_lookups=True,
                 prefetch_at_arrival=self.config.hicache_prefetch_at_arrival,
+                kv_events=kv_events_enabled(vllm_config),
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -319,6 +323,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if self._admin is not None:
                 self._admin.record_worker_report(report)
             self._kv_stats.record(report.counters, report.observations)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """L2's KV events (medium "CPU"), when vLLM publishes KV events."""
+        with self.hicache_scheduler.lock:
+            events = self.hicache_scheduler.take_events()
+        return to_vllm(events) if events else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hicache.tiers.controller.events import EventRequest
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.policies import PrefetchPolicy
 from hicache.tiers.controller.probes import L3Probes
@@ -89,6 +90,8 @@ class InflightFetch:
     masks: list[int] = field(default_factory=list)
     # A prefetch at arrival (no request waits on it in vLLM).
     prefetch: bool = False
+    # The request whose pages these are (KV events; tiers/controller/events.py).
+    source: EventRequest | None = None
 
 
 class L3Fetches:
@@ -176,7 +179,8 @@ class L3Fetches:
 
     def start(self, req_id: str, match: MatchResult, keys: Sequence[PageKey],
               l3_slots: list[int], pages: Sequence[PagePlan],
-              unloadable: tuple[int, ...]) -> RequestFetch:
+              unloadable: tuple[int, ...], source: EventRequest | None = None,
+              ) -> RequestFetch:
         """Plan the fetch of the L3 pages reserved by ``reserve`` after ``match``:
         ``pages`` are the copies of the hit into the request's blocks (L2 pages
         first, then L3 pages), ``keys`` the request's page keys."""
@@ -201,12 +205,13 @@ class L3Fetches:
         self.in_flight[req_id] = InflightFetch(
             match.node, list(keys[: match.num_pages]),
             list(keys[match.num_pages : match.num_pages + len(l3_slots)]), l3_slots,
-            masks=masks,
+            masks=masks, source=source,
         )
         return fetch
 
     def start_prefetch(self, fetch_id: str, match: MatchResult, keys: Sequence[PageKey],
-                       slots: list[int], timeout_s: float | None) -> RequestFetch:
+                       slots: list[int], timeout_s: float | None,
+                       source: EventRequest | None = None) -> RequestFetch:
         """Plan a prefetch at arrival (``fetch_id``: ``plans.prefetch_id``): the L3
         pages after ``match`` (its node locked) into ``slots``, no blocks, for at
         most ``timeout_s`` on the worker; it ends like a fetch (``on_report``), its
@@ -218,7 +223,7 @@ class L3Fetches:
         self.in_flight[fetch_id] = InflightFetch(
             match.node, list(keys[: match.num_pages]),
             list(keys[match.num_pages : match.num_pages + len(slots)]), slots,
-            prefetch=True)
+            prefetch=True, source=source)
         return fetch
 
     def cancel_planned(self, fetch_id: str) -> bool:
@@ -258,4 +263,4 @@ class L3Fetches:
         if self.l2.groups.has_state and fetched < len(fetch.slots):
             masks[:fetched] = [self.l2.groups.state_mask] * fetched  # the checkpoint never came
         self.l2.publish_fetched(fetch.node, fetch.prefix_keys, fetch.keys, fetch.slots,
-                                fetched, masks)
+                                fetched, masks, source=fetch.source)

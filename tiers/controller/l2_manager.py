@@ -20,12 +20,15 @@ Contract:
 - Slots a worker found unusable (failed store, key mismatch) are dropped
   with every page below them at the next step; pages locked by a load or
   fetch are dropped once unlocked.
+- Every page that enters or leaves the tree is told to ``events``
+  (tiers/controller/events.py, vLLM's KV events; off by default).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from hicache.tiers.controller.events import EventRequest, PageEvents
 from hicache.tiers.controller.policies import EvictionPolicy, LeafFirstLRU
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
@@ -40,8 +43,10 @@ class L2Manager:
 
     def __init__(self, num_slots: int, blocks_per_page: int, stats: SchedulerStats,
                  eviction: EvictionPolicy | None = None,
-                 groups: KVGroups | None = None) -> None:
+                 groups: KVGroups | None = None, events: PageEvents | None = None) -> None:
         self.tree = HiRadixTree()
+        # What entered and left the tree, for vLLM's KV events (off by default).
+        self.events = events or PageEvents(page_size=1, hashes_per_page=1)
         self.groups = groups or KVGroups.single()
         # slot -> groups the page in it lacks (bit g = group g); defined for every
         # slot the tree holds, set whenever a slot is given a page; 0 = complete.
@@ -61,6 +66,7 @@ class L2Manager:
         short = n - self.slots.num_free
         if short > 0:
             freed = self.eviction.evict(self.tree, short)
+            self.events.removed(freed)
             self.slots.free(freed)
             self._stats.evicted_pages += len(freed)
         return self.slots.alloc(n)
@@ -70,11 +76,13 @@ class L2Manager:
         return self._missing.get(slot, 0)
 
     def plan_store(self, keys: Sequence[PageKey], block_ids: GroupBlockIds,
-                   state_at: int | None = None) -> list[PagePlan] | None:
+                   state_at: int | None = None, source: EventRequest | None = None,
+                   ) -> list[PagePlan] | None:
         """Store the pages of ``keys`` beyond the prefix already in L2, from
         ``block_ids`` (the request's blocks, per group): allocate their slots
         and publish them. ``state_at``: the page whose end the request's state
-        blocks hold the state after (state groups; None: no page).
+        blocks hold the state after (state groups; None: no page). ``source``:
+        the request whose pages they are (KV events).
 
         Returns the copies to plan ([] when nothing is missing or storable),
         or None when L2 has no room now (the caller may try again later).
@@ -120,17 +128,21 @@ class L2Manager:
             self._stats.stored_partial_pages += masks[i] != 0
             plans.append(PagePlan(slot, keys[page], 0, page_blocks[i],
                                   l3_keys=self.groups.l3_keys(keys[page], masks[i])))
+        if source is not None:
+            self.events.added(source, [(p.slot, match.num_pages + i)
+                                       for i, p in enumerate(plans)])
         self._stats.stored_pages += len(plans)
         self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)
         return plans
 
     def publish_fetched(self, node: TreeNode, prefix_keys: Sequence[PageKey],
                         keys: Sequence[PageKey], slots: Sequence[int], fetched: int,
-                        masks: Sequence[int] = ()) -> None:
+                        masks: Sequence[int] = (), source: EventRequest | None = None,
+                        ) -> None:
         """An L3 fetch ended: its first ``fetched`` pages (``keys``, in their reserved
         ``slots``, with residency ``masks``: default complete) extend the locked
         prefix ``node`` in the tree; unlock it and free every reserved slot that no
-        page of the tree holds."""
+        page of the tree holds. ``source``: the request whose pages they are."""
         unused = list(slots[fetched:])
         attached = node is self.tree.root or node.parent is not None
         for i, slot in enumerate(slots[:fetched]):
@@ -143,6 +155,11 @@ class L2Manager:
             inserted = self.tree.insert(list(prefix_keys) + list(keys[:fetched]),
                                         prefix.host_slots + list(slots[:fetched]))
             unused += [s for s in inserted.unused_slots if s in mine]
+            if source is not None:
+                spare = set(unused)
+                self.events.added(source, [(slot, len(prefix_keys) + i)
+                                           for i, slot in enumerate(slots[:fetched])
+                                           if slot not in spare])
         elif fetched:
             unused = list(slots)
         self.tree.unlock(node)
@@ -152,6 +169,7 @@ class L2Manager:
     def remove(self, slots: Iterable[int]) -> tuple[int, int]:
         """Drop the pages in ``slots`` and every page below them; (freed, kept locked)."""
         freed, kept = self.tree.remove_slots(slots)
+        self.events.removed(freed)
         self.slots.free(freed)
         return len(freed), len(kept)
 
@@ -165,6 +183,7 @@ class L2Manager:
             return False
         bad = self._bad_slots
         freed, self._bad_slots = self.tree.remove_slots(bad)  # locked ones: next step
+        self.events.removed(freed)
         self.slots.free(freed)
         self._stats.bad_slots_reported += len(bad - self._bad_slots)
         return True
@@ -175,5 +194,6 @@ class L2Manager:
             freed = self.tree.reset()
         except RuntimeError:
             return False
+        self.events.removed(freed)
         self.slots.free(freed)
         return True

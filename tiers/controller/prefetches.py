@@ -133,7 +133,8 @@ class ArrivalPrefetches:
         timeout = self.fetches.policy.timeout_s(pages * self.page_size)
         # The worker stops at the timeout policy's deadline; best_effort's
         # prefetch runs to its end (its request does not wait, later ones may).
-        self.fetches.start_prefetch(fetch_id, match, keys, slots, timeout or None)
+        self.fetches.start_prefetch(fetch_id, match, keys, slots, timeout or None,
+                                    source=request)
         self._running[req_id] = _Prefetch(fetch_id, match.num_pages, pages, self.clock(),
                                           timeout)
         self.stats.prefetches += 1

@@ -11,6 +11,7 @@ module of its own, which states its contract:
   loads.py       the read path: which blocks of a hit come from which L2 slot
   fetches.py     L3: the lookup past the L2 match and the fetches in flight
   prefetches.py  L3 -> L2 prefetch of requests waiting in vLLM's queue
+  events.py      L2's KV events (pages stored / removed) for vLLM's publisher
   flush.py       the admin's flush and prefix keys
   policies.py    write / prefetch / eviction policies, chosen by name
 
@@ -45,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from hicache.tiers.controller.events import PageEvent, PageEvents
 from hicache.tiers.controller.fetches import L3Fetches, L3Store
 from hicache.tiers.controller.flush import Flusher, PrefixHasher, StandInPrefixHasher
 from hicache.tiers.controller.l2_manager import L2Manager
@@ -92,13 +94,14 @@ class HiCacheScheduler:
         groups: KVGroups | None = None,
         background_lookups: bool = False,
         prefetch_at_arrival: bool = False,
+        kv_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``background_lookups``: L3 lookups of stores that allow it run on
         probe threads (fetches.py); False asks every store inline (tests).
         ``prefetch_at_arrival``: with them, an arriving request's L3 pages are
         prefetched into L2 while it waits (prefetches.py); ``clock`` times the
-        timeout policy's wait."""
+        timeout policy's wait. ``kv_events``: record L2's KV events (events.py)."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -119,8 +122,10 @@ class HiCacheScheduler:
         self.lock = threading.RLock()
 
         self.stats = SchedulerStats()
+        self.events = PageEvents(page_size=page_size, hashes_per_page=self.hashes_per_page,
+                                 enabled=kv_events)
         self.l2 = L2Manager(geometry.num_slots, self.blocks_per_page, self.stats,
-                            make_eviction_policy(), self.groups)
+                            make_eviction_policy(), self.groups, self.events)
         # The jobs share these; they are never rebound.
         self.tree = self.l2.tree
         self.slots = self.l2.slots
@@ -264,7 +269,8 @@ class HiCacheScheduler:
                 start, (match.num_pages + len(l3_slots)) * self.page_size,
             )
         if is_async:
-            fetch = self.fetches.start(req_id, match, keys, l3_slots, pages, unloadable)
+            fetch = self.fetches.start(req_id, match, keys, l3_slots, pages, unloadable,
+                                       source=request)
             state.l3_tokens = self.block_size * sum(
                 len(p.block_ids) // len(self.groups) for p in fetch.l3_pages)
         else:
@@ -309,6 +315,10 @@ class HiCacheScheduler:
     def on_worker_report(self, report: WorkerReport) -> None:
         self.l2.report_bad_slots(report.bad_slots)
         self.fetches.on_report(report.fetched)
+
+    def take_events(self) -> list[PageEvent]:
+        """L2's KV events since the last call (events.py; [] unless enabled)."""
+        return self.events.take()
 
     def has_pending_stores(self) -> bool:
         return self.stores.has_pending()

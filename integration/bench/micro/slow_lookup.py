@@ -26,11 +26,13 @@ from hicache.tiers.l3.file_backend import FileBackend
 
 
 class SlowFileBackend(FileBackend):
-    """The file backend, with ``slow_exists_s`` of sleep in every ``batch_exists``."""
+    """The file backend, with ``slow_exists_s`` of sleep in every ``batch_exists`` and
+    ``slow_get_s`` in every read batch (arrival_prefetch.py)."""
 
     def __init__(self, config: StorageConfig) -> None:
         extra = dict(config.extra_config)
         self.delay = float(extra.pop("slow_exists_s", 0.0))
+        self.get_delay = float(extra.pop("slow_get_s", 0.0))
         # False: the scheduler asks this store inline (tiers/controller/fetches.py)
         self.concurrent_lookups = bool(extra.pop("concurrent_lookups", True))  # type: ignore[misc]
         super().__init__(dataclasses.replace(config, extra_config=extra))
@@ -38,6 +40,10 @@ class SlowFileBackend(FileBackend):
     def batch_exists(self, keys: list[str]) -> int:
         time.sleep(self.delay)
         return super().batch_exists(keys)
+
+    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        time.sleep(self.get_delay)
+        return super().batch_get_v1(keys, host_slots)
 
 
 def run_once(model: str, delay: float, background: bool, prompts: list[list[int]],
