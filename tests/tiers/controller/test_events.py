@@ -9,7 +9,7 @@ from concurrent.futures import wait
 
 from support.fakes import file_store, keys_of, request, write_pages
 
-from hicache.tiers.controller.events import MEDIUM_L2, PageStored, PagesRemoved
+from hicache.tiers.controller.events import MEDIUM_L2, PagesRemoved, PageStored
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport, prefetch_id
