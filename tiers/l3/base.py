@@ -141,6 +141,10 @@ class StorageBackend(ABC):
     # background (tiers/controller/probes.py). False keeps lookups on vLLM's
     # scheduling thread, one at a time.
     concurrent_lookups: ClassVar[bool] = False
+    # True when several ``batch_get_v1`` calls may run at once (into distinct
+    # slots): the worker then reads fetches on a few threads
+    # (tiers/l3/io_thread.py ``FETCH_THREADS``). False: one at a time.
+    concurrent_io: ClassVar[bool] = False
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config

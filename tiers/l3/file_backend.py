@@ -71,8 +71,10 @@ class FileExtraConfig(Settings):
 class FileBackend(StorageBackend):
     """Pages as files under one directory; see the module docstring."""
 
-    # stat() per page, the index under its lock: safe on any number of threads.
+    # stat() per page, the index under its lock: safe on any number of threads;
+    # reads open their own file descriptor.
     concurrent_lookups = True
+    concurrent_io = True
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)

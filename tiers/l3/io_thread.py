@@ -27,7 +27,10 @@ Contract:
   pages and deletes them from this rank's store after the backup already
   running, so a flushed page is not written back later.
 - Fetches run first, then removals, then backups; a fetch never waits for
-  the backup queue.
+  the backup queue. With a backend that allows concurrent reads
+  (``concurrent_io``), up to ``FETCH_THREADS`` fetches run at once (helper
+  threads take fetches only, each after any running backup of its slots),
+  so the prefetches of many queued requests overlap their store latency.
 - Nothing raises into the engine: a backend exception fails that batch.
 - ``wait_results(timeout_s)`` blocks the caller, the GIL released, until a
   submitted fetch has finished or the timeout passed. The worker calls it
@@ -55,6 +58,9 @@ from hicache.tiers.l3.base import StorageBackend
 logger = logging.getLogger(__name__)
 
 BATCH_PAGES = 32
+# Threads that read fetches when the backend allows concurrent reads
+# (``StorageBackend.concurrent_io``): the I/O thread plus helpers.
+FETCH_THREADS = 4
 # Longest an idle engine step waits for a fetch: bounds how late the engine
 # notices a new request arriving meanwhile.
 IDLE_WAIT_S = 0.005
@@ -103,6 +109,7 @@ class StorageIO:
         backend: StorageBackend,
         pool: HostPagePool,
         load_pages: Callable[[list[PagePlan]], object],
+        fetch_threads: int = FETCH_THREADS,
     ) -> None:
         self.backend = backend
         self.pool = pool
@@ -117,6 +124,12 @@ class StorageIO:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self._thread.start()
+        helpers = fetch_threads - 1 if backend.concurrent_io else 0
+        self._helpers = [threading.Thread(target=self._run_fetches, daemon=True,
+                                          name=f"hicache-l3-fetch-{i}")
+                         for i in range(max(0, helpers))]
+        for helper in self._helpers:
+            helper.start()
 
     # ---- called by the worker (engine thread) ----------------------------------
 
@@ -190,6 +203,8 @@ class StorageIO:
                 job.cancel = True
             self._cv.notify_all()
         self._thread.join(timeout_s)
+        for helper in self._helpers:
+            helper.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("HiCache L3: backups still running after %.0f s at shutdown", timeout_s)
 
@@ -233,6 +248,24 @@ class StorageIO:
                     self._running_backup = set()
                     self._cv.notify_all()
 
+    def _run_fetches(self) -> None:
+        """A helper: fetches only, beside the I/O thread (``concurrent_io`` backends)."""
+        while True:
+            with self._cv:
+                while not (self._fetch_q or self._stopping):
+                    self._cv.wait()
+                if not self._fetch_q:
+                    return  # stopping
+                job = self._fetch_q.popleft()
+                # Its slots may have held pages a running backup still reads.
+                while self._running_backup & job.slots:
+                    self._cv.wait()
+            try:
+                self._fetch(job)
+            finally:
+                with self._cv:
+                    self._cv.notify_all()
+
     def _remove(self, keys: list[bytes] | None) -> None:
         try:
             if keys is None:
@@ -272,12 +305,12 @@ class StorageIO:
                 errors.update(page.block_ids)
             else:
                 loadable.append(page)
-        fetched = 0
+        fetched = missed = 0
         pages = list(fetch.l3_pages)
         while not failed and fetched < len(pages):
             if job.cancel or (deadline is not None and fetch.timeout_s != 0
                               and time.monotonic() > deadline):
-                self.stats.fetch_deadline_misses += 1
+                missed = 1
                 break
             batch = pages[fetched : fetched + BATCH_PAGES]
             for page in batch:
@@ -305,11 +338,12 @@ class StorageIO:
                 logger.exception("HiCache: L2 -> L1 copy of a fetched prefix failed")
                 for page in loadable:
                     errors.update(page.block_ids)
-        self.stats.fetches += 1
-        self.stats.fetched_pages += fetched
-        self.stats.fetch_failed_pages += len(pages) - fetched
         result = FetchResult(fetch.req_id, fetched, errors, time.monotonic() - job.submitted,
                              fetch.prefetch)
-        self.stats.max_fetch_seconds = max(self.stats.max_fetch_seconds, result.seconds)
-        with self._cv:
+        with self._cv:  # fetches may finish on several threads
+            self.stats.fetches += 1
+            self.stats.fetched_pages += fetched
+            self.stats.fetch_failed_pages += len(pages) - fetched
+            self.stats.fetch_deadline_misses += missed
+            self.stats.max_fetch_seconds = max(self.stats.max_fetch_seconds, result.seconds)
             job.result = result

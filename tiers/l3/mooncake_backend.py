@@ -233,6 +233,7 @@ class MooncakeBackend(StorageBackend):
     # buffers are per thread. A dead master then costs a probe thread its
     # timeout, not vLLM's scheduling thread.
     concurrent_lookups = True
+    concurrent_io = True
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)

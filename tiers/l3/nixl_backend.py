@@ -103,6 +103,11 @@ class _Page:
 class NixlBackend(StorageBackend):
     """Page files written and read by a NIXL agent (POSIX plugin by default)."""
 
+    # Lookups stat() the page files, never the agent: safe on probe threads.
+    # Transfers take the backend's lock: safe from several threads, one at a time.
+    concurrent_lookups = True
+    concurrent_io = True
+
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         extra = validate_extra(config.extra_config, NixlExtraConfig, "nixl")

@@ -1,6 +1,7 @@
 """The worker's L3 I/O thread with the real file backend: fetch order, deadlines,
 best effort, failures, and backups that never read a slot being overwritten."""
 
+import threading
 import time
 
 import pytest
@@ -18,14 +19,16 @@ NS = KeyNamespace("m", "f32", "cpu", 4, 1)
 KEYS = page_keys(NS.seed(), list(range(4 * 40)), 4)
 
 
-def make(tmp_path, **faults):
+def make(tmp_path, fetch_threads=1, backend_class=FaultyFileBackend, **faults):
+    """One I/O thread unless asked (the ordering tests hold it with a slow fetch)."""
     cfg = StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
                         extra_config={"path": str(tmp_path), **faults})
     pool = HostPagePool(GEOM, layout="page_first", pin_memory=False)
-    backend = FaultyFileBackend(cfg)
+    backend = backend_class(cfg)
     backend.register_host_pool(pool)
     loaded: list[list[PagePlan]] = []
-    return StorageIO(backend, pool, loaded.append), pool, backend, loaded
+    io = StorageIO(backend, pool, loaded.append, fetch_threads=fetch_threads)
+    return io, pool, backend, loaded
 
 
 def seed_l3(tmp_path, n):
@@ -183,4 +186,68 @@ def test_prefetch_stops_in_l2_and_loads_nothing(tmp_path):
     assert loaded == []  # no vLLM block is touched
     assert torch.equal(pool.buffer[50:56], stored)
     assert all(pool.holds(50 + i, KEYS[i]) for i in range(6))
+    io.shutdown()
+
+
+class BarrierBackend(FaultyFileBackend):
+    """Reads wait at a barrier of two: they pass only if two run at once."""
+
+    barrier = threading.Barrier(2, timeout=30)
+
+    def batch_get_v1(self, keys, host_slots):
+        self.barrier.wait()
+        return super().batch_get_v1(keys, host_slots)
+
+
+def test_fetches_run_side_by_side_with_a_concurrent_io_backend(tmp_path):
+    stored = seed_l3(tmp_path, 8)
+    BarrierBackend.barrier.reset()
+    io, pool, _, _ = make(tmp_path, fetch_threads=4, backend_class=BarrierBackend)
+    io.submit_fetch(RequestFetch("a", (), plan(40, 4), (), None))
+    io.submit_fetch(RequestFetch("b", (), plan(50, 4, first_key=4), (), None))
+    results = []
+    while len(results) < 2:
+        results += wait_result(io, timeout=60)
+    # A single thread would have broken the barrier (a failed read, 0 pages).
+    assert sorted((r.req_id, r.fetched_pages) for r in results) == [("a", 4), ("b", 4)]
+    assert io.stats.fetches == 2 and io.stats.fetched_pages == 8
+    assert torch.equal(pool.buffer[40:44], stored[:4])
+    assert torch.equal(pool.buffer[50:54], stored[4:8])
+    io.shutdown()
+
+
+class GatedBackups(FaultyFileBackend):
+    """Backups wait for ``gate``; reads record whether a backup was inside."""
+
+    gate = threading.Event()
+    inside = threading.Event()
+    read_during_backup: list[bool] = []
+
+    def batch_set_v1(self, keys, host_slots):
+        self.inside.set()
+        assert self.gate.wait(30)
+        out = super().batch_set_v1(keys, host_slots)
+        self.inside.clear()
+        return out
+
+    def batch_get_v1(self, keys, host_slots):
+        self.read_during_backup.append(self.inside.is_set())
+        return super().batch_get_v1(keys, host_slots)
+
+
+def test_a_helper_never_reads_into_a_slot_a_running_backup_reads(tmp_path):
+    seed_l3(tmp_path, 4)
+    GatedBackups.gate.clear()
+    GatedBackups.inside.clear()
+    GatedBackups.read_during_backup.clear()
+    io, pool, _, _ = make(tmp_path, fetch_threads=4, backend_class=GatedBackups)
+    pool.set_key(60, KEYS[30])
+    io.submit_backup([(KEYS[30], 60, KEYS[30])])
+    assert GatedBackups.inside.wait(30)  # the backup of slot 60 is running
+    # Slot 60 was freed and reserved again for a fetch (the worker's order).
+    io.submit_fetch(RequestFetch("r", (), (PagePlan(60, KEYS[0], 0, (100,)),), (), None))
+    GatedBackups.gate.set()
+    (result,) = wait_result(io, timeout=60)
+    assert result.fetched_pages == 1
+    assert GatedBackups.read_during_backup == [False]
     io.shutdown()

@@ -260,3 +260,20 @@ def test_delete_removes_one_page(store):
     assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
     assert backend.batch_delete([ks[1], ks[1]]) == 1
     assert [backend.exists(k) for k in ks] == [True, False, True]
+
+
+def test_lookups_run_on_probe_threads_beside_transfers(store):
+    """``concurrent_lookups``: lookups stat() the files, never the agent, so the
+    scheduler's probe threads may ask while the I/O thread reads through NIXL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend, pool, _ = store
+    assert NixlBackend.concurrent_lookups
+    fill(pool, 4)
+    keys = keys_for(6)
+    assert backend.batch_set_v1(keys[:4], [0, 1, 2, 3]) == [True] * 4
+    with ThreadPoolExecutor(8) as probes:
+        found = [probes.submit(backend.batch_exists, keys) for _ in range(32)]
+        assert backend.batch_get_v1(keys[:4], [4, 5, 6, 7]) == [True] * 4
+        assert {f.result() for f in found} == {4}
+    assert all(torch.equal(pool.read_page(4 + i), pool.read_page(i)) for i in range(4))
