@@ -56,16 +56,32 @@ def failure_reason(log: Path, fallback: str) -> str:
         worker = re.search(r"Worker failed with error '(.+?)'", line)
         if worker:
             return worker.group(1)
-    hits = [m for m in (_ERROR_LINE.search(line) for line in lines) if m]
+    # vLLM's WARNING lines quote errors that may happen (its ulimit hint names
+    # "OSError: [Errno 24] Too many open files"): never a cause.
+    hits = [m for m in (_ERROR_LINE.search(line) for line in lines if " WARNING " not in line)
+            if m]
     generic = ("Engine core initialization failed", "please check the stack trace")
     specific = [m for m in hits if not any(g in m.group(0) for g in generic)]
     picks = specific or hits
     return picks[-1].group(0)[:300] if picks else fallback
 
 
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group; SIGKILL after 60 s."""
+def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group; SIGKILL after 60 s. A server that exited
+    by itself gets ``grace_s`` for the rest of its group (vLLM's workers) to write
+    their errors to the log and exit."""
     if proc.poll() is not None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.2)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         return
     try:
         os.killpg(proc.pid, signal.SIGTERM)

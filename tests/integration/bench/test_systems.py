@@ -105,6 +105,33 @@ def test_failure_reason_picks_the_root_cause(tmp_path):
         "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs")
     (tmp_path / "quiet.log").write_text("nothing here\n")
     assert failure_reason(tmp_path / "quiet.log", "exited (code 1)") == "exited (code 1)"
+    # vLLM's ulimit hint quotes an error that did not happen: never the cause.
+    hint = tmp_path / "hint.log"
+    hint.write_text(
+        "(APIServer pid=1) WARNING 11-25 22:42:23 [system_utils.py:255] Found ulimit of 20000 "
+        "and failed to automatically increase. This can cause fd limit errors like "
+        "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n\n")
+    assert failure_reason(hint, "exited (code 1)") == "exited (code 1)"
+
+
+def test_a_server_that_exited_gets_its_workers_errors_written_first(tmp_path):
+    """stop_server waits for the rest of the process group (vLLM's workers write the
+    root cause after the API server has exited) before the log is read."""
+    import subprocess
+    import sys
+
+    from hicache.integration.bench.compare import stop_server
+
+    log = tmp_path / "s.log"
+    script = ("import os, subprocess, sys\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1); "
+              "print(\"RuntimeError: the root cause\", flush=True)'])\n")
+    with log.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc.wait(30)
+    stop_server(proc)
+    assert failure_reason(log, "exited (code 0)") == "RuntimeError: the root cause"
 
 
 def test_table_lists_every_system_with_a_number_or_a_reason():
