@@ -5,10 +5,11 @@ recomputing them, in one run.
 A first engine serves ``--conversations`` histories of ``--history`` tokens and backs
 their pages up to a file L3. Each later engine (a fresh process state: empty L2) gets
 the returning turns all at once, with ``max_num_seqs`` = ``--slots``, so most of them
-queue. The store is this package's ``SlowFileBackend``, sleeping ``--get-delay`` seconds
-in every read batch (a remote store's latency). With the prefetch off, a request's
-pages are read only once vLLM admits it, and it holds a run slot while it waits; with
-it on, every queued request's pages are read while it waits, so it starts from L2.
+queue, and an L1 of ``--l1-blocks`` (about two histories). The store is this package's
+``SlowFileBackend``, sleeping ``--get-delay`` seconds in every read batch (a remote
+store's latency). With the prefetch off, a request's pages are read only once vLLM
+admits it and has given it L1 blocks, which it holds while it waits; with it on, every
+queued request's pages are read into L2 while it waits, so it starts from L2.
 Prints the batch's wall time and median TTFT (vLLM's own first-token latency) for
 each case, their ratios to recompute and to each other, and whether the tokens match
 the recompute run's.
@@ -32,11 +33,12 @@ __all__ = ["SlowFileBackend", "main"]
 
 
 def engine(model: str, l3: Path, args: argparse.Namespace, *, slots: int,
-           arrival: bool, get_delay: float) -> Any:
+           arrival: bool, get_delay: float, l1_blocks: int | None = None) -> Any:
     from hicache.integration.vllm.engine import EngineSpec, open_llm
 
     return open_llm(EngineSpec(
-        model=model, block_size=32, max_model_len=4096, max_num_seqs=slots,
+        model=model, block_size=32, max_model_len=2048, max_num_seqs=slots,
+        num_blocks=l1_blocks,
         dtype="bfloat16", prefix_caching=False, in_process=True,
         extra_args={"disable_log_stats": False},
         hicache={"hicache_size": 0.5, "hicache_storage_backend": "dynamic",
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--history", type=int, default=1536, help="tokens of each history")
     p.add_argument("--slots", type=int, default=2, help="vLLM's max_num_seqs")
+    p.add_argument("--l1-blocks", type=int, default=128,
+                   help="vLLM's KV cache in 32-token blocks (128: about two histories; "
+                   "0: vLLM's own sizing)")
     p.add_argument("--get-delay", type=float, default=0.1,
                    help="seconds of sleep per L3 read batch (32 pages)")
     p.add_argument("--answer-tokens", type=int, default=16)
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 shutil.copytree(written, l3)
             llm = engine(model, l3, args, slots=args.slots, arrival=bool(arrival),
-                         get_delay=args.get_delay)
+                         get_delay=args.get_delay, l1_blocks=args.l1_blocks or None)
             try:
                 results[name] = serve(llm, turn, args.answer_tokens)
             finally:
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     base_wall, base_ttft, want = results["recompute"]
     base_med = statistics.median(base_ttft)
     print(f"{args.conversations} returning conversations of {args.history} tokens, "
-          f"{args.slots} run slots, L3 reads {args.get_delay * 1000:.0f} ms per batch")
+          f"{args.slots} run slots, L1 {args.l1_blocks} blocks, L3 reads "
+          f"{args.get_delay * 1000:.0f} ms per batch")
     print("| case | wall | x recompute | median TTFT | x recompute | tokens |")
     print("|---|---:|---:|---:|---:|---|")
     for name, (wall, ttfts, got) in results.items():
