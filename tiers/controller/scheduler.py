@@ -268,18 +268,18 @@ class HiCacheScheduler:
                 "only %d tokens matched; recomputing the rest", req_id, num_external_tokens,
                 start, (match.num_pages + len(l3_slots)) * self.page_size,
             )
+        # Tokens of the hit that the request's prefetch brought from L3: the last
+        # prefetched_tokens of the L2 match.
+        end = match.num_pages * self.page_size
+        state.l3_tokens = max(0, min(start + num_external_tokens, end)
+                              - max(start, end - state.prefetched_tokens))
         if is_async:
             fetch = self.fetches.start(req_id, match, keys, l3_slots, pages, unloadable,
                                        source=request)
-            state.l3_tokens = self.block_size * sum(
+            state.l3_tokens += self.block_size * sum(
                 len(p.block_ids) // len(self.groups) for p in fetch.l3_pages)
         else:
             self.loads.add(match.node, RequestLoad(req_id, tuple(pages), unloadable))
-            # Tokens of the hit that the request's prefetch brought from L3: the
-            # last prefetched_tokens of the match.
-            end = match.num_pages * self.page_size
-            state.l3_tokens = max(0, min(start + num_external_tokens, end)
-                                  - max(start, end - state.prefetched_tokens))
         state.stored_pages = max(state.stored_pages, match.num_pages)
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_pages += len(pages)
