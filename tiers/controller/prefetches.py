@@ -25,8 +25,14 @@ Contract:
   L3 hits at its admission (``prefetched_pages``), the tier that held them
   when it arrived, as SGLang counts storage hits; ``prefetch_waits`` and
   ``prefetch_late`` say how long requests waited for them.
-- Bounded: the prefetched pages in flight never exceed ``max_share`` of L2,
-  and a prefetch never evicts a locked page (``L2Manager.allocate``).
+- What a prefetch brought stays locked in L2 (``settle``, after each
+  workers' report) until its request is admitted, its load planned, or it
+  ends: a later prefetch or store must not evict it first (SGLang holds
+  prefetched host pages for their request the same way).
+- Bounded: the pages prefetches hold, in flight or kept for their request,
+  never exceed ``max_share`` of L2; a prefetch never evicts a locked page
+  (``L2Manager.allocate``). A prefetch takes a request's whole L3 run or
+  nothing (the lookup at admission then fetches it).
 - ``cancel(req_id)`` (the request finished or was aborted): a prefetch not
   yet handed to the workers is dropped, its slots freed; one already sent
   ends normally and its pages enter the tree.
@@ -45,7 +51,9 @@ from typing import Literal
 from hicache.tiers.controller.fetches import L3Fetches
 from hicache.tiers.controller.requests import RequestTable, SchedulerRequest
 from hicache.tiers.controller.stats import SchedulerStats
+from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import prefetch_id
+from hicache.tiers.index.radix_tree import TreeNode
 
 # Share of the L2 pool that prefetches in flight may reserve.
 MAX_SHARE = 0.5
@@ -56,7 +64,9 @@ Gate = Literal["wait", "l2_only", "open"]
 @dataclass
 class _Prefetch:
     fetch_id: str
-    # The request's L2 match when it started, and the L3 pages after it.
+    # The request's page keys through the prefetched ones; its L2 match when
+    # it started, and the L3 pages after it.
+    keys: list[PageKey]
     start: int
     pages: int
     started: float
@@ -64,6 +74,10 @@ class _Prefetch:
     timeout_s: float | None
     # The request stopped waiting for it (counted once).
     late: bool = False
+    # Once it ended: the tree node locked over what it brought, until the
+    # request is admitted or ends (None: not yet, or nothing to hold).
+    held: TreeNode | None = None
+    settled: bool = False
 
 
 class ArrivalPrefetches:
@@ -88,9 +102,10 @@ class ArrivalPrefetches:
                 and not f.l2.groups.has_state
                 and bool(getattr(f.storage, "concurrent_lookups", False)))
 
-    def in_flight_pages(self) -> int:
-        live = self.fetches.in_flight
-        return sum(p.pages for p in self._running.values() if p.fetch_id in live)
+    def reserved_pages(self) -> int:
+        """Pages of L2 that prefetches hold: in flight, or arrived and kept for
+        their request until it is admitted."""
+        return sum(p.pages for p in self._running.values())
 
     def on_arrival(self, request: SchedulerRequest) -> None:
         if not self.applicable():
@@ -119,10 +134,14 @@ class ArrivalPrefetches:
         if found is None:
             return  # the probe is still running: advance() asks again
         del self._asking[req_id]
-        pages = min(found, self.max_pages - self.in_flight_pages())
-        if pages <= 0:
-            if found > 0:
-                self.stats.prefetch_skipped += 1
+        if found <= 0:
+            return
+        pages = found
+        if pages > self.max_pages - self.reserved_pages():
+            # All of the run or none: a part would leave a tail that may be too
+            # short to fetch (prefetch_threshold), so vLLM would recompute it. The
+            # lookup at admission fetches the whole run instead.
+            self.stats.prefetch_skipped += 1
             return
         slots = l2.allocate(pages)
         if not slots:
@@ -135,8 +154,8 @@ class ArrivalPrefetches:
         # prefetch runs to its end (its request does not wait, later ones may).
         self.fetches.start_prefetch(fetch_id, match, keys, slots, timeout or None,
                                     source=request)
-        self._running[req_id] = _Prefetch(fetch_id, match.num_pages, pages, self.clock(),
-                                          timeout)
+        self._running[req_id] = _Prefetch(fetch_id, list(keys[: match.num_pages + pages]),
+                                          match.num_pages, pages, self.clock(), timeout)
         self.stats.prefetches += 1
         self.stats.prefetch_pages += pages
 
@@ -168,10 +187,24 @@ class ArrivalPrefetches:
             return 0
         return max(0, min(match_pages, prefetch.start + prefetch.pages) - prefetch.start)
 
+    def settle(self) -> None:
+        """After the workers' report: lock what each ended prefetch brought, so it
+        stays in L2 until its request is admitted (eviction would waste the read)."""
+        tree = self.fetches.l2.tree
+        for prefetch in self._running.values():
+            if prefetch.settled or prefetch.fetch_id in self.fetches.in_flight:
+                continue
+            prefetch.settled = True
+            match = tree.match_prefix(prefetch.keys)
+            if match.num_pages > prefetch.start:
+                tree.lock(match.node)
+                prefetch.held = match.node
+
     def admitted(self, req_id: str) -> None:
-        """vLLM admitted the request: it no longer waits on a prefetch."""
+        """vLLM admitted the request and its load is planned (it locks its own
+        pages): it no longer waits on a prefetch."""
         self._asking.pop(req_id, None)
-        self._running.pop(req_id, None)
+        self._release(self._running.pop(req_id, None))
 
     def cancel(self, req_id: str) -> None:
         """The request finished or was aborted (see the module docstring)."""
@@ -179,3 +212,10 @@ class ArrivalPrefetches:
         prefetch = self._running.pop(req_id, None)
         if prefetch is not None and self.fetches.cancel_planned(prefetch.fetch_id):
             self.stats.prefetch_cancelled += 1
+        self._release(prefetch)
+
+    def _release(self, prefetch: _Prefetch | None) -> None:
+        if prefetch is not None and prefetch.held is not None:
+            node, prefetch.held = prefetch.held, None
+            if node is self.fetches.l2.tree.root or node.parent is not None:
+                self.fetches.l2.tree.unlock(node)

@@ -227,8 +227,15 @@ class HiCacheScheduler:
     ) -> None:
         """vLLM allocated the request's blocks (``block_ids``: per KV-cache group):
         plan the load (or fetch) of its hit."""
+        try:
+            self._plan_admission(request, block_ids, num_external_tokens)
+        finally:
+            # Its load (or fetch) now locks what it needs: release the prefetch's hold.
+            self.prefetches.admitted(request.request_id)
+
+    def _plan_admission(self, request: SchedulerRequest, block_ids: GroupBlockIds,
+                        num_external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
-        self.prefetches.admitted(request.request_id)
         if self.fetches.probes is not None:
             self.fetches.probes.forget(request.request_id)  # admitted: its answer is used
         if state is None:
@@ -315,6 +322,7 @@ class HiCacheScheduler:
     def on_worker_report(self, report: WorkerReport) -> None:
         self.l2.report_bad_slots(report.bad_slots)
         self.fetches.on_report(report.fetched)
+        self.prefetches.settle()
 
     def take_events(self) -> list[PageEvent]:
         """L2's KV events since the last call (events.py; [] unless enabled)."""

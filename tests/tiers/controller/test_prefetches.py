@@ -199,3 +199,48 @@ def test_an_arrival_lookup_answered_at_admission_starts_the_prefetch_there(tmp_p
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
     assert sched.stats.prefetches == 1 and not sched.fetches.is_fetching("r")
     sched.fetches.probes.close()
+
+
+def test_prefetched_pages_stay_in_l2_until_their_request_is_admitted(tmp_path):
+    sched = make(tmp_path)
+    req = request("r", TOKENS)
+    arrive(sched, req)
+    sched.build_connector_meta({})
+    sched.on_worker_report(WorkerReport(fetched={PID: [4]}))
+    assert sched.tree.total_pages() == 4
+    # A store that needs all of L2 cannot evict them while "r" waits.
+    assert sched.l2.room() == GEOM.num_slots - 4
+    assert sched.l2.allocate(GEOM.num_slots - 3) is None
+    assert sched.tree.total_pages() == 4
+    # Admitted: its load locks the pages until the plan leaves, then they are
+    # ordinary cached pages again.
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, False)
+    sched.update_state_after_alloc(req, [list(range(10, 18))], 4 * PAGE)
+    sched.build_connector_meta({"r": 1})
+    assert sched.l2.room() == GEOM.num_slots
+    sched.tree.check_invariants()
+
+
+def test_an_aborted_request_releases_its_prefetched_pages(tmp_path):
+    sched = make(tmp_path)
+    req = request("r", TOKENS)
+    arrive(sched, req)
+    sched.build_connector_meta({})
+    sched.on_worker_report(WorkerReport(fetched={PID: [4]}))
+    assert sched.l2.room() == GEOM.num_slots - 4
+    sched.request_finished(req, ([],))
+    assert sched.l2.room() == GEOM.num_slots and sched.tree.total_pages() == 4
+    assert sched.prefetches.reserved_pages() == 0
+
+
+def test_a_run_the_budget_cannot_hold_whole_is_left_to_admission(tmp_path):
+    longer = list(range(300, 341))  # 5 pages + 1
+    sched = make(tmp_path, pages=TOKENS + longer)
+    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), longer, PAGE)])
+    arrive(sched, request("r", TOKENS))  # 4 of the 8-page budget
+    s = request("s", longer)
+    arrive(sched, s)
+    # Not 4 of its 5 pages (a 1-page tail could fall under prefetch_threshold):
+    # none, and its lookup at admission fetches all 5.
+    assert sched.stats.prefetch_pages == 4 and sched.stats.prefetch_skipped == 1
+    assert sched.get_num_new_matched_tokens(s, 0) == (5 * PAGE, True)
