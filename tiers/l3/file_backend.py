@@ -12,13 +12,9 @@ Contract (on top of base.py's):
   removed at the next start. Files are not fsync'ed (``fsync: true`` turns
   it on): after a power loss a torn page fails its checksum and is a miss.
 - A page is one ``preadv`` / ``writev`` (header and payload straight from
-  or into the host slot), then the xxh3 check. A batch read
-  (``batch_get_v1``) reads every file of the batch in one compiled call
-  with the GIL released (tiers/l3/batch_read.py), then checks each page:
-  a Python loop gave the GIL back at every system call and starved while
-  vLLM's engine thread computed. Overlapping reads of page i+1 with the
-  check of page i on a helper thread measured no faster on 2 cores (both
-  are memory-bound).
+  or into the host slot), then the xxh3 check. Overlapping reads of page
+  i+1 with the check of page i on a helper thread measured no faster on 2
+  cores (both are memory-bound), so batches are plain loops.
 - Every read checks the header and checksum; a mismatch, a short file or
   an unreadable file is a miss, counted as corrupt, and the file is moved
   to ``<dir>/quarantine/`` for inspection (not served again). A file that
@@ -42,11 +38,10 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-import numpy as np
 import torch
 from pydantic import Field, NonNegativeFloat
 
-from hicache.tiers.l3 import batch_read, integrity
+from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import (
     StorageBackend,
     StorageConfig,
@@ -176,36 +171,6 @@ class FileBackend(StorageBackend):
         start = time.perf_counter()
         payload = target.numpy().data.cast("B")
         return self._finish_get(key, payload, self._read_raw(key, payload), start)
-
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
-        """Every file of the batch read into its slot in one GIL-free call
-        (tiers/l3/batch_read.py), then each header and checksum checked; the
-        per-page path where numba is missing or slots are not contiguous."""
-        pool = self._require_pool()
-        views = [pool.page_view(slot) for slot in host_slots]
-        if not keys or not batch_read.available() or any(v is None for v in views):
-            return super().batch_get_v1(keys, host_slots)
-        start = time.perf_counter()
-        head, payload_bytes = integrity.HEADER_BYTES, self.config.page_bytes
-        headers = np.empty((len(keys), head), dtype=np.uint8)
-        paths = [self.pages_dir / self._name(key) for key in keys]
-        got = batch_read.read_pages(paths, headers, [v.data_ptr() for v in views if v is not None],
-                                    payload_bytes)
-        # read_seconds per page: its share of the batch, plus its own check below.
-        share = (time.perf_counter() - start) / len(keys)
-        results = []
-        for i, key in enumerate(keys):
-            n = int(got[i])
-            read: tuple[str, bytes | None]
-            if n < 0:
-                read = ("missing" if not paths[i].exists() else "unreadable", None)
-            elif n != head + payload_bytes:
-                read = ("wrong size", None)
-            else:
-                read = ("ok", headers[i].tobytes())
-            payload = views[i].numpy().data.cast("B")  # type: ignore[union-attr]
-            results.append(self._finish_get(key, payload, read, time.perf_counter() - share))
-        return results
 
     def set(self, key: str, value: torch.Tensor) -> bool:
         start = time.perf_counter()

@@ -228,25 +228,3 @@ def test_delete_removes_one_page(tmp_path):
     backend.batch_set_v1(ks, [0, 1, 2])
     assert backend.batch_delete([ks[1], ks[1]]) == 1
     assert [backend.exists(k) for k in ks] == [True, False, True]
-
-
-@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_batch_reads_take_one_gil_free_call_where_slots_are_contiguous(tmp_path, layout,
-                                                                      monkeypatch):
-    from hicache.tiers.l3 import batch_read
-
-    calls: list[int] = []
-    real = batch_read.read_pages
-    monkeypatch.setattr(batch_read, "read_pages",
-                        lambda paths, *a: calls.append(len(paths)) or real(paths, *a))
-    src = filled_pool(layout, 8)
-    backend = FileBackend(config(tmp_path, layout=layout))
-    backend.register_host_pool(src)
-    ks = keys(4)
-    assert backend.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
-    assert backend.batch_get_v1(ks[:3] + keys(1, seed=9), [4, 5, 6, 7]) == [True] * 3 + [False]
-    for i in range(3):
-        assert torch.equal(src.read_page(4 + i), src.read_page(i))
-    # page_first slots are contiguous: one call for the batch; layer_first is not.
-    assert calls == ([4] if layout == "page_first" and batch_read.available() else [])
-    assert backend.stats().get_misses == 1 and backend.stats().corrupt_pages == 0
