@@ -143,11 +143,14 @@ class ArrivalPrefetches:
             # lookup at admission fetches the whole run instead.
             self.stats.prefetch_skipped += 1
             return
+        # The prefix it extends must survive the eviction that makes room for it
+        # (as L2Manager.plan_store and L3Fetches.reserve lock before allocating).
+        l2.tree.lock(match.node)
         slots = l2.allocate(pages)
         if not slots:
+            l2.tree.unlock(match.node)
             self.stats.prefetch_skipped += 1
             return
-        l2.tree.lock(match.node)
         fetch_id = prefetch_id(req_id)
         timeout = self.fetches.policy.timeout_s(pages * self.page_size)
         # The worker stops at the timeout policy's deadline; best_effort's

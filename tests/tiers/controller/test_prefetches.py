@@ -244,3 +244,21 @@ def test_a_run_the_budget_cannot_hold_whole_is_left_to_admission(tmp_path):
     # none, and its lookup at admission fetches all 5.
     assert sched.stats.prefetch_pages == 4 and sched.stats.prefetch_skipped == 1
     assert sched.get_num_new_matched_tokens(s, 0) == (5 * PAGE, True)
+
+
+def test_making_room_for_a_prefetch_never_evicts_the_prefix_it_extends(tmp_path):
+    sched = make(tmp_path)  # L3 holds every page of TOKENS
+    keys = keys_of(NS.seed(), TOKENS, PAGE)
+    # L2: the request's first page, 13 pages a load holds locked, 2 free slots:
+    # the room for its 3 L3 pages can only come from evicting that first page.
+    assert sched.l2.plan_store(keys[:1], [[1, 2]])
+    other = keys_of(NS.seed(), list(range(500, 500 + 13 * PAGE)), PAGE)
+    assert sched.l2.plan_store(other, [list(range(4, 30))])
+    sched.tree.lock(sched.tree.match_prefix(other).node)
+    assert sched.slots.num_free == 2
+    arrive(sched, request("r", TOKENS))
+    # The prefix it extends stays; with no other room the prefetch is skipped.
+    assert sched.tree.match_prefix(keys[:1]).num_pages == 1
+    assert sched.stats.prefetches == 0 and sched.stats.prefetch_skipped == 1
+    assert sched.slots.num_free == 2
+    sched.tree.check_invariants()
