@@ -50,6 +50,14 @@ def write_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeometry,
     assert all(writer.batch_set_v1(keys, list(range(len(keys)))))
 
 
+def write_prompt_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeometry,
+                       tokens: list[int], page: int) -> None:
+    """Every full page of a prompt of ``tokens``, keyed as its request's pages, in
+    the file store in ``path``, as another engine would have written them."""
+    write_pages(path, namespace, geometry,
+                [k.hex() for k in keys_of(namespace.seed(), tokens, page)])
+
+
 class GatedStore:
     """batch_exists blocks until ``gate`` opens; counts the callers inside."""
 

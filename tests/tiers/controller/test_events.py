@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import wait
 
-from support.fakes import file_store, keys_of, request, write_pages
+from support.fakes import file_store, request, write_prompt_pages
 
 from hicache.tiers.controller.events import MEDIUM_L2, PagesRemoved, PageStored
 from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -78,7 +78,7 @@ def test_eviction_flush_and_reset_remove_exactly_the_stored_hashes():
 
 def test_pages_fetched_from_l3_are_stored_events(tmp_path):
     tokens = list(range(100, 117))  # 2 pages + 1
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)])
+    write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
     sched = make(storage=file_store(tmp_path, NS, GEOM), background_lookups=True,
                  prefetch_at_arrival=True, prefetch_policy="wait_complete",
                  prefetch={"prefetch_threshold": 0})

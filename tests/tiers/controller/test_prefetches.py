@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import wait
 
 import pytest
-from support.fakes import GatedStore, file_store, keys_of, request, write_pages
+from support.fakes import GatedStore, file_store, keys_of, request, write_prompt_pages
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
@@ -32,9 +32,14 @@ class Clock:
         return self.now
 
 
-def make(tmp_path, policy="wait_complete", store=None, clock=None, pages=TOKENS,
+def in_l3(tmp_path, tokens: list[int]) -> None:
+    """Every full page of ``tokens`` in the file L3, as another engine stored them."""
+    write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
+
+
+def make(tmp_path, policy="wait_complete", store=None, clock=None,
          **kw) -> HiCacheScheduler:
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), pages, PAGE)])
+    in_l3(tmp_path, TOKENS)
     sched = HiCacheScheduler(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
         block_ids_of=lambda rid: [[]], storage=store or file_store(tmp_path, NS, GEOM),
@@ -144,12 +149,18 @@ def test_a_prefetch_already_sent_ends_normally_after_its_request_left(tmp_path):
     assert sched.tree.total_pages() == 4 and not sched.fetches.in_flight
 
 
-def test_slow_lookup_starts_the_prefetch_when_it_answers(tmp_path):
+def gated_arrival(tmp_path):
+    """A request arrives while its lookup is held inside a gated store."""
     store = GatedStore(file_store(tmp_path, NS, GEOM))
     sched = make(tmp_path, store=store)
     req = request("r", TOKENS)
     sched.on_new_request(req)
     store.entered(1)
+    return sched, store, req
+
+
+def test_slow_lookup_starts_the_prefetch_when_it_answers(tmp_path):
+    sched, store, req = gated_arrival(tmp_path)
     sched.prefetches.advance()
     assert sched.stats.prefetches == 0
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
@@ -162,15 +173,15 @@ def test_slow_lookup_starts_the_prefetch_when_it_answers(tmp_path):
 
 def test_prefetches_in_flight_are_bounded_by_half_of_l2(tmp_path):
     other = list(range(300, 333))
-    sched = make(tmp_path, pages=TOKENS + other)
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), other, PAGE)])
+    sched = make(tmp_path)
+    in_l3(tmp_path, other)
     longer = request("r", TOKENS)
     arrive(sched, longer)
     arrive(sched, request("s", other))
     arrive(sched, request("t", list(range(500, 533))))  # not in L3: no prefetch
     assert sched.stats.prefetch_pages == 8 == GEOM.num_slots // 2
     third = list(range(700, 733))
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), third, PAGE)])
+    in_l3(tmp_path, third)
     arrive(sched, request("u", third))
     assert sched.stats.prefetch_pages == 8 and sched.stats.prefetch_skipped == 1
 
@@ -187,11 +198,7 @@ def test_no_prefetch_when_turned_off_or_below_the_threshold(tmp_path):
 
 
 def test_an_arrival_lookup_answered_at_admission_starts_the_prefetch_there(tmp_path):
-    store = GatedStore(file_store(tmp_path, NS, GEOM))
-    sched = make(tmp_path, store=store)
-    req = request("r", TOKENS)
-    sched.on_new_request(req)
-    store.entered(1)
+    sched, store, req = gated_arrival(tmp_path)
     store.gate.set()
     assert wait([sched.fetches.probes._probes["r"].future], timeout=30).done
     # vLLM tries to admit it before any plan: the answer starts the prefetch, and
@@ -235,8 +242,8 @@ def test_an_aborted_request_releases_its_prefetched_pages(tmp_path):
 
 def test_a_run_the_budget_cannot_hold_whole_is_left_to_admission(tmp_path):
     longer = list(range(300, 341))  # 5 pages + 1
-    sched = make(tmp_path, pages=TOKENS + longer)
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), longer, PAGE)])
+    sched = make(tmp_path)
+    in_l3(tmp_path, longer)
     arrive(sched, request("r", TOKENS))  # 4 of the 8-page budget
     s = request("s", longer)
     arrive(sched, s)

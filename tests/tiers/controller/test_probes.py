@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import wait
 
-from support.fakes import GatedStore, file_store, keys_of, request, write_pages
+from support.fakes import GatedStore, file_store, keys_of, request, write_prompt_pages
 
 from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -76,7 +76,7 @@ def test_another_run_or_store_replaces_the_probe_and_a_failing_store_is_a_miss()
 
 def test_scheduler_answers_none_while_a_slow_store_is_asked(tmp_path):
     tokens = list(range(100, 133))  # 4 full pages + 1 token
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)])
+    write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
     store = GatedStore(file_store(tmp_path, NS, GEOM))
     sched = HiCacheScheduler(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
@@ -98,7 +98,7 @@ def test_scheduler_answers_none_while_a_slow_store_is_asked(tmp_path):
 
 def test_stores_that_forbid_concurrent_lookups_are_asked_inline(tmp_path):
     tokens = list(range(100, 133))
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)])
+    write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
     store = GatedStore(file_store(tmp_path, NS, GEOM))
     store.concurrent_lookups = False
     store.gate.set()

@@ -11,7 +11,7 @@ asked of L3 again for the same request.
 
 from __future__ import annotations
 
-from support.fakes import file_store, keys_of, request, write_pages
+from support.fakes import file_store, keys_of, request, write_pages, write_prompt_pages
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.kv_groups import KVGroup, KVGroups
@@ -124,7 +124,7 @@ def test_a_full_attention_null_block_ends_the_store():
 
 def test_l3_pages_extend_the_hit_and_a_short_fetch_is_not_asked_again(tmp_path):
     tokens = list(range(100, 133))
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)])
+    write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
     sched = make_scheduler(storage=file_store(tmp_path, NS, GEOM))
     req = request("a", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, True)

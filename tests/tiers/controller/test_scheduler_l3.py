@@ -1,7 +1,7 @@
 """Scheduler half with an L3 backend, without an engine: async hits, reserved slots,
 publishing what every rank fetched. The backend is the real file backend."""
 
-from support.fakes import file_store, keys_of, request, write_pages
+from support.fakes import file_store, keys_of, request, write_prompt_pages
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
@@ -22,7 +22,7 @@ def backend(tmp_path) -> FileBackend:
 
 def store_pages(tmp_path, tokens) -> None:
     """Put every full page of ``tokens`` into L3, as another engine would have."""
-    write_pages(tmp_path, NS, GEOM, [k.hex() for k in keys_of(NS.seed(), tokens, PAGE)])
+    write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
 
 
 def scheduler(tmp_path, **kw) -> HiCacheScheduler:
