@@ -55,7 +55,7 @@ from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import prefetch_id
 from hicache.tiers.index.radix_tree import TreeNode
 
-# Share of the L2 pool that prefetches in flight may reserve.
+# Share of the L2 pool that prefetches may hold, in flight or kept for their request.
 MAX_SHARE = 0.5
 
 Gate = Literal["wait", "l2_only", "open"]
@@ -218,7 +218,7 @@ class ArrivalPrefetches:
         self._release(prefetch)
 
     def _release(self, prefetch: _Prefetch | None) -> None:
+        # A locked node is never evicted or removed, so it is still in the tree.
         if prefetch is not None and prefetch.held is not None:
             node, prefetch.held = prefetch.held, None
-            if node is self.fetches.l2.tree.root or node.parent is not None:
-                self.fetches.l2.tree.unlock(node)
+            self.fetches.l2.tree.unlock(node)
