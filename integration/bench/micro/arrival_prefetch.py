@@ -27,13 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hicache.integration.bench.micro.slow_lookup import SlowFileBackend
 
-__all__ = ["SlowFileBackend", "main"]
-
-
-def engine(model: str, l3: Path, args: argparse.Namespace, *, slots: int,
-           arrival: bool, get_delay: float, l1_blocks: int | None = None) -> Any:
+def engine(model: str, l3: Path, *, slots: int, arrival: bool, get_delay: float,
+           l1_blocks: int | None = None) -> Any:
+    """An in-process engine whose L3 is slow_lookup's ``SlowFileBackend`` in ``l3``."""
     from hicache.integration.vllm.engine import EngineSpec, open_llm
 
     return open_llm(EngineSpec(
@@ -85,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     turn = [h + prompt_tokens(32, 900 + i, 2000) for i, h in enumerate(histories)]
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp) / "written"
-        llm = engine(model, written, args, slots=8, arrival=True, get_delay=0.0)
+        llm = engine(model, written, slots=8, arrival=True, get_delay=0.0)
         try:
             serve(llm, histories, 1)
         finally:
@@ -98,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                 l3.mkdir()  # an empty store: every history is recomputed
             else:
                 shutil.copytree(written, l3)
-            llm = engine(model, l3, args, slots=args.slots, arrival=bool(arrival),
+            llm = engine(model, l3, slots=args.slots, arrival=bool(arrival),
                          get_delay=args.get_delay, l1_blocks=args.l1_blocks or None)
             try:
                 results[name] = serve(llm, turn, args.answer_tokens)
