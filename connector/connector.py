@@ -125,6 +125,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         layout, io_backend, notes = self.config.resolved_data_plane(cuda=_on_cuda())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         is_mla = _is_mla(kv_cache_config)
+        # Stores across steps need blocks that stay put while a request runs:
+        # sliding-window blocks are freed and Mamba state blocks rewritten.
+        async_stores = self.config.hicache_async_stores and not groups.windowed
 
         def build_storage(tp_rank: int, name: str, extra: dict[str, Any]) -> StorageBackend:
             """This rank's L3 backend ``name`` with backend settings ``extra``."""
@@ -170,6 +173,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 background_lookups=True,
                 prefetch_at_arrival=self.config.hicache_prefetch_at_arrival,
                 kv_events=kv_events_enabled(vllm_config),
+                async_stores=async_stores,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -210,6 +214,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 # MLA's latent pages are the same on every rank: rank 0 writes them.
                 l3_writer=not is_mla or rank == 0,
                 group_layer_names=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
+                rank=rank,
+                async_stores=async_stores,
             )
 
     def _start_admin(self, vllm_config: VllmConfig) -> None:
@@ -306,7 +312,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         with self.hicache_scheduler.lock:
             plan = self.hicache_scheduler.build_connector_meta(
-                scheduler_output.num_scheduled_tokens
+                scheduler_output.num_scheduled_tokens,
+                getattr(scheduler_output, "preempted_req_ids", None) or (),
             )
         if self._admin is not None:
             plan.storage_commands = self._admin.take_commands()
@@ -370,6 +377,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.hicache_worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: finish the stores that read a preempted request's
+        blocks, which this forward pass may reuse."""
+        if isinstance(kv_connector_metadata, HiCacheStepMetadata):
+            self.hicache_worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -27,9 +27,22 @@ Contract:
   the slot is reported back to the scheduler.
 - ``save_layer`` starts copying a layer's planned L1 -> L2 pages as soon as
   that layer's attention has run; ``finish_step`` (vLLM's wait_for_save)
-  copies the rest, waits for every copy of the step and only then records
-  slot keys. A failed copy invalidates slots or reports blocks; it never
-  raises. Nothing is in flight between steps.
+  queues the rest and waits for the step's loads only. A failed copy
+  invalidates slots or reports blocks; it never raises.
+- Stores across steps (``async_stores``; off for sliding-window and Mamba
+  groups, whose blocks vLLM frees or overwrites while the request runs): a
+  step's stores are a ``PendingStore`` on the copy queue, finished in plan
+  order without blocking (``finish_step``, ``take_released``). Only then
+  are their slot keys recorded, their L3 backups queued, their finished
+  requests released (vLLM's finished_sending) and ``stores_done`` reported.
+  Waits happen only where the copy queue does not order things: more than
+  ``MAX_STORE_STEPS_IN_FLIGHT`` steps queued, a preempted request's stores
+  (``flush_stores`` in vLLM's handle_preemptions), an L3 read into or a
+  fetch out of a slot being stored, an admin L3 deletion (its pages must
+  not be backed up after it). Each is counted in ``store_waits``. A load
+  from a slot still being stored runs after that store on the same queue;
+  if the store failed, the load's blocks are reported as load errors.
+  Without ``async_stores`` every step waits for its stores, as before.
 - Nothing here raises into the engine for a cache problem: failures degrade
   to recompute.
 - With L3 (``storage_spec``), the backend is built once the pool exists
@@ -49,10 +62,10 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,7 +74,7 @@ from hicache.connector.metadata import HiCacheWorkerReport
 from hicache.connector.worker_stats import CopyClock, CounterDeltas, WorkerStats
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
-from hicache.kernels.layer_pipeline import LayerPipeline
+from hicache.kernels.layer_pipeline import Checkpoint, LayerPipeline
 from hicache.tiers.index.commands import AttachStore, ClearStore, DeletePages
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
@@ -69,6 +82,9 @@ from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.l3.io_thread import FetchResult, StorageIO
 
 logger = logging.getLogger(__name__)
+
+# Steps whose stores may be queued at once; a step beyond waits for the oldest.
+MAX_STORE_STEPS_IN_FLIGHT = 4
 
 
 class HiCacheWorker:
@@ -85,8 +101,12 @@ class HiCacheWorker:
         storage_spec: tuple[str, dict] | None = None,
         l3_writer: bool = True,
         group_layer_names: Sequence[Sequence[str]] | None = None,
+        rank: int = 0,
+        async_stores: bool = False,
     ) -> None:
         self.geometry = geometry
+        self.rank = rank
+        self.async_stores = async_stores
         self.l1_num_blocks = l1_num_blocks
         self.layout = layout
         self.io = io
@@ -114,7 +134,16 @@ class HiCacheWorker:
         self._loading: list[int] = []
         self._loading_bytes = 0
         self._saved_layers: set[int] = set()
-        self._stores_of: tuple[StepPlan, GroupTransfer] | None = None
+        self._storing: PendingStore | None = None
+        self._load_mark: Checkpoint | None = None
+        # Loads from slots whose store was still queued: (that store, the blocks).
+        self._load_deps: list[tuple[PendingStore, tuple[int, ...]]] = []
+        # Stores across steps: queued in plan order; slot -> the last store into it.
+        self._pending: deque[PendingStore] = deque()
+        self._slot_owner: dict[int, PendingStore] = {}
+        self._queued = 0  # stores queued since start; PendingStore.order
+        self._done_seq = 0
+        self._done_reported = 0
         # (backend name, extra config) -> this rank's backend; spec = what to build now.
         self._storage_builder = storage_builder
         self._storage_spec = storage_spec
@@ -239,6 +268,8 @@ class HiCacheWorker:
         pool = self._require_pool()
         self.apply_commands(meta)
         for fetch in meta.fetches:
+            # Read or written off the copy queue: a store into its slots must end first.
+            self._wait_stores_into({p.slot for p in (*fetch.l2_pages, *fetch.l3_pages)})
             if not fetch.l3_pages:
                 self._serve_from_l2(fetch)
             elif self.storage_io is None:
@@ -250,7 +281,11 @@ class HiCacheWorker:
             self._load_errors.update(load.unloadable_block_ids)
             failed = False
             for page in load.pages:
-                if failed or not pool.holds(page.slot, page.key):
+                owner = self._slot_owner.get(page.slot)
+                if not failed and owner is not None and owner.keys.get(page.slot) == page.key:
+                    # Still being stored: the copy queue runs this load after it.
+                    self._load_deps.append((owner, page.block_ids))
+                elif failed or not pool.holds(page.slot, page.key):
                     if not failed:
                         logger.warning(
                             "HiCache: L2 slot %d does not hold the expected page for request "
@@ -272,6 +307,7 @@ class HiCacheWorker:
             lambda row: copy_in(pool.canonical, self.layers, transfer.groups[group_of[row]],
                                 [row]),
             len(self.layers))
+        self._load_mark = self._pipeline.checkpoint()
 
     def _serve_from_l2(self, fetch: RequestFetch) -> None:
         """An asynchronous hit that L2 holds whole: copy it now (vLLM does not run
@@ -348,54 +384,131 @@ class HiCacheWorker:
         index = self._layer_index.get(layer_name)
         if not meta.stores or index is None or index in self._saved_layers:
             return
-        transfer = self._store_transfer(meta).groups[self._group_of_row[index]]
+        store = self._store_of(meta)
         self._saved_layers.add(index)
         self.stats.layer_saves_in_forward += 1
-        pool = self._require_pool()
-        save = self._store_clock.wrap(self._copy_fn("save"))
-        self._pipeline.submit("save", lambda: save(self.layers, pool.canonical, transfer, [index]))
+        self._submit_save(store, store.transfer.groups[self._group_of_row[index]], [index])
 
     def finish_step(self, meta: StepPlan) -> None:
-        """End of the step: copy the layers not saved yet, wait for every copy, and
-        publish the outcome (slot keys, load errors, bad slots, released requests)."""
-        pool = self._require_pool()
+        """End of the step: queue the layers not saved yet, wait for the step's loads,
+        and publish what is done (slot keys, load errors, bad slots, released
+        requests); stores still running are finished by a later call."""
+        self._require_pool()
         self.apply_commands(meta)
         if meta.stores:
-            transfers = self._store_transfer(meta).groups
-            save = self._store_clock.wrap(self._copy_fn("save"))
+            store = self._store_of(meta)
             for group, rows in enumerate(self._group_rows):
                 rest = [i for i in rows if i not in self._saved_layers]
                 if rest:
-                    self._pipeline.submit(
-                        "save", functools.partial(save, self.layers, pool.canonical,
-                                                  transfers[group], rest))
-        failures = {kind for kind, _ in self._pipeline.drain()}
-        load_seconds = self._load_clock.take_seconds()
-        store_seconds = self._store_clock.take_seconds()
+                    self._submit_save(store, store.transfer.groups[group], rest)
+            store.release.extend(meta.release_after_store)
+            store.mark = self._pipeline.checkpoint()
+            self._queued += 1
+            store.order = self._queued
+            self._pending.append(store)
+        elif meta.release_after_store:
+            # Stores of earlier steps may still read these requests' blocks.
+            if self._pending:
+                self._pending[-1].release.extend(meta.release_after_store)
+            else:
+                self._released.update(meta.release_after_store)
         if self._loading:
-            if "load" in failures:
-                self._load_errors.update(self._loading)
-            else:
-                if load_seconds is not None:
-                    self.stats.observe("l2_load_seconds", load_seconds)
-                self.stats.loaded_blocks += len(self._loading)
-                self.stats.loaded_bytes += self._loading_bytes
-        if meta.stores:
-            if "save" in failures:
-                self._bad_slots.update(p.slot for p in meta.stores)
-                self.stats.save_errors += len(meta.stores)
-            else:
-                for page in meta.stores:
-                    pool.set_key(page.slot, page.key)
-                if self.storage_io is not None and self.l3_writer:
-                    self.storage_io.submit_backup([(p.key, p.slot, at) for p in meta.stores
-                                                   for at in _l3_keys(p)])
-                self.stats.saved_pages += len(meta.stores)
-                if store_seconds is not None:
-                    self.stats.observe("l2_store_seconds", store_seconds)
-                self.stats.saved_bytes += len(meta.stores) * pool.geometry.page_bytes
-        self._released.update(meta.release_after_store)
-        self._loading, self._saved_layers, self._stores_of = [], set(), None
+            self._finish_loads()
+        if not self.async_stores:
+            self._settle_stores(wait_through=self._queued)
+        elif len(self._pending) > MAX_STORE_STEPS_IN_FLIGHT:
+            self.stats.store_waits += 1
+            self._settle_stores(wait_through=self._pending[-MAX_STORE_STEPS_IN_FLIGHT - 1].order)
+        else:
+            self._settle_stores()
+        self._loading, self._saved_layers, self._storing = [], set(), None
+
+    def _finish_loads(self) -> None:
+        """Wait for the step's L2 -> L1 copies (and, queued before them, earlier stores)."""
+        assert self._load_mark is not None
+        ok = self._load_mark.wait()
+        failed = not ok or any(kind == "load" for kind, _ in self._pipeline.take_failures())
+        load_seconds = self._load_clock.take_seconds()
+        if failed:
+            self._load_errors.update(self._loading)
+        else:
+            if load_seconds is not None:
+                self.stats.observe("l2_load_seconds", load_seconds)
+            self.stats.loaded_blocks += len(self._loading)
+            self.stats.loaded_bytes += self._loading_bytes
+        for store, block_ids in self._load_deps:
+            if store.mark is not None:
+                store.mark.wait()  # done already: queued before the load
+            if store.failed or (store.mark is not None and store.mark.failed):
+                self._load_errors.update(block_ids)  # it copied a slot its store did not fill
+        self._load_deps, self._load_mark = [], None
+
+    def handle_preemptions(self, meta: StepPlan) -> None:
+        """Before the forward pass: a preempted request's blocks may be reused in it,
+        so its stores in flight must be done (the scheduler sets ``flush_stores``)."""
+        if meta.flush_stores and self._pending:
+            self.stats.store_waits += 1
+            self._settle_stores(wait_through=self._queued)
+
+    def _submit_save(self, store: PendingStore, transfer: BlockTransfer,
+                     rows: list[int]) -> None:
+        pool = self._require_pool()
+        save = store.clock.wrap(self._copy_fn("save"))
+
+        def run() -> None:
+            try:
+                save(self.layers, pool.canonical, transfer, rows)
+            except BaseException:
+                store.failed = True
+                raise
+
+        self._pipeline.submit("save", run)
+
+    def _settle_stores(self, wait_through: int = 0) -> None:
+        """Finish queued stores in queue order: up to the ``wait_through``-th queued
+        (waiting for them), then every later one already done."""
+        while self._pending:
+            store = self._pending[0]
+            assert store.mark is not None
+            if store.order <= wait_through:
+                store.mark.wait()
+            elif not store.mark.done():
+                return
+            self._pending.popleft()
+            self._publish_store(store)
+
+    def _publish_store(self, store: PendingStore) -> None:
+        """A finished store: record its slots' keys and back them up, or mark them bad."""
+        pool = self._require_pool()
+        if store.mark is not None and store.mark.failed:
+            store.failed = True
+        # A slot stored again by a later plan belongs to that plan now.
+        owned = [p for p in store.pages if self._slot_owner.get(p.slot) is store]
+        for page in owned:
+            del self._slot_owner[page.slot]
+        if store.failed:
+            self._bad_slots.update(p.slot for p in owned)
+            self.stats.save_errors += len(store.pages)
+        else:
+            for page in owned:
+                pool.set_key(page.slot, page.key)
+            if self.storage_io is not None and self.l3_writer and owned:
+                self.storage_io.submit_backup([(p.key, p.slot, at) for p in owned
+                                               for at in _l3_keys(p)])
+            self.stats.saved_pages += len(store.pages)
+            seconds = store.clock.take_seconds()
+            if seconds is not None:
+                self.stats.observe("l2_store_seconds", seconds)
+            self.stats.saved_bytes += len(store.pages) * pool.geometry.page_bytes
+        self._released.update(store.release)
+        self._done_seq = max(self._done_seq, store.seq)
+
+    def _wait_stores_into(self, slots: set[int]) -> None:
+        """Wait for the stores in flight into any of ``slots``."""
+        owners = [self._slot_owner[s].order for s in slots if s in self._slot_owner]
+        if any(owners):
+            self.stats.store_waits += 1
+            self._settle_stores(wait_through=max(owners))
 
     def _copy_fn(self, kind: str) -> Callable[..., None]:
         """The copy function the pipeline runs: enqueue-only on a CUDA side stream."""
@@ -405,18 +518,22 @@ class HiCacheWorker:
                 return fn
         return getattr(self.copy_path, kind)
 
-    def _store_transfer(self, meta: StepPlan) -> GroupTransfer:
-        """The step's store transfer, built once; slots are invalid until it lands."""
-        if self._stores_of is None or self._stores_of[0] is not meta:
+    def _store_of(self, meta: StepPlan) -> PendingStore:
+        """The step's stores, built once; their slots are invalid until they land."""
+        if self._storing is None or self._storing.plan is not meta:
             pool = self._require_pool()
             if self.storage_io is not None:
                 self.storage_io.release_slots(p.slot for p in meta.stores)
+            store = PendingStore(meta, meta.seq, tuple(meta.stores), self._transfer(meta.stores),
+                                 CopyClock(cuda=self._pipeline.on_cuda))
             for page in meta.stores:
                 pool.set_key(page.slot, None)
-            self._stores_of = (meta, self._transfer(meta.stores))
-        return self._stores_of[1]
+                self._slot_owner[page.slot] = store
+            self._storing = store
+        return self._storing
 
     def shutdown(self) -> None:
+        self._settle_stores(wait_through=self._queued)
         self._pipeline.shutdown()
         if self.storage_io is not None:
             self.storage_io.shutdown()
@@ -426,6 +543,7 @@ class HiCacheWorker:
             self.pool.close()
 
     def take_released(self) -> set[str]:
+        self._settle_stores()
         released, self._released = self._released, set()
         return released
 
@@ -456,6 +574,7 @@ class HiCacheWorker:
             "loaded_blocks": st.loaded_blocks, "loaded_bytes": st.loaded_bytes,
             "saved_pages": st.saved_pages, "saved_bytes": st.saved_bytes,
             "load_errors": st.load_errors, "save_errors": st.save_errors,
+            "store_waits": st.store_waits,
         }
         out.update(self._l3_retired)
         for name, value in self._l3_counters().items():
@@ -487,11 +606,14 @@ class HiCacheWorker:
         deltas = self._deltas.take(self.counters())
         observations = self.stats.take_observations()
         gauges = {k: v for k, v in self.gauges().items() if self._gauges_reported.get(k) != v}
-        if not (self._bad_slots or self._fetched or deltas or gauges or observations):
+        done = ({self.rank: self._done_seq}
+                if self.async_stores and self._done_seq != self._done_reported else {})
+        if not (self._bad_slots or self._fetched or deltas or gauges or observations or done):
             return None
         self._gauges_reported.update(gauges)
+        self._done_reported = self._done_seq
         report = HiCacheWorkerReport(self._bad_slots, self._fetched, deltas, gauges,
-                                     observations)
+                                     observations, done)
         self._bad_slots, self._fetched = set(), {}
         return report
 
@@ -500,6 +622,10 @@ class HiCacheWorker:
         if not meta.storage_commands or self._commands_applied is meta:
             return
         self._commands_applied = meta
+        if self._pending:
+            # An L3 deletion must not be followed by a backup of a page it deletes.
+            self.stats.store_waits += 1
+            self._settle_stores(wait_through=self._queued)
         for command in meta.storage_commands:
             if isinstance(command, (DeletePages, ClearStore)):
                 if self.storage_io is not None and self.l3_writer:
@@ -593,3 +719,23 @@ def _append_page(page: PagePlan, page_blocks: Sequence[int], block_ids: list[int
         block_ids.append(block_id)
         slots.append(page.slot)
         offsets.append(page.first_offset + i)
+
+
+@dataclass(eq=False)
+class PendingStore:
+    """One plan's L1 -> L2 stores, from queued to published (see "stores across steps")."""
+
+    plan: StepPlan
+    seq: int
+    pages: tuple[PagePlan, ...]
+    transfer: GroupTransfer
+    clock: CopyClock
+    # Finished requests vLLM keeps the blocks of until this store is done.
+    release: list[str] = field(default_factory=list)
+    mark: Checkpoint | None = None
+    failed: bool = False
+    order: int = 0  # its place in the worker's queue (0: not queued yet)
+    keys: dict[int, bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = {p.slot: p.key for p in self.pages}

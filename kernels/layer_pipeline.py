@@ -10,8 +10,12 @@ Contract (both modes):
   layer i starts while later layers are still copying.
 - ``submit(kind, fn)`` queues any other copy (saves) behind what is queued.
 - ``drain()`` waits for everything queued and returns the failures as
-  ``(kind, exception)``; nothing stays in flight across a ``drain``, which is
-  what keeps the step-ordering contract of tiers/index/plans.py.
+  ``(kind, exception)``; nothing stays in flight across a ``drain``.
+- ``checkpoint()`` marks the end of what is queued so far: its ``done()``
+  answers without blocking whether all of that has run, ``wait()`` blocks
+  until it has. Stores that complete across steps (connector/worker.py) are
+  followed with checkpoints instead of a ``drain``; ``take_failures()``
+  returns the failures recorded so far without waiting.
 - A failed copy never raises into the caller: it is reported by ``drain`` so
   the caller can degrade to recompute.
 
@@ -53,6 +57,40 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+class Checkpoint:
+    """The end of what a pipeline had queued when it was taken (see the module docstring)."""
+
+    def __init__(self, future: Future[None] | None = None,
+                 event: torch.cuda.Event | None = None) -> None:
+        self._future = future
+        self._event = event
+        # A CUDA error surfaced while waiting: what was queued cannot be trusted.
+        self.failed = False
+
+    def done(self) -> bool:
+        """Whether everything queued before the checkpoint has run (never blocks)."""
+        if self._future is not None:
+            return self._future.done()
+        if self._event is None:
+            return True
+        try:
+            return bool(self._event.query())
+        except Exception:  # noqa: BLE001 - a CUDA error: done, and failed
+            self.failed = True
+            return True
+
+    def wait(self) -> bool:
+        """Block until done; False when a CUDA error surfaced."""
+        if self._future is not None:
+            self._future.result()
+        elif self._event is not None:
+            try:
+                self._event.synchronize()
+            except Exception:  # noqa: BLE001 - reported as a failed copy by the caller
+                self.failed = True
+        return not self.failed
+
+
 class LayerPipeline:
     """Runs queued copies in order (thread or side stream); per-layer completion for loads."""
 
@@ -90,7 +128,7 @@ class LayerPipeline:
                 finally:
                     done.set()
 
-        self._futures.append(self._submit(run))
+        self._submit(run)
 
     def wait_layer(self, layer: int) -> None:
         if self._cuda is not None:
@@ -109,7 +147,19 @@ class LayerPipeline:
             except BaseException as exc:  # noqa: BLE001 - reported by drain()
                 self._record(kind, exc)
 
-        self._futures.append(self._submit(run))
+        self._submit(run)
+
+    def checkpoint(self) -> Checkpoint:
+        """A mark after everything queued so far."""
+        if self._cuda is not None:
+            return Checkpoint(event=self._cuda.checkpoint())
+        return Checkpoint(future=self._submit(lambda: None))
+
+    def take_failures(self) -> list[tuple[str, BaseException]]:
+        """The failures recorded since the last take (or drain), without waiting."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
 
     def drain(self) -> list[tuple[str, BaseException]]:
         if self._cuda is not None:
@@ -128,7 +178,11 @@ class LayerPipeline:
 
     def _submit(self, run: Callable[[], None]) -> Future[None]:
         assert self._executor is not None
-        return self._executor.submit(run)
+        future = self._executor.submit(run)
+        # Without a drain (stores across steps), keep only what may still run.
+        self._futures = [f for f in self._futures if not f.done()]
+        self._futures.append(future)
+        return future
 
     def _record(self, kind: str, exc: BaseException) -> None:
         logger.error("HiCache: %s copy failed: %r", kind, exc)
@@ -181,6 +235,12 @@ class _CudaQueue:
             except Exception as exc:  # noqa: BLE001 - reported by drain()
                 self._record(kind, exc)
         self._pending.add(kind)
+
+    def checkpoint(self) -> torch.cuda.Event:
+        """An event recorded on the side stream after everything enqueued so far."""
+        event = torch.cuda.Event()
+        event.record(self._side)
+        return event
 
     def drain(self) -> None:
         try:

@@ -135,6 +135,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _worker("saved_bytes", "Bytes copied from vLLM's KV cache into the HiCache L2 host pool"),
     _worker("load_errors", "vLLM blocks HiCache could not load (recomputed)"),
     _worker("save_errors", "L2 pages whose store failed"),
+    _worker("store_waits", "Times an engine step waited for L2 stores of earlier steps "
+            "(backlog, a preempted request's blocks, a slot read from L3, an L3 deletion)"),
     _worker("l3_fetched_pages", "Pages read from the HiCache L3 store"),
     _worker("l3_fetch_failed_pages", "L3 pages not fetched (missing, corrupt, late, failed)"),
     _worker("l3_fetch_deadline_misses", "L3 fetches stopped by their deadline"),

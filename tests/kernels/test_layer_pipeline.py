@@ -30,6 +30,24 @@ def test_layer_is_ready_before_later_layers_finish():
     pipeline.shutdown()
 
 
+def test_a_checkpoint_is_done_once_everything_queued_before_it_ran():
+    pipeline = LayerPipeline()
+    gate = threading.Event()
+    ran: list[str] = []
+    pipeline.submit("save", lambda: (gate.wait(10), ran.append("save")))
+    mark = pipeline.checkpoint()
+    assert not mark.done()  # never blocks: the save is still gated
+    pipeline.submit("save", lambda: ran.append("later"))
+    gate.set()
+    assert mark.wait() and mark.done()
+    assert ran[0] == "save"
+    assert pipeline.take_failures() == []
+    pipeline.submit("save", lambda: 1 / 0)
+    pipeline.checkpoint().wait()
+    assert [kind for kind, _ in pipeline.take_failures()] == ["save"]  # without a drain
+    pipeline.shutdown()
+
+
 def test_failures_are_reported_not_raised_and_later_work_still_runs():
     pipeline = LayerPipeline()
     ran: list[str] = []

@@ -74,6 +74,8 @@ class RequestState:
     # Tokens at the end of the last lookup's L2 match that the request's
     # prefetch at arrival brought from L3 (tiers/controller/prefetches.py).
     prefetched_tokens: int = 0
+    # The plan (StepPlan.seq) of its last store while running (stores.py).
+    store_seq: int = 0
 
     def page_keys(self) -> list[PageKey]:
         """Keys of the request's full pages so far (keys the newly completed ones)."""

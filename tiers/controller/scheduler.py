@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hicache.tiers.controller.events import PageEvent, PageEvents
 from hicache.tiers.controller.fetches import L3Fetches, L3Store
@@ -95,13 +95,15 @@ class HiCacheScheduler:
         background_lookups: bool = False,
         prefetch_at_arrival: bool = False,
         kv_events: bool = False,
+        async_stores: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``background_lookups``: L3 lookups of stores that allow it run on
         probe threads (fetches.py); False asks every store inline (tests).
         ``prefetch_at_arrival``: with them, an arriving request's L3 pages are
         prefetched into L2 while it waits (prefetches.py); ``clock`` times the
-        timeout policy's wait. ``kv_events``: record L2's KV events (events.py)."""
+        timeout policy's wait. ``kv_events``: record L2's KV events (events.py).
+        ``async_stores``: the workers finish stores across steps (stores.py)."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -135,7 +137,9 @@ class HiCacheScheduler:
         self.stores = StorePlanner(
             self.l2, make_write_policy(write_policy, threshold=write_threshold,
                                        l2_pages=geometry.num_slots),
-            page_size=page_size, block_ids_of=block_ids_of)
+            page_size=page_size, block_ids_of=block_ids_of, async_stores=async_stores,
+            tp_size=tp_size)
+        self._seq = 0  # StepPlan.seq of the last plan
         settings = dict(prefetch or {})
         self.fetches = L3Fetches(
             self.l2, self.stats, storage=storage,
@@ -294,16 +298,22 @@ class HiCacheScheduler:
 
     # ---- per-step plan ------------------------------------------------------------
 
-    def build_connector_meta(self, num_scheduled_tokens: Mapping[str, int]) -> StepPlan:
-        """The step's plan; after it, the loads' pages may be evicted again."""
+    def build_connector_meta(self, num_scheduled_tokens: Mapping[str, int],
+                             preempted: Iterable[str] = ()) -> StepPlan:
+        """The step's plan; after it, the loads' pages may be evicted again.
+        ``preempted``: requests vLLM preempted in this step (their blocks may be
+        reused by its forward pass)."""
         if self.l2.drop_bad_slots():
             self.requests.forget_stored()
         self.prefetches.advance()
-        stores, release = self.stores.plan_step(self.requests, num_scheduled_tokens)
+        self._seq += 1
+        flush = any(state is not None and self.stores.store_in_flight(state)
+                    for state in map(self.requests.get, preempted))
+        stores, release = self.stores.plan_step(self.requests, num_scheduled_tokens, self._seq)
         # Loads are taken (and their prefixes unlocked) after the stores are
         # planned: the eviction that makes room for a store must spare them.
         return StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,
-                        fetches=self.fetches.take())
+                        fetches=self.fetches.take(), seq=self._seq, flush_stores=flush)
 
     def request_finished(self, request: SchedulerRequest, block_ids: GroupBlockIds) -> bool:
         """Plan the request's remaining stores (``block_ids``: per KV-cache group);
@@ -317,10 +327,17 @@ class HiCacheScheduler:
             # A request finished (aborted) while its L3 fetch runs: vLLM keeps its
             # blocks until the worker reports the fetch; nothing to store.
             return False
-        return self.stores.plan_finished(state, block_ids)
+        if self.stores.plan_finished(state, block_ids):
+            return True
+        if self.stores.store_in_flight(state):
+            # Its last store may still read its blocks on some rank.
+            self.stores.hold_blocks(request.request_id)
+            return True
+        return False
 
     def on_worker_report(self, report: WorkerReport) -> None:
         self.l2.report_bad_slots(report.bad_slots)
+        self.stores.on_stores_done(report.stores_done)
         self.fetches.on_report(report.fetched)
         self.prefetches.settle()
 

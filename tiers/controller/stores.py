@@ -13,6 +13,13 @@ Contract:
   store refused for lack of room is tried again at the next step.
 - Slots, eviction and publishing belong to ``L2Manager.plan_store``; the
   pages planned here go into the next ``StepPlan``.
+- Stores across steps (``async_stores``, connector/worker.py): a store may
+  still read a request's blocks after the step that planned it. Each rank
+  reports the last plan whose stores are done (``on_stores_done``), so
+  ``store_in_flight`` knows whether a request's last store may still run.
+  A finished request whose store may still run keeps its blocks until the
+  next plan's stores are done (``hold_blocks``), and a step that preempts
+  one makes the workers wait for it first (``StepPlan.flush_stores``).
 """
 
 from __future__ import annotations
@@ -30,8 +37,14 @@ class StorePlanner:
     """Plans L1 -> L2 copies by the write policy (see the module docstring)."""
 
     def __init__(self, l2: L2Manager, policy: WritePolicy, *, page_size: int,
-                 block_ids_of: Callable[[str], GroupBlockIds]) -> None:
+                 block_ids_of: Callable[[str], GroupBlockIds], async_stores: bool = False,
+                 tp_size: int = 1) -> None:
         self.l2 = l2
+        self.async_stores = async_stores
+        self.tp_size = tp_size
+        # rank -> the last plan whose stores that rank has done.
+        self._done: dict[int, int] = {}
+        self._last_store_seq = 0  # the last plan with stores
         self.policy = policy
         self.page_size = page_size
         # req_id -> the request's vLLM block ids, per KV cache group.
@@ -41,10 +54,31 @@ class StorePlanner:
         self._release_after_store: list[str] = []
 
     def has_pending(self) -> bool:
-        return bool(self._deferred)
+        """Stores still to plan, or (across steps) still running on some rank: vLLM
+        keeps stepping so that the workers finish and report them."""
+        return bool(self._deferred) or (self.async_stores
+                                        and self._last_store_seq > self._done_seq())
+
+    def _done_seq(self) -> int:
+        return min((self._done.get(r, 0) for r in range(self.tp_size)), default=0)
+
+    def on_stores_done(self, done: Mapping[int, int]) -> None:
+        self._done.update(done)
+
+    def store_in_flight(self, state: RequestState) -> bool:
+        """Whether some rank may still be copying the request's last store."""
+        if not self.async_stores or not state.store_seq:
+            return False
+        return state.store_seq > self._done_seq()
+
+    def hold_blocks(self, req_id: str) -> None:
+        """vLLM keeps a finished request's blocks until the next plan's stores are done
+        (the workers finish stores in plan order)."""
+        if req_id not in self._release_after_store:
+            self._release_after_store.append(req_id)
 
     def plan_step(self, requests: RequestTable, num_scheduled_tokens: Mapping[str, int],
-                  ) -> tuple[list[PagePlan], list[str]]:
+                  seq: int = 0) -> tuple[list[PagePlan], list[str]]:
         """This step's stores (finished requests' first) and the finished requests
         whose blocks wait for them."""
         stores, release = self._deferred, self._release_after_store
@@ -58,8 +92,13 @@ class StorePlanner:
             ready = min(end, len(request.all_token_ids))
             ready_pages = ready // self.page_size
             if ready_pages > state.stored_pages:
-                stores.extend(self._store(state, ready_pages, self._block_ids_of(req_id),
-                                          self._state_page(end)))
+                planned = self._store(state, ready_pages, self._block_ids_of(req_id),
+                                      self._state_page(end))
+                if planned:
+                    state.store_seq = seq
+                stores.extend(planned)
+        if stores:
+            self._last_store_seq = seq
         return stores, release
 
     def plan_finished(self, state: RequestState, block_ids: GroupBlockIds) -> bool:

@@ -26,9 +26,17 @@ write it and never report it as a load error, and the scheduler never
 plans a store of a page that contains it.
 
 Ordering contract: a worker executes steps in order, loads of a step before
-its stores, and every copy is complete before the step's ``wait_for_save``
-returns. The scheduler relies on this to publish a page in the tree as soon
-as its store is planned.
+its stores, and every load is complete before the step's ``wait_for_save``
+returns. Stores may complete in a later step (connector/worker.py,
+"stores across steps"), but every copy runs in plan order on one copy
+queue, so a later plan's load or store of a slot runs after an earlier
+store into it. The scheduler relies on this to publish a page in the tree
+as soon as its store is planned. What the copy queue does not order, the
+worker waits for: an L3 read into, or a fetch out of, a slot with a store
+in flight. A request whose stores may still be in flight keeps its blocks
+after it finishes (``release_after_store``) and makes a step that preempts
+it wait for them (``flush_stores``); ``WorkerReport.stores_done`` tells the
+scheduler which plans are done.
 """
 
 from __future__ import annotations
@@ -113,6 +121,12 @@ class StepPlan:
     # No request computes in this step (vLLM only waits for loads): the worker
     # may block a little for its L3 fetches instead of letting the engine spin.
     idle: bool = False
+    # The plan's number (the scheduler counts from 1): a worker reports the
+    # highest plan whose stores, and every earlier plan's, are in L2.
+    seq: int = 0
+    # A request preempted in this step had stores in flight: the worker waits
+    # for them before the forward pass (vLLM may reuse its blocks there).
+    flush_stores: bool = False
 
 
 @dataclass
@@ -131,6 +145,9 @@ class WorkerReport:
     gauges: dict[str, float] = field(default_factory=dict)
     # Latency observations since the last report (seconds), every rank's.
     observations: dict[str, list[float]] = field(default_factory=dict)
+    # rank -> the highest plan ``seq`` whose stores (and all before) are done on
+    # that rank; present when it changed.
+    stores_done: dict[int, int] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both ranks' reports in one (vLLM merges a step's reports over ranks)."""
@@ -146,4 +163,4 @@ class WorkerReport:
         for name, values in other.observations.items():
             observations.setdefault(name, []).extend(values)
         return type(self)(self.bad_slots | other.bad_slots, fetched, counters, gauges,
-                          observations)
+                          observations, {**self.stores_done, **other.stores_done})
