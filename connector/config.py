@@ -115,10 +115,12 @@ class HiCacheConfig(Settings):
         True, description="prefetch a new request's L3 pages into L2 while it waits "
         "to be scheduled")
     # A step's L1 -> L2 stores finish during later steps (connector/worker.py);
-    # off = each step waits for its own. Always off for sliding-window and
-    # Mamba models, whose blocks change while a request runs.
+    # false = each step waits for its own, which measured faster on a CPU
+    # (the copy thread takes a core from the next forward pass; README
+    # "Stores across steps"); not yet measured on a GPU. Always off for
+    # sliding-window and Mamba models, whose blocks change while a request runs.
     hicache_async_stores: bool = Field(
-        True, description="let L1 -> L2 stores finish during later engine steps "
+        False, description="let L1 -> L2 stores finish during later engine steps "
         "(full-attention models)")
     hicache_admin_host: NonEmptyStr = Field(
         "127.0.0.1", description="address of the admin HTTP endpoint")

@@ -62,7 +62,9 @@ def _l3(path: Path, **more) -> dict:
 @pytest.fixture(scope="module")
 def written(tiny_model, oracle, tmp_path_factory) -> tuple[list[TurnResult], Path]:
     path = tmp_path_factory.mktemp("l3-tp2")
-    llm = _engine(tiny_model, _l3(path))
+    # Stores across steps (off by default on a CPU): each rank reports its own
+    # finished stores, and the scheduler waits for both.
+    llm = _engine(tiny_model, _l3(path, hicache_async_stores=True))
     try:
         return run_multi_turn(llm, WORKLOAD, range(TURNS), oracle), path
     finally:

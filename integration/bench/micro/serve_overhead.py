@@ -125,11 +125,11 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each case against the null connector of the same L1."""
-    base = {r["l1_blocks"]: r for r in rows if r["status"] == "ok" and
+    """Each case against the null connector of the same L1 and round."""
+    base = {(r["round"], r["l1_blocks"]): r for r in rows if r["status"] == "ok" and
             r["case"].startswith("null")}
     for r in rows:
-        b = base.get(r.get("l1_blocks"))
+        b = base.get((r["round"], r.get("l1_blocks")))
         if r["status"] == "ok" and b is not None:
             r["throughput_x"] = r["req_per_s"] / b["req_per_s"]
             r["ttft_p50_x"] = r["ttft_p50_ms"] / b["ttft_p50_ms"]
@@ -137,14 +137,14 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| case | L1 blocks | req/s | × null | TTFT p50 ms | × null | TTFT p99 ms | × null |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| round | case | L1 blocks | req/s | × null | TTFT p50 ms | × null | TTFT p99 ms "
+             "| × null |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['case']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['round']} | {r['case']} | {r['status']} | | | | | | |")
             continue
         lines.append(
-            f"| {r['case']} | {r['l1_blocks']} | {r['req_per_s']:.2f} | "
+            f"| {r['round']} | {r['case']} | {r['l1_blocks']} | {r['req_per_s']:.2f} | "
             f"{r.get('throughput_x', 1):.3f} | {r['ttft_p50_ms']:.0f} | "
             f"{r.get('ttft_p50_x', 1):.3f} | {r['ttft_p99_ms']:.0f} | {r.get('ttft_p99_x', 1):.3f} |")
     return "\n".join(lines)
@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-gb", type=float, default=0.1)
     p.add_argument("--cases", default=",".join(c.name for c in CASES),
                    help=f"comma-separated, of: {', '.join(c.name for c in CASES)}")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the cases this many times, in turn (machine noise)")
     p.add_argument("--out", default="bench_results/serve-overhead")
     args = p.parse_args(argv)
     known = {c.name: c for c in CASES}
@@ -173,9 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for i, name in enumerate(names, 1):
-        print(f"[{i}/{len(names)}] {name} ...", flush=True)
-        rows.append(run_case(known[name], args, out))
+    runs = [(r, name) for r in range(1, args.rounds + 1) for name in names]
+    for i, (round_, name) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] round {round_}: {name} ...", flush=True)
+        rows.append({"round": round_, **run_case(known[name], args, out)})
         print(f"    {rows[-1]}", flush=True)
     add_ratios(rows)
     (out / "serve_overhead.json").write_text(json.dumps({"args": vars(args), "rows": rows},
