@@ -123,7 +123,6 @@ class HiCacheWorker:
         self._failed_recv: set[str] = set()
         self.stats = WorkerStats()
         self._load_clock = CopyClock()
-        self._store_clock = CopyClock()
         self._load_errors: set[int] = set()
         self._bad_slots: set[int] = set()
         self._released: set[str] = set()
@@ -200,7 +199,7 @@ class HiCacheWorker:
             # Side stream + per-layer events; copies only enqueue (never block the host).
             self._pipeline.shutdown()
             self._pipeline = LayerPipeline(layers[0].device)
-            self._load_clock, self._store_clock = CopyClock(cuda=True), CopyClock(cuda=True)
+            self._load_clock = CopyClock(cuda=True)
         geometry = PoolGeometry(
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
@@ -415,7 +414,7 @@ class HiCacheWorker:
         if self._loading:
             self._finish_loads()
         if not self.async_stores:
-            self._settle_stores(wait_through=self._queued)
+            self._settle_all()
         elif len(self._pending) > MAX_STORE_STEPS_IN_FLIGHT:
             self.stats.store_waits += 1
             self._settle_stores(wait_through=self._pending[-MAX_STORE_STEPS_IN_FLIGHT - 1].order)
@@ -439,7 +438,7 @@ class HiCacheWorker:
         for store, block_ids in self._load_deps:
             if store.mark is not None:
                 store.mark.wait()  # done already: queued before the load
-            if store.failed or (store.mark is not None and store.mark.failed):
+            if store.failed:
                 self._load_errors.update(block_ids)  # it copied a slot its store did not fill
         self._load_deps, self._load_mark = [], None
 
@@ -448,7 +447,7 @@ class HiCacheWorker:
         so its stores in flight must be done (the scheduler sets ``flush_stores``)."""
         if meta.flush_stores and self._pending:
             self.stats.store_waits += 1
-            self._settle_stores(wait_through=self._queued)
+            self._settle_all()
 
     def _submit_save(self, store: PendingStore, transfer: BlockTransfer,
                      rows: list[int]) -> None:
@@ -459,10 +458,14 @@ class HiCacheWorker:
             try:
                 save(self.layers, pool.canonical, transfer, rows)
             except BaseException:
-                store.failed = True
+                store.copy_failed = True
                 raise
 
         self._pipeline.submit("save", run)
+
+    def _settle_all(self) -> None:
+        """Wait for every queued store and publish it."""
+        self._settle_stores(wait_through=self._queued)
 
     def _settle_stores(self, wait_through: int = 0) -> None:
         """Finish queued stores in queue order: up to the ``wait_through``-th queued
@@ -480,8 +483,6 @@ class HiCacheWorker:
     def _publish_store(self, store: PendingStore) -> None:
         """A finished store: record its slots' keys and back them up, or mark them bad."""
         pool = self._require_pool()
-        if store.mark is not None and store.mark.failed:
-            store.failed = True
         # A slot stored again by a later plan belongs to that plan now.
         owned = [p for p in store.pages if self._slot_owner.get(p.slot) is store]
         for page in owned:
@@ -501,7 +502,7 @@ class HiCacheWorker:
                 self.stats.observe("l2_store_seconds", seconds)
             self.stats.saved_bytes += len(store.pages) * pool.geometry.page_bytes
         self._released.update(store.release)
-        self._done_seq = max(self._done_seq, store.seq)
+        self._done_seq = max(self._done_seq, store.plan.seq)
 
     def _wait_stores_into(self, slots: set[int]) -> None:
         """Wait for the stores in flight into any of ``slots``."""
@@ -524,7 +525,7 @@ class HiCacheWorker:
             pool = self._require_pool()
             if self.storage_io is not None:
                 self.storage_io.release_slots(p.slot for p in meta.stores)
-            store = PendingStore(meta, meta.seq, tuple(meta.stores), self._transfer(meta.stores),
+            store = PendingStore(meta, self._transfer(meta.stores),
                                  CopyClock(cuda=self._pipeline.on_cuda))
             for page in meta.stores:
                 pool.set_key(page.slot, None)
@@ -533,7 +534,7 @@ class HiCacheWorker:
         return self._storing
 
     def shutdown(self) -> None:
-        self._settle_stores(wait_through=self._queued)
+        self._settle_all()
         self._pipeline.shutdown()
         if self.storage_io is not None:
             self.storage_io.shutdown()
@@ -625,7 +626,7 @@ class HiCacheWorker:
         if self._pending:
             # An L3 deletion must not be followed by a backup of a page it deletes.
             self.stats.store_waits += 1
-            self._settle_stores(wait_through=self._queued)
+            self._settle_all()
         for command in meta.storage_commands:
             if isinstance(command, (DeletePages, ClearStore)):
                 if self.storage_io is not None and self.l3_writer:
@@ -726,16 +727,23 @@ class PendingStore:
     """One plan's L1 -> L2 stores, from queued to published (see "stores across steps")."""
 
     plan: StepPlan
-    seq: int
-    pages: tuple[PagePlan, ...]
     transfer: GroupTransfer
     clock: CopyClock
     # Finished requests vLLM keeps the blocks of until this store is done.
     release: list[str] = field(default_factory=list)
     mark: Checkpoint | None = None
-    failed: bool = False
+    # A copy raised (a CUDA error surfacing at the checkpoint counts too: ``failed``).
+    copy_failed: bool = False
     order: int = 0  # its place in the worker's queue (0: not queued yet)
     keys: dict[int, bytes] = field(init=False)
 
     def __post_init__(self) -> None:
         self.keys = {p.slot: p.key for p in self.pages}
+
+    @property
+    def pages(self) -> list[PagePlan]:
+        return self.plan.stores
+
+    @property
+    def failed(self) -> bool:
+        return self.copy_failed or (self.mark is not None and self.mark.failed)

@@ -84,123 +84,99 @@ def gate():
     g.open.set()
 
 
-def test_a_step_returns_while_its_store_runs_and_the_page_lands_intact_later(gate):
-    w = make_worker(gate)
-    try:
-        w.finish_step(store(1, 0, KEY_A, (3, 4), release_after_store=["done"]))
-        assert gate.entered.wait(60)  # the copy thread is inside the store now
-        assert not w.pool.holds(0, KEY_A)  # not published while in flight
-        assert w.take_released() == set()  # vLLM keeps the finished request's blocks
-        report = w.take_report()
-        assert report is None or report.stores_done == {}
-        w.finish_step(HiCacheStepMetadata(seq=2))  # the next step does not wait either
-        assert w.stats.store_waits == 0
-        gate.open.set()
-        w._pending[0].mark.wait()
-        assert w.take_released() == {"done"}
-        assert w.pool.holds(0, KEY_A) and holds_blocks(w, 0, (3, 4))
-        assert w.take_report().stores_done == {0: 1}
-        assert w.stats.saved_pages == 1 and w.stats.save_errors == 0
-    finally:
-        gate.open.set()  # a failed assertion must not leave the copy thread gated
-        w.shutdown()
+@pytest.fixture
+def w(gate):
+    worker = make_worker(gate)
+    yield worker
+    gate.open.set()  # a failed assertion must not leave the copy thread gated
+    worker.shutdown()
 
 
-def test_a_load_of_a_slot_still_being_stored_runs_after_the_store(gate):
-    w = make_worker(gate)
-    try:
-        w.finish_step(store(1, 0, KEY_A, (3, 4)))
-        w.start_load(HiCacheStepMetadata(loads=[RequestLoad("r", (PagePlan(0, KEY_A, 0, (6, 7)),))],
-                                         seq=2))
-        assert w.take_load_errors() == set()  # not a key mismatch: the store is queued
-        gate.open.set()
-        w.finish_step(HiCacheStepMetadata(seq=2))
-        assert w.take_load_errors() == set() and w.take_report().bad_slots == set()
-        assert blocks_equal(w, (6, 7), (3, 4))
-    finally:
-        gate.open.set()  # a failed assertion must not leave the copy thread gated
-        w.shutdown()
+def load(slot: int, key: bytes, blocks: tuple[int, int], seq: int) -> HiCacheStepMetadata:
+    return HiCacheStepMetadata(loads=[RequestLoad("r", (PagePlan(slot, key, 0, blocks),))],
+                               seq=seq)
 
 
-def test_a_load_behind_a_failed_store_is_reported_and_the_slot_is_bad(gate):
-    w = make_worker(gate)
+def test_a_step_returns_while_its_store_runs_and_the_page_lands_intact_later(w, gate):
+    w.finish_step(store(1, 0, KEY_A, (3, 4), release_after_store=["done"]))
+    assert gate.entered.wait(60)  # the copy thread is inside the store now
+    assert not w.pool.holds(0, KEY_A)  # not published while in flight
+    assert w.take_released() == set()  # vLLM keeps the finished request's blocks
+    report = w.take_report()
+    assert report is None or report.stores_done == {}
+    w.finish_step(HiCacheStepMetadata(seq=2))  # the next step does not wait either
+    assert w.stats.store_waits == 0
+    gate.open.set()
+    w._pending[0].mark.wait()
+    assert w.take_released() == {"done"}
+    assert w.pool.holds(0, KEY_A) and holds_blocks(w, 0, (3, 4))
+    assert w.take_report().stores_done == {0: 1}
+    assert w.stats.saved_pages == 1 and w.stats.save_errors == 0
+
+
+def test_a_load_of_a_slot_still_being_stored_runs_after_the_store(w, gate):
+    w.finish_step(store(1, 0, KEY_A, (3, 4)))
+    w.start_load(load(0, KEY_A, (6, 7), seq=2))
+    assert w.take_load_errors() == set()  # not a key mismatch: the store is queued
+    gate.open.set()
+    w.finish_step(HiCacheStepMetadata(seq=2))
+    assert w.take_load_errors() == set() and w.take_report().bad_slots == set()
+    assert blocks_equal(w, (6, 7), (3, 4))
+
+
+def test_a_load_behind_a_failed_store_is_reported_and_the_slot_is_bad(w, gate):
     gate.fail = True
-    try:
-        w.finish_step(store(1, 0, KEY_A, (3, 4)))
-        w.start_load(HiCacheStepMetadata(loads=[RequestLoad("r", (PagePlan(0, KEY_A, 0, (6, 7)),))],
-                                         seq=2))
-        gate.open.set()
-        w.finish_step(HiCacheStepMetadata(seq=2))
-        assert w.take_load_errors() == {6, 7}
-        assert w.take_report().bad_slots == {0}
-        assert not w.pool.holds(0, KEY_A) and w.stats.save_errors == 1
-    finally:
-        gate.open.set()  # a failed assertion must not leave the copy thread gated
-        w.shutdown()
+    w.finish_step(store(1, 0, KEY_A, (3, 4)))
+    w.start_load(load(0, KEY_A, (6, 7), seq=2))
+    gate.open.set()
+    w.finish_step(HiCacheStepMetadata(seq=2))
+    assert w.take_load_errors() == {6, 7}
+    assert w.take_report().bad_slots == {0}
+    assert not w.pool.holds(0, KEY_A) and w.stats.save_errors == 1
 
 
-def test_a_preemption_waits_for_the_stores_in_flight(gate):
-    w = make_worker(gate)
-    try:
-        w.finish_step(store(1, 0, KEY_A, (3, 4)))
-        w.handle_preemptions(HiCacheStepMetadata(seq=2))  # nobody preempted: no wait
-        assert not w.pool.holds(0, KEY_A)
-        opener = open_later(gate)
-        w.handle_preemptions(HiCacheStepMetadata(seq=2, flush_stores=True))
-        opener.join()
-        assert w.pool.holds(0, KEY_A) and holds_blocks(w, 0, (3, 4))
-        assert w.stats.store_waits == 1
-    finally:
-        gate.open.set()  # a failed assertion must not leave the copy thread gated
-        w.shutdown()
+def test_a_preemption_waits_for_the_stores_in_flight(w, gate):
+    w.finish_step(store(1, 0, KEY_A, (3, 4)))
+    w.handle_preemptions(HiCacheStepMetadata(seq=2))  # nobody preempted: no wait
+    assert not w.pool.holds(0, KEY_A)
+    opener = open_later(gate)
+    w.handle_preemptions(HiCacheStepMetadata(seq=2, flush_stores=True))
+    opener.join()
+    assert w.pool.holds(0, KEY_A) and holds_blocks(w, 0, (3, 4))
+    assert w.stats.store_waits == 1
 
 
-def test_a_fetch_out_of_a_slot_being_stored_waits_for_the_store(gate):
-    w = make_worker(gate)
-    try:
-        w.finish_step(store(1, 0, KEY_A, (3, 4)))
-        fetch = RequestFetch("r", (PagePlan(0, KEY_A, 0, (8, 9)),), ())
-        opener = open_later(gate)
-        w.start_load(HiCacheStepMetadata(fetches=[fetch], seq=2))  # off the copy queue
-        opener.join()
-        w.finish_step(HiCacheStepMetadata(seq=2))
-        assert w.take_received() == {"r"} and w.take_load_errors() == set()
-        assert blocks_equal(w, (8, 9), (3, 4)) and w.stats.store_waits == 1
-    finally:
-        gate.open.set()  # a failed assertion must not leave the copy thread gated
-        w.shutdown()
+def test_a_fetch_out_of_a_slot_being_stored_waits_for_the_store(w, gate):
+    w.finish_step(store(1, 0, KEY_A, (3, 4)))
+    fetch = RequestFetch("r", (PagePlan(0, KEY_A, 0, (8, 9)),), ())
+    opener = open_later(gate)
+    w.start_load(HiCacheStepMetadata(fetches=[fetch], seq=2))  # off the copy queue
+    opener.join()
+    w.finish_step(HiCacheStepMetadata(seq=2))
+    assert w.take_received() == {"r"} and w.take_load_errors() == set()
+    assert blocks_equal(w, (8, 9), (3, 4)) and w.stats.store_waits == 1
 
 
-def test_a_slot_stored_again_belongs_to_the_later_store(gate):
-    w = make_worker(gate)
-    try:
-        w.finish_step(store(1, 0, KEY_A, (3, 4)))
-        w.finish_step(store(2, 0, KEY_B, (5, 6)))  # L2 evicted A and reused its slot
-        gate.open.set()
-        w.finish_step(HiCacheStepMetadata(seq=3))
-        while w._pending:
-            w._pending[-1].mark.wait()
-            w.take_released()
-        assert w.pool.holds(0, KEY_B) and not w.pool.holds(0, KEY_A)
-        assert holds_blocks(w, 0, (5, 6))
-    finally:
-        gate.open.set()  # a failed assertion must not leave the copy thread gated
-        w.shutdown()
+def test_a_slot_stored_again_belongs_to_the_later_store(w, gate):
+    w.finish_step(store(1, 0, KEY_A, (3, 4)))
+    w.finish_step(store(2, 0, KEY_B, (5, 6)))  # L2 evicted A and reused its slot
+    gate.open.set()
+    w.finish_step(HiCacheStepMetadata(seq=3))
+    while w._pending:
+        w._pending[-1].mark.wait()
+        w.take_released()
+    assert w.pool.holds(0, KEY_B) and not w.pool.holds(0, KEY_A)
+    assert holds_blocks(w, 0, (5, 6))
 
 
-def test_a_backlog_beyond_the_bound_makes_the_step_wait(gate):
-    w = make_worker(gate)
-    try:
-        for seq in range(1, MAX_STORE_STEPS_IN_FLIGHT + 1):
-            w.finish_step(store(seq, seq, KEY_A if seq % 2 else KEY_B, (seq, seq + 1)))
-        assert w.stats.store_waits == 0 and len(w._pending) == MAX_STORE_STEPS_IN_FLIGHT
-        opener = open_later(gate)
-        w.finish_step(store(MAX_STORE_STEPS_IN_FLIGHT + 1, 7, KEY_B, (9, 10)))
-        opener.join()
-        assert w.stats.store_waits == 1 and len(w._pending) <= MAX_STORE_STEPS_IN_FLIGHT
-    finally:
-        gate.open.set()  # a failed assertion must not leave the copy thread gated
-        w.shutdown()
+def test_a_backlog_beyond_the_bound_makes_the_step_wait(w, gate):
+    for seq in range(1, MAX_STORE_STEPS_IN_FLIGHT + 1):
+        w.finish_step(store(seq, seq, KEY_A if seq % 2 else KEY_B, (seq, seq + 1)))
+    assert w.stats.store_waits == 0 and len(w._pending) == MAX_STORE_STEPS_IN_FLIGHT
+    opener = open_later(gate)
+    w.finish_step(store(MAX_STORE_STEPS_IN_FLIGHT + 1, 7, KEY_B, (9, 10)))
+    opener.join()
+    assert w.stats.store_waits == 1 and len(w._pending) <= MAX_STORE_STEPS_IN_FLIGHT
 
 
 def test_without_async_stores_each_step_waits_for_its_own(gate):
