@@ -77,7 +77,7 @@ def copy_of(src: Path, tmp_path_factory, name: str) -> Path:
 
 
 def test_engine_a_backed_up_every_page(written, baseline):
-    pages = list((written / "pages").glob("*.page"))
+    pages = list((written / "pages").rglob("*.page"))
     # Each conversation's prompt and answer pages (the shared prompt once).
     assert len(pages) >= sum(history_pages(baseline, 1)) // BLOCK_SIZE * 0.9
     assert not list((written / "tmp").iterdir()), "temp files left behind"
@@ -106,7 +106,7 @@ def test_corrupt_and_truncated_pages_are_recomputed(tiny_model, baseline, writte
     damaged page that a lookup reaches is read, rejected, quarantined and recomputed.
     (Pages deleted before or during a run: test_pages_deleted_between_lookup_and_read.)"""
     path = copy_of(written, tmp_path_factory, "l3-corrupt")
-    pages = sorted((path / "pages").glob("*.page"))
+    pages = sorted((path / "pages").rglob("*.page"))
     rng = random.Random(3)
     rng.shuffle(pages)
     third = len(pages) // 3

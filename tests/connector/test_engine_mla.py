@@ -86,7 +86,7 @@ def test_mla_l2_hits_token_identical(written, oracle):
 
 def test_mla_pages_written_once_to_one_shared_shard(written):
     _, path = written
-    suffixes = {f.stem.rsplit("_", 1)[-1] for f in (path / "pages").glob("*.page")}
+    suffixes = {f.stem.rsplit("_", 1)[-1] for f in (path / "pages").rglob("*.page")}
     assert len(suffixes) == 1, suffixes  # not one shard per rank
 
 

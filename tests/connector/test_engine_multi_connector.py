@@ -46,7 +46,7 @@ def engine(tiny_model: str, path: Path, **kw):
 
 
 def damage(path: Path) -> int:
-    pages = sorted((path / "pages").glob("*.page"))
+    pages = sorted((path / "pages").rglob("*.page"))
     rng = random.Random(5)
     rng.shuffle(pages)
     third = len(pages) // 3

@@ -89,7 +89,7 @@ def test_tp2_l2_hits_token_identical(written, oracle):
 def _page_files(path: Path) -> dict[str, list[Path]]:
     """Stored page files grouped by storage fingerprint (one group per rank)."""
     groups: dict[str, list[Path]] = {}
-    for f in (path / "pages").glob("*.page"):
+    for f in (path / "pages").rglob("*.page"):
         groups.setdefault(f.stem.rsplit("_", 1)[-1], []).append(f)
     return groups
 
@@ -127,7 +127,7 @@ def test_restarted_tp2_engine_serves_from_every_ranks_shard(tiny_model, written,
             f.unlink()
         lost_a = run_turns(llm, _only(turn, [2]), WORKLOAD.answer_tokens)
         for f in files_a:
-            shutil.copy(src / "pages" / f.name, f)
+            shutil.copy(src / f.relative_to(path), f)
         for f in files_b:
             f.unlink()
         lost_b = run_turns(llm, _only(turn, [3]), WORKLOAD.answer_tokens)

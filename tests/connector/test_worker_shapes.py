@@ -71,7 +71,7 @@ def test_mla_pages_are_backed_up_by_the_writer_rank_only(tmp_path):
         assert _backups_settled(writer, 1) == 1
         assert reader.storage_io.stats.backup_pages == 0
         assert reader.storage.batch_exists([KEY_A.hex()]) == 1  # the one shared shard
-        assert len(list((tmp_path / "pages").glob("*.page"))) == 1
+        assert len(list((tmp_path / "pages").rglob("*.page"))) == 1
     finally:
         reader.shutdown()
         writer.shutdown()

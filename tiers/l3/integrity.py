@@ -9,6 +9,12 @@ Contract:
   key, the 16-byte storage fingerprint (namespace, host byte order, page
   bytes, TP rank or MLA: ``StorageConfig.fingerprint``) and an xxh3-64 checksum of
   the payload.
+- The version field is ``VERSION`` in its low 16 bits and the backend's
+  container ``layout`` in its high 16 bits: 0 for a header directly followed
+  by the payload (Mooncake, NIXL: version 2 as before), others for
+  containers that place the payload elsewhere (file: 1, header padded to
+  4 KiB). A page written under another version or layout fails ``verify``
+  ("bad magic/version"): it is refused, never misread.
 - ``verify`` returns None when everything matches, else a short reason; the
   caller counts the page as a corrupt miss and never copies it into a slot
   that is then used.
@@ -26,6 +32,7 @@ MAGIC = b"HICACHE\x01"
 # 2: page keys derive from vLLM block hashes; v1 pages are refused, never misread.
 VERSION = 2
 HEADER_BYTES = 128
+LAYOUT_SHIFT = 16  # the version field's high 16 bits: the container layout
 _LAYOUT = struct.Struct("<8sIIQ32s16sQ")  # magic, version, reserved, len, key, fingerprint, xxh3
 
 
@@ -46,22 +53,30 @@ def checksum(payload: Any) -> int:
     return xxhash.xxh3_64_intdigest(_bytes_of(payload))
 
 
-def pack_header(page_key: bytes, fingerprint: bytes, payload: Any) -> bytes:
-    """The header for ``payload`` stored under ``page_key`` (32 bytes)."""
+def version_of(layout: int = 0) -> int:
+    """The header's version field for pages in container ``layout``."""
+    return VERSION | layout << LAYOUT_SHIFT
+
+
+def pack_header(page_key: bytes, fingerprint: bytes, payload: Any, *, layout: int = 0) -> bytes:
+    """The header for ``payload`` stored under ``page_key`` (32 bytes) in container ``layout``."""
     data = _bytes_of(payload)
     if len(page_key) != 32 or len(fingerprint) != 16:
         raise ValueError("page_key must be 32 bytes and fingerprint 16 bytes")
-    head = _LAYOUT.pack(MAGIC, VERSION, 0, len(data), page_key, fingerprint, checksum(data))
+    head = _LAYOUT.pack(MAGIC, version_of(layout), 0, len(data), page_key, fingerprint,
+                        checksum(data))
     return head.ljust(HEADER_BYTES, b"\x00")
 
 
-def verify(header: Any, page_key: bytes, fingerprint: bytes, payload: Any) -> str | None:
-    """None when ``header`` + ``payload`` are the page ``page_key``; else why not."""
+def verify(header: Any, page_key: bytes, fingerprint: bytes, payload: Any, *,
+           layout: int = 0) -> str | None:
+    """None when ``header`` + ``payload`` are the page ``page_key`` in container ``layout``;
+    else why not."""
     head = bytes(_bytes_of(header)[:HEADER_BYTES])
     if len(head) < _LAYOUT.size:
         return "truncated header"
     magic, version, _, length, key, fp, digest = _LAYOUT.unpack_from(head)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version != version_of(layout):
         return "bad magic/version"
     if key != page_key:
         return "page key mismatch"

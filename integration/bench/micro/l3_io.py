@@ -12,11 +12,23 @@
   ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` on the
   same registered buffer, against a master this benchmark starts on
   127.0.0.1 (``l3_mooncake``); its baseline is named ``raw-client``.
+- Each side is timed ``--repeats`` times (default 5; median), interleaved
+  with the others in rotating order, so a change in the machine's load
+  (other work on this 2-core VM) hits every side alike. Each timed write
+  goes into a store emptied with ``clear()`` after an untimed first write:
+  its directories exist (the file backend's 256 fan-out sub-directories
+  included), as in a store that has held a few hundred pages, and as the
+  raw baselines' directory does. Before each read the destination slots
+  are zeroed, and ours are compared with the source after it.
+- ``--direct-io off|auto|on``: the file backend's ``direct_io`` (O_DIRECT).
+  ``--cold``: before every timed read, ours and raw, the files are written
+  back and dropped from the page cache (``posix_fadvise(DONTNEED)``), so
+  reads come from the disk: the case O_DIRECT is for.
 
 Prints a table with ratio columns, writes ``bench_results/l3.json`` and a
 PNG bar chart::
 
-    python -m hicache.integration.bench.micro.l3_io [--page-mib 1,4] [--total-mib 256] [--backends file,nixl,mooncake]
+    python -m hicache.integration.bench.micro.l3_io [--page-mib 1,4] [--total-mib 256] [--backends file,nixl,mooncake] [--direct-io off] [--cold]
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +56,41 @@ from hicache.tiers.l3.factory import create_backend
 GB = 1e9
 
 
-def _median_seconds(fn: Callable[[], None], repeats: int,
-                    before: Callable[[], None] | None = None) -> float:
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+@dataclass
+class _Case:
+    """One side of a comparison: how to write and read the same pages."""
+
+    name: str
+    write: Callable[[], None]
+    read: Callable[[], None]
+    before_write: Callable[[], None]
+    before_read: Callable[[], None]
+    after_read: Callable[[], None] = lambda: None
+    finish: Callable[[], None] = lambda: None
+
+
+def _interleaved(cases: list[_Case], repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (write s, read s) of each case, its repeats interleaved with the others'
+    (the order rotating) so that a change in the machine's load hits every side alike."""
+    writes: dict[str, list[float]] = {c.name: [] for c in cases}
+    reads: dict[str, list[float]] = {c.name: [] for c in cases}
+    for rep in range(repeats):
+        for case in cases[rep % len(cases):] + cases[:rep % len(cases)]:
+            case.before_write()
+            t = time.perf_counter()
+            case.write()
+            writes[case.name].append(time.perf_counter() - t)
+    for rep in range(repeats):
+        for case in cases[rep % len(cases):] + cases[:rep % len(cases)]:
+            case.before_read()
+            t = time.perf_counter()
+            case.read()
+            reads[case.name].append(time.perf_counter() - t)
+            case.after_read()
+    for case in cases:
+        case.finish()
+    return {name: (statistics.median(writes[name]), statistics.median(reads[name]))
+            for name in writes}
 
 
 def _pool(page_bytes: int, pages: int) -> HostPagePool:
@@ -66,12 +104,26 @@ def _pool(page_bytes: int, pages: int) -> HostPagePool:
     return pool
 
 
-def _raw_file(directory: Path, pool: HostPagePool, pages: int, repeats: int,
-              per_page: bool) -> tuple[float, float]:
-    """(write s, read s) of the same bytes with plain os.write / readinto."""
+def _evict(directory: Path) -> None:
+    """Write back and drop every file under ``directory`` from the page cache."""
+    for path in directory.rglob("*"):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_case(directory: Path, pool: HostPagePool, pages: int, per_page: bool,
+              cold: bool) -> _Case:
+    """The same bytes with plain os.write / readinto."""
     src = [pool.buffer[i].view(-1).numpy() for i in range(pages)]
     dst = [pool.buffer[pages + i].view(-1).numpy() for i in range(pages)]
-    target = directory / "raw"
+    name = "raw-per-page" if per_page else "raw-1file"
+    target = directory / name
 
     def clean() -> None:
         shutil.rmtree(target, ignore_errors=True)
@@ -101,23 +153,28 @@ def _raw_file(directory: Path, pool: HostPagePool, pages: int, repeats: int,
                 for page in dst:
                     f.readinto(page.data)
 
-    w = _median_seconds(write, repeats, before=clean)
-    r = _median_seconds(read, repeats)
-    shutil.rmtree(target, ignore_errors=True)
-    return w, r
+    return _Case(name, write, read, before_write=clean,
+                 before_read=lambda: _before_read(pool, pages, target, cold),
+                 finish=lambda: shutil.rmtree(target, ignore_errors=True))
 
 
-def _ours(backend_name: str, directory: Path, pool: HostPagePool, pages: int,
-          repeats: int) -> tuple[float, float]:
+def _before_read(pool: HostPagePool, pages: int, target: Path, cold: bool) -> None:
+    pool.buffer[pages:].zero_()  # every side starts from the same slots, nothing to find there
+    if cold:
+        _evict(target)
+
+
+def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: int,
+               extra: dict[str, Any], cold: bool) -> _Case:
     page_bytes = pool.geometry.page_bytes
     ns = KeyNamespace("bench", "uint8", "bench", 64, 1)
     keys = [k.hex() for k in page_keys(ns.seed(), list(range(64 * pages)), 64)]
     target = directory / backend_name
+    shutil.rmtree(target, ignore_errors=True)
 
     def fresh() -> StorageBackend:
-        shutil.rmtree(target, ignore_errors=True)
         cfg = StorageConfig(0, 1, ns.fingerprint(), "page_first_direct", page_bytes,
-                            extra_config={"path": str(target)})
+                            extra_config={"path": str(target), **extra})
         b = create_backend(backend_name, cfg)
         b.register_host_pool(pool)
         return b
@@ -125,7 +182,9 @@ def _ours(backend_name: str, directory: Path, pool: HostPagePool, pages: int,
     state: dict[str, StorageBackend] = {}
 
     def before_write() -> None:
+        # A new instance on an emptied store: nothing to skip, directories kept.
         if "b" in state:
+            state["b"].clear()
             state["b"].close()
         state["b"] = fresh()
 
@@ -135,12 +194,18 @@ def _ours(backend_name: str, directory: Path, pool: HostPagePool, pages: int,
     def read() -> None:
         assert all(state["b"].batch_get_v1(keys, list(range(pages, 2 * pages))))
 
-    w = _median_seconds(write, repeats, before=before_write)
-    r = _median_seconds(read, repeats)
-    assert torch.equal(pool.buffer[:pages], pool.buffer[pages:]), "read back differs"
-    state["b"].close()
-    shutil.rmtree(target, ignore_errors=True)
-    return w, r
+    def check() -> None:
+        assert torch.equal(pool.buffer[:pages], pool.buffer[pages:]), "read back differs"
+
+    def finish() -> None:
+        state["b"].close()
+        shutil.rmtree(target, ignore_errors=True)
+
+    before_write()
+    write()  # untimed: the store's directories come into being
+    return _Case("ours", write, read, before_write=before_write,
+                 before_read=lambda: _before_read(pool, pages, target, cold),
+                 after_read=check, finish=finish)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -164,11 +229,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             })
             continue
         pool = _pool(page_bytes, pages)
-        ow, orr = _ours(backend, directory, pool, pages, args.repeats)
-        for raw_name, per_page in (("raw-1file", False), ("raw-per-page", True)):
-            rw, rr = _raw_file(directory, pool, pages, args.repeats, per_page)
+        extra = {"direct_io": args.direct_io} if backend == "file" else {}
+        cases = [_ours_case(backend, directory, pool, pages, extra, args.cold)]
+        cases += [_raw_case(directory, pool, pages, per_page, args.cold)
+                  for per_page in (False, True)]
+        times = _interleaved(cases, args.repeats)
+        ow, orr = times["ours"]
+        for raw_name in ("raw-1file", "raw-per-page"):
+            rw, rr = times[raw_name]
             rows.append({
-                "backend": backend, "page_mib": mib, "pages": pages,
+                "backend": backend, "page_mib": mib, "pages": pages, **extra,
+                "cold": args.cold,
                 "ours_write_gbs": payload / ow / GB, "ours_read_gbs": payload / orr / GB,
                 "raw": raw_name, "raw_write_gbs": payload / rw / GB,
                 "raw_read_gbs": payload / rr / GB,
@@ -218,10 +289,14 @@ def main() -> None:
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     parser.add_argument("--page-mib", type=floats, default=[1.0, 4.0])
     parser.add_argument("--total-mib", type=float, default=256.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", type=lambda s: s.split(","),
                         default=["file", "nixl", "mooncake"])
     parser.add_argument("--dir", default=None, help="where file/nixl pages go (default: temp)")
+    parser.add_argument("--direct-io", choices=["off", "auto", "on"], default="off",
+                        help="the file backend's direct_io (O_DIRECT)")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the files from the page cache before every timed read")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
     rows = run(args)

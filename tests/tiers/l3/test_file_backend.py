@@ -1,8 +1,10 @@
-"""File L3 backend: round trips, crash-safe writes, corruption as counted misses, sharing."""
+"""File L3 backend: round trips, crash-safe writes, corruption as counted misses, sharing,
+the fan-out / 4 KiB-aligned layout, and O_DIRECT with its buffered fallbacks."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -11,10 +13,13 @@ import pytest
 import torch
 
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.l2 import host_pool as host_pool_module
+from hicache.tiers.l2.host_memory import allocate
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES, FILE_LAYOUT, FileBackend
 
 GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=256)
 NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 1)
@@ -79,7 +84,7 @@ def test_corruption_is_a_counted_quarantined_miss(tmp_path, damage):
     writer.register_host_pool(filled_pool("page_first", 5))
     ks = keys(2)
     writer.batch_set_v1(ks, [0, 1])
-    victim = writer.pages_dir / f"{writer.object_key(ks[0])}.page"
+    victim = writer.page_path(ks[0])
     data = bytearray(victim.read_bytes())
     if damage == "flip_payload":
         data[-100] ^= 0x40
@@ -90,7 +95,7 @@ def test_corruption_is_a_counted_quarantined_miss(tmp_path, damage):
     elif damage == "append":
         data += b"x"
     else:  # another page's file renamed onto this key
-        other = writer.pages_dir / f"{writer.object_key(ks[1])}.page"
+        other = writer.page_path(ks[1])
         data = bytearray(other.read_bytes())
     victim.write_bytes(bytes(data))
     reader = FileBackend(config(tmp_path))
@@ -111,13 +116,13 @@ def test_deleted_between_exists_and_get_is_a_plain_miss(tmp_path):
     ks = keys(1)
     backend.batch_set_v1(ks, [0])
     assert backend.exists(ks[0])
-    (backend.pages_dir / f"{backend.object_key(ks[0])}.page").unlink()
+    backend.page_path(ks[0]).unlink()
     assert backend.batch_get_v1(ks, [1]) == [False]
     assert backend.stats().corrupt_pages == 0 and backend.stats().get_misses == 1
 
 
 def test_capacity_evicts_least_recently_used(tmp_path):
-    page_file = 128 + GEOM.page_bytes
+    page_file = FILE_HEADER_BYTES + GEOM.page_bytes
     backend = FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9))
     backend.register_host_pool(filled_pool("page_first", 8))
     ks = keys(4)
@@ -180,10 +185,13 @@ def test_bad_config_names_the_key(tmp_path):
                               "number >= 0 (got -1)"),
         ({"capacity_gb": True}, "capacity_gb must be a number >= 0 (got True)"),
         ({"fsync": "yes"}, "hicache_storage_backend_extra_config.fsync must be true or false"),
+        ({"direct_io": "yes"}, "hicache_storage_backend_extra_config.direct_io='yes' is not "
+                               "supported; allowed values: ['off', 'auto', 'on']"),
+        ({"direct_io": True}, "direct_io=True is not supported; allowed values"),
         ({"path": 7}, "hicache_storage_backend_extra_config.path must be a string or null"),
         ({"bogus": 1, "other": 2}, "unknown hicache_storage_backend_extra_config key(s) for the "
                                    "file backend: ['bogus', 'other']; allowed keys: "
-                                   "['capacity_gb', 'fsync', 'path']"),
+                                   "['capacity_gb', 'direct_io', 'fsync', 'path']"),
     ],
 )
 def test_bad_extra_config_message(tmp_path, extra, expect):
@@ -228,3 +236,255 @@ def test_delete_removes_one_page(tmp_path):
     backend.batch_set_v1(ks, [0, 1, 2])
     assert backend.batch_delete([ks[1], ks[1]]) == 1
     assert [backend.exists(k) for k in ks] == [True, False, True]
+
+
+# ---- layout: fan-out, aligned payload, format version ------------------------------------
+
+
+def test_pages_fan_out_into_subdirectories_made_on_first_write(tmp_path):
+    backend = FileBackend(config(tmp_path))
+    assert list(backend.pages_dir.iterdir()) == []  # nothing made before a page is written
+    backend.register_host_pool(filled_pool("page_first", 12))
+    ks = keys(6)
+    assert backend.batch_set_v1(ks, list(range(6))) == [True] * 6
+    for k in ks:
+        path = backend.page_path(k)
+        assert path == backend.pages_dir / k[:2] / f"{backend.object_key(k)}.page"
+        assert path.is_file()
+    assert sorted(p.name for p in backend.pages_dir.iterdir()) == sorted({k[:2] for k in ks})
+    assert not list(backend.pages_dir.glob("*.page"))  # nothing flat
+    assert not list(backend.tmp_dir.iterdir())  # every temp file renamed in
+
+
+def test_payload_starts_4k_aligned_after_a_zero_padded_header(tmp_path):
+    backend = FileBackend(config(tmp_path, layout="page_first_direct"))
+    pool = filled_pool("page_first_direct", 13)
+    backend.register_host_pool(pool)
+    k = keys(1)[0]
+    backend.batch_set_v1([k], [2])
+    data = backend.page_path(k).read_bytes()
+    assert FILE_HEADER_BYTES % 4096 == 0
+    assert len(data) == FILE_HEADER_BYTES + GEOM.page_bytes
+    payload = data[FILE_HEADER_BYTES:]
+    assert payload == bytes(pool.read_page(2).numpy())
+    assert data[integrity.HEADER_BYTES:FILE_HEADER_BYTES] == bytes(FILE_HEADER_BYTES
+                                                                  - integrity.HEADER_BYTES)
+    header = data[:integrity.HEADER_BYTES]
+    key_bytes, fp = bytes.fromhex(k), backend.config.fingerprint
+    assert integrity.verify(header, key_bytes, fp, payload, layout=FILE_LAYOUT) is None
+    # The version field names the padded layout: a reader of the earlier one refuses it.
+    assert integrity.verify(header, key_bytes, fp, payload) == "bad magic/version"
+
+
+@pytest.mark.parametrize("old", ["v2_file", "v2_header_padded", "padding_flipped"])
+def test_old_format_or_damaged_padding_is_a_quarantined_miss(tmp_path, old):
+    backend = FileBackend(config(tmp_path))
+    pool = filled_pool("page_first", 14)
+    backend.register_host_pool(pool)
+    k = keys(1)[0]
+    payload = bytes(pool.read_page(0).numpy())
+    v2_header = integrity.pack_header(bytes.fromhex(k), backend.config.fingerprint, payload)
+    path = backend.page_path(k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if old == "v2_file":  # the previous format: 128-byte header, payload right after it
+        path.write_bytes(v2_header + payload)
+    elif old == "v2_header_padded":  # the new layout with the previous version number
+        path.write_bytes(v2_header.ljust(FILE_HEADER_BYTES, b"\0") + payload)
+    else:
+        backend.batch_set_v1([k], [0])
+        data = bytearray(path.read_bytes())
+        data[FILE_HEADER_BYTES - 1] ^= 0x01
+        path.write_bytes(bytes(data))
+    assert backend.exists(k)  # existence is a hint; the read decides
+    assert backend.batch_get_v1([k], [5]) == [False]
+    assert backend.stats().corrupt_pages == 1 and backend.stats().get_hits == 0
+    assert not path.exists() and len(list(backend.quarantine_dir.iterdir())) == 1
+    # Stored again, it is served.
+    assert backend.batch_set_v1([k], [0]) == [True]
+    assert backend.batch_get_v1([k], [5]) == [True]
+    assert torch.equal(pool.buffer[5], pool.buffer[0])
+
+
+def test_flat_files_of_the_earlier_layout_are_never_read_but_counted_and_cleared(tmp_path):
+    backend = FileBackend(config(tmp_path))
+    backend.register_host_pool(filled_pool("page_first", 15))
+    k = keys(1)[0]
+    legacy = backend.pages_dir / f"{backend.object_key(k)}.page"
+    legacy.write_bytes(b"\0" * (integrity.HEADER_BYTES + GEOM.page_bytes))
+    restarted = FileBackend(config(tmp_path))
+    assert restarted.used_bytes == integrity.HEADER_BYTES + GEOM.page_bytes
+    assert not restarted.exists(k)
+    restarted.register_host_pool(filled_pool("page_first", 16))
+    assert restarted.batch_get_v1([k], [0]) == [False]
+    assert restarted.stats().corrupt_pages == 0  # never opened
+    restarted.clear()
+    assert not legacy.exists() and restarted.used_bytes == 0
+
+
+def test_capacity_index_is_rebuilt_from_the_fan_out_oldest_first(tmp_path):
+    page_file = FILE_HEADER_BYTES + GEOM.page_bytes
+    writer = FileBackend(config(tmp_path))
+    writer.register_host_pool(filled_pool("page_first", 17))
+    ks = keys(5)
+    writer.batch_set_v1(ks[:4], [0, 1, 2, 3])
+    assert len({k[:2] for k in ks[:4]}) > 1  # spread over several sub-directories
+    legacy = writer.pages_dir / "legacy_0123.page"  # earlier flat layout, oldest of all
+    legacy.write_bytes(b"\0" * 100)
+    for age, path in enumerate([legacy] + [writer.page_path(k) for k in [ks[2], ks[0], ks[3],
+                                                                         ks[1]]]):
+        os.utime(path, (1_000_000 + age, 1_000_000 + age))
+    restarted = FileBackend(config(tmp_path, capacity_gb=4 * page_file / 1e9))
+    assert restarted.used_bytes == 4 * page_file + 100
+    restarted.register_host_pool(filled_pool("page_first", 17))
+    restarted.batch_set_v1([ks[4]], [4])  # needs room for one page: the legacy file, then ks[2]
+    assert not legacy.exists()
+    assert [restarted.exists(k) for k in ks] == [True, True, False, True, True]
+    assert restarted.used_bytes == 4 * page_file and restarted.stats().evicted_pages == 2
+
+
+def test_clear_removes_pages_of_every_subdirectory(tmp_path):
+    backend = FileBackend(config(tmp_path))
+    backend.register_host_pool(filled_pool("page_first", 18))
+    ks = keys(6)
+    backend.batch_set_v1(ks, list(range(6)))
+    backend.clear()
+    assert backend.batch_exists(ks) == 0 and backend.used_bytes == 0
+    assert not list(backend.pages_dir.glob("*/*.page"))
+    assert backend.batch_set_v1(ks[:1], [0]) == [True]  # sub-directories kept or remade
+
+
+# ---- O_DIRECT ------------------------------------------------------------------------------
+
+GEOM_4K = PoolGeometry(num_slots=8, num_layers=2, blocks_per_page=1, block_bytes=4096)
+
+
+def config_4k(path: Path, **extra) -> StorageConfig:
+    return StorageConfig(tp_rank=0, tp_size=1, namespace=NS.fingerprint(),
+                         mem_layout="page_first_direct", page_bytes=GEOM_4K.page_bytes,
+                         extra_config={"path": str(path), **extra})
+
+
+class _FakeCudart:
+    """cudaHostRegister stand-in: the pool is then page-aligned anonymous memory."""
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - CUDA's name
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        return 0
+
+
+def aligned_pool(monkeypatch, seed: int) -> HostPagePool:
+    monkeypatch.setattr(host_pool_module, "allocate",
+                        lambda n, pin, device=None: allocate(n, pin=True, cudart=_FakeCudart()))
+    pool = HostPagePool(GEOM_4K, layout="page_first_direct", pin_memory=True)
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=gen))
+    assert pool.buffer.data_ptr() % 4096 == 0
+    return pool
+
+
+def direct_backend(cfg: StorageConfig) -> FileBackend:
+    backend = FileBackend(dataclasses.replace(cfg, extra_config={**cfg.extra_config,
+                                                                 "direct_io": "auto"}))
+    if not backend.direct_io:
+        pytest.skip(f"{cfg.extra_config['path']} does not accept O_DIRECT")
+    return backend
+
+
+def iovec_counts(monkeypatch) -> list[int]:
+    """Record how many buffers each os.preadv call reads into."""
+    seen: list[int] = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset, *args):
+        seen.append(len(buffers))
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    return seen
+
+
+def test_direct_io_moves_aligned_pages_straight_between_file_and_slot(tmp_path, monkeypatch):
+    src, dst = aligned_pool(monkeypatch, 20), aligned_pool(monkeypatch, 21)
+    writer = direct_backend(config_4k(tmp_path))
+    writer.register_host_pool(src)
+    ks = keys(4)
+    assert writer.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
+    reader = direct_backend(config_4k(tmp_path))
+    reader.register_host_pool(dst)
+    calls = iovec_counts(monkeypatch)
+    assert reader.batch_get_v1(ks, [4, 5, 6, 7]) == [True] * 4
+    assert calls == [3] * 4  # header, the slot itself, one block past the end
+    assert torch.equal(dst.buffer[4:8], src.buffer[0:4])
+    assert reader.stats().get_hits == 4 and reader.stats().corrupt_pages == 0
+
+
+def test_direct_io_bounces_unaligned_slots_and_odd_page_sizes(tmp_path, monkeypatch):
+    # GEOM's pages (1536 B) are not a multiple of 4 KiB, torch.empty slots not 4 KiB
+    # aligned: reads go through the aligned bounce buffer, writes stay buffered.
+    src, dst = filled_pool("page_first", 22), filled_pool("page_first", 23)
+    writer = direct_backend(config(tmp_path))
+    writer.register_host_pool(src)
+    ks = keys(4)
+    assert writer.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
+    reader = direct_backend(config(tmp_path))
+    reader.register_host_pool(dst)
+    calls = iovec_counts(monkeypatch)
+    assert reader.batch_get_v1(ks, [4, 5, 6, 7]) == [True] * 4
+    assert calls == [1] * 4
+    assert torch.equal(dst.buffer[4:8], src.buffer[0:4])
+    # A damaged page read through the bounce buffer is still a quarantined miss.
+    path = reader.page_path(ks[0])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert reader.batch_get_v1(ks[:1], [4]) == [False] and reader.stats().corrupt_pages == 1
+
+
+def refuse_o_direct(monkeypatch) -> list[int]:
+    """Make every O_DIRECT open fail as on a filesystem without it; returns the refusals."""
+    refused: list[int] = []
+    real = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            refused.append(flags)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    return refused
+
+
+def test_direct_io_auto_falls_back_to_buffered_where_o_direct_is_refused(tmp_path, monkeypatch):
+    refused = refuse_o_direct(monkeypatch)
+    backend = FileBackend(config(tmp_path, direct_io="auto"))
+    assert refused and not backend.direct_io  # the probe at start
+    backend.register_host_pool(filled_pool("page_first", 24))
+    ks = keys(3)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.batch_get_v1(ks, [4, 5, 6]) == [True] * 3
+    assert torch.equal(backend.pool.buffer[4:7], backend.pool.buffer[0:3])
+
+
+def test_direct_io_on_refused_by_the_filesystem_is_a_config_error(tmp_path, monkeypatch):
+    refuse_o_direct(monkeypatch)
+    with pytest.raises(StorageConfigError) as err:
+        FileBackend(config(tmp_path, direct_io="on"))
+    assert "hicache_storage_backend_extra_config.direct_io='on'" in str(err.value)
+    assert "allowed values" in str(err.value)
+
+
+def test_pages_fall_back_to_buffered_when_o_direct_is_refused_later(tmp_path, monkeypatch):
+    src, dst = aligned_pool(monkeypatch, 25), aligned_pool(monkeypatch, 26)
+    backend = direct_backend(config_4k(tmp_path))  # the probe passed
+    backend.register_host_pool(src)
+    refused = refuse_o_direct(monkeypatch)  # then, say, pages/ is another mount
+    ks = keys(3)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    backend.register_host_pool(dst)
+    assert backend.batch_get_v1(ks, [3, 4, 5]) == [True] * 3
+    assert len(refused) == 6  # each write and each read tried O_DIRECT first
+    assert torch.equal(dst.buffer[3:6], src.buffer[0:3])
+    assert backend.stats().corrupt_pages == 0
