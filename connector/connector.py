@@ -174,6 +174,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 prefetch_at_arrival=self.config.hicache_prefetch_at_arrival,
                 kv_events=kv_events_enabled(vllm_config),
                 async_stores=async_stores,
+                l3_writers=1 if is_mla else tp_size,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "

@@ -609,12 +609,16 @@ class HiCacheWorker:
         gauges = {k: v for k, v in self.gauges().items() if self._gauges_reported.get(k) != v}
         done = ({self.rank: self._done_seq}
                 if self.async_stores and self._done_seq != self._done_reported else {})
-        if not (self._bad_slots or self._fetched or deltas or gauges or observations or done):
+        stored = (self.storage_io.take_backed_up()
+                  if self.storage_io is not None and self.l3_writer else [])
+        l3_stored = {self.rank: stored} if stored else {}
+        if not (self._bad_slots or self._fetched or deltas or gauges or observations or done
+                or l3_stored):
             return None
         self._gauges_reported.update(gauges)
         self._done_reported = self._done_seq
         report = HiCacheWorkerReport(self._bad_slots, self._fetched, deltas, gauges,
-                                     observations, done)
+                                     observations, done, l3_stored)
         self._bad_slots, self._fetched = set(), {}
         return report
 

@@ -118,6 +118,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _tier("bytes_saved", "saved_bytes", "counter", "Bytes saved into the tier."),
     _tier("corrupt_pages", "corrupt_pages", "counter",
           "Pages read from the tier that failed verification."),
+    _tier("indexed_pages", "indexed_pages", "gauge",
+          "Pages the HiRadixTree records in the tier (L3: what this engine knows it holds)."),
     # Queues and configuration.
     MetricSpec(f"{PREFIX}_queue_depth", "gauge", "Items waiting in a HiCache queue.",
                "queues", EVERY_KEY, ("queue",)),

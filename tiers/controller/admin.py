@@ -124,6 +124,7 @@ class SchedulerAdmin:
             page_bytes = s.geometry.page_bytes
             l2_used, l2_cap = s.slots.num_used, s.slots.capacity
             inflight = len(s.fetches.in_flight)
+            l3_indexed = s.tree.l3_pages()
             counters = st.as_dict()
         with self._lock:
             w, g = dict(self.worker_counters), dict(self.worker_gauges)
@@ -150,6 +151,7 @@ class SchedulerAdmin:
                 "pages_saved": int(w.get("l3_backup_pages", 0)),
                 "bytes_saved": int(w.get("l3_bytes_written", 0)),
                 "corrupt_pages": int(w.get("l3_corrupt_pages", 0)),
+                "indexed_pages": l3_indexed,
             }
         return {
             "tiers": tiers,
@@ -251,15 +253,16 @@ class SchedulerAdmin:
     def tree(self, prefix: list[int] | None, depth: int) -> dict[str, Any]:
         s = self.scheduler
         with s.lock:
-            node = s.tree.root
+            node: TreeNode | None = s.tree.root
             if prefix:
                 keys = s.prefix_keys(prefix)
-                match = s.tree.match_prefix(keys)
-                if match.num_pages < len(keys):
-                    raise AdminError(404, f"the first {len(keys)} pages of prefix are not in L2 "
-                                     f"(found {match.num_pages})")
-                node = match.node
+                node = s.tree.find(keys)
+                if node is None:
+                    raise AdminError(404, f"the first {len(keys)} pages of prefix are in "
+                                     "neither L2 nor L3 as far as this engine knows")
+            assert node is not None
             return {"page_size": s.page_size, "total_pages": s.tree.total_pages(),
+                    "l3_pages": s.tree.l3_pages(), "l3_only_pages": s.tree.l3_only_pages(),
                     "node": _node_view(node, depth, time.monotonic())}
 
 
@@ -270,6 +273,7 @@ def _node_view(node: TreeNode, depth: int, now: float) -> dict[str, Any]:
     view: dict[str, Any] = {
         "id": node.id, "pages": len(node.keys),
         "first_key": node.keys[0].hex()[:16] if node.keys else None,
+        "in_l2": node.host_slots is not None, "l3_pages": sum(node.in_l3),
         "lock_ref": node.lock_ref, "hits": node.hit_count,
         "idle_s": round(now - node.last_access, 3), "children": len(node.children),
     }

@@ -1,12 +1,15 @@
 """L3 hits: the lookup past the L2 match, and the life of each fetch from L3 into L2.
 
 Contract:
-- L3 is not mirrored in the tree: it is asked on demand, as SGLang does
-  (its ``batch_exists`` before every prefetch). With ``probes`` (the
+- The lookup walks the HiRadixTree first: the pages after the L2 match that
+  the tree knows L3 holds (backed up, fetched or found before; see
+  l2_manager.py) need no store round trip. Only the pages after those are
+  asked of the store (its ``batch_exists``, as SGLang asks before every
+  prefetch), and what it finds enters the tree. With ``probes`` (the
   connector's setting) and a store whose lookups may run concurrently, the
   question runs in the background (tiers/controller/probes.py) and
   ``lookup`` answers None until it is known; models with Mamba state groups
-  and other stores are asked inline. The lookup asks the
+  (no L3 index) and other stores are asked inline. The lookup asks the
   scheduler's own view of the store (``L3Store``: one backend, or
   ``RankShards``, the shortest run over every rank's shard; MLA has one
   shared shard), so no rank is promised pages it lacks. Runs shorter than
@@ -120,42 +123,58 @@ class L3Fetches:
     def is_fetching(self, req_id: str) -> bool:
         return req_id in self.in_flight
 
-    def lookup(self, keys: Sequence[PageKey], req_id: str = "") -> int | None:
-        """Pages of ``keys`` that L3 holds consecutively and that are worth fetching;
-        None while a background lookup for ``req_id`` is not finished."""
-        if self.storage is None or not keys:
+    def lookup(self, keys: Sequence[PageKey], start: int, end: int, req_id: str = "",
+               known: int = 0, source: EventRequest | None = None) -> int | None:
+        """Pages of ``keys[start:end]`` (after the L2 match ``keys[:start]``) that L3
+        holds consecutively and that are worth fetching; None while a background
+        lookup for ``req_id`` is not finished. ``known``: how many of them the tree
+        already knows L3 holds (``MatchResult.l3_pages``); only the rest is asked
+        of the store, and what it finds is recorded in the tree."""
+        run = list(keys[start:end])
+        if self.storage is None or not run:
             return 0
-        threshold = -(-int(self.settings.get("prefetch_threshold", 256)) // self.page_size)
-        if len(keys) < max(1, threshold):
+        threshold = max(1, -(-int(self.settings.get("prefetch_threshold", 256))
+                             // self.page_size))
+        if len(run) < threshold:
             return 0
         checkpoints = self.l2.groups.has_state
-        if (self.probes is not None and not checkpoints
+        known = min(known, len(run)) if self.l2.l3_index else 0
+        if known == len(run):
+            self._stats.l3_lookups_from_tree += 1
+            found = known
+        elif (self.probes is not None and not checkpoints
                 and getattr(self.storage, "concurrent_lookups", False)):
             started = self.probes.started
-            answer = self.probes.result(req_id, keys, self.storage)
+            answer = self.probes.result(req_id, run[known:], self.storage)
             self._stats.l3_lookups += self.probes.started - started
             if answer is None:
                 self._stats.l3_lookups_pending += 1
                 return None
-            found, failed = answer
+            more, failed = answer
             if failed:
                 self._stats.l3_lookup_errors += 1
-                return 0
-            found = min(found, self.l2.room())
-            return found if found >= max(1, threshold) else 0
+            found = known + more
+        else:
+            found = known + self._ask(run[known:], checkpoints)
+        if found > known:
+            self.l2.found_in_l3(keys[: start + found], start + known, source)
+        # The fetched pages need L2 slots: never promise more than L2 can hold now.
+        found = min(found, self.l2.room())
+        return found if found >= threshold else 0
+
+    def _ask(self, run: Sequence[PageKey], checkpoints: bool) -> int:
+        """How many leading pages of ``run`` the store holds, asked inline (0 on error)."""
         self._stats.l3_lookups += 1
         try:
-            wanted = [body_key(k) if checkpoints else k for k in keys]
-            found = self.storage.batch_exists([k.hex() for k in wanted])
-            # The fetched pages need L2 slots: never promise more than L2 can hold now.
-            found = min(found, self.l2.room())
+            wanted = [body_key(k) if checkpoints else k for k in run]
+            found = self.storage.batch_exists([k.hex() for k in wanted])  # type: ignore[union-attr]
             if checkpoints:
-                found = self._last_checkpoint(keys, found)
+                found = self._last_checkpoint(run, min(found, self.l2.room()))
+            return int(found)
         except Exception:  # noqa: BLE001 - a failing L3 is a miss, never an engine error
             logger.exception("HiCache: L3 lookup failed; treating as a miss")
             self._stats.l3_lookup_errors += 1
             return 0
-        return found if found >= max(1, threshold) else 0
 
     def _last_checkpoint(self, keys: Sequence[PageKey], found: int) -> int:
         """The longest run of the first ``found`` pages whose last page L3 holds whole."""
@@ -234,7 +253,8 @@ class L3Fetches:
             return False
         self._planned = [f for f in self._planned if f.req_id != fetch_id]
         fetch = self.in_flight.pop(fetch_id)
-        self.l2.publish_fetched(fetch.node, fetch.prefix_keys, fetch.keys, fetch.slots, 0)
+        self.l2.publish_fetched(fetch.node, fetch.prefix_keys, fetch.keys, fetch.slots, 0,
+                                tried=False)
         return True
 
     def take(self) -> list[RequestFetch]:

@@ -4,15 +4,20 @@ Contract:
 - ``prefix_keys`` keys a plain-token prompt exactly as its requests get
   keyed (through the engine's own block hashes: ``PrefixHasher``), so a
   flush or a tree view by prefix finds the pages those requests stored.
-- Without a prefix, every page goes (L2), and L3 is cleared.
+- Without a prefix, every page goes from the chosen tiers, and L3 is cleared.
 - With a prefix, a page is flushed when its tokens extend the prefix: when
   the prefix ends on a page boundary, its last page and every page after
   it; when it ends mid-page, every page after its last full page (page keys
   hash whole pages, so siblings that share the full pages are flushed too).
-- Pages in use by a load or fetch stay in L2 (counted as skipped).
+  Those pages are found in the HiRadixTree, which indexes L2 and L3
+  (radix_tree.py), so a page only L3 holds is flushed as exactly as one in
+  L2.
+- Pages in use by a load or fetch stay in L2 (counted as skipped). A page
+  flushed from one tier stays in the other.
 - The L3 removal is ``ClearStore()`` or ``DeletePages(keys)`` (tiers/index/commands.py): the
-  flushed pages plus, for a page-aligned prefix, its last page (which makes
-  every later page unreachable by lookups, even ones this engine never saw).
+  flushed pages the tree knows, in either tier, plus, for a page-aligned
+  prefix, its last page (which makes every later page unreachable by
+  lookups, even ones this engine never saw).
   The caller runs it outside the scheduler lock, on its own storage instance
   and on every worker (each holds its rank's shard).
 - Live requests forget which of their pages are in L2 and match again.
@@ -32,6 +37,7 @@ from hicache.tiers.index.page_keys import (
     body_key,
     token_block_hashes,
 )
+from hicache.tiers.index.radix_tree import TreeNode
 
 # (token ids, cache salt, LoRA name) -> the engine's block hashes of that prompt.
 PrefixHasher = Callable[[Sequence[int], "str | None", "str | None"], list[bytes]]
@@ -74,49 +80,36 @@ class Flusher:
               ) -> tuple[dict[str, int], L3Removal | None]:
         """Flush ``tiers`` ("l2", "l3") of all pages or those below ``prefix``;
         (L2 counts, the L3 removal or None)."""
-        counts = {"l2_pages": 0, "skipped_locked": 0}
-        l3_op: L3Removal | None = None
+        l2, l3 = "l2" in tiers, "l3" in tiers
         tree = self.l2.tree
+        l3_op: L3Removal | None = None
         if prefix is None:
-            if "l2" in tiers:
-                slots = [s for n in tree.iter_nodes() for s in (n.host_slots or ())]
-                counts["l2_pages"], counts["skipped_locked"] = self.l2.remove(slots)
-            if "l3" in tiers:
+            dropped = self.l2.drop(list(tree.root.children.values()), l2=l2, l3=l3)
+            if l3:
                 l3_op = ClearStore()
+                self.l2.events.l3_removed(None)
         else:
             keys = self.prefix_keys(prefix, cache_salt, lora_name)
             aligned = bool(keys) and len(prefix) % self.page_size == 0
-            match = tree.match_prefix(keys)
-            victims: list[int] = []
-            if match.num_pages == len(keys):
-                if aligned:
-                    victims = [match.host_slots[-1]]
-                else:
-                    victims = [c.host_slots[0] for c in match.node.children.values()
-                               if c.host_slots]
-            removed_keys = self._keys_below(victims)
-            if "l2" in tiers and victims:
-                counts["l2_pages"], counts["skipped_locked"] = self.l2.remove(victims)
-            if "l3" in tiers:
-                doomed = dict.fromkeys(removed_keys + ([keys[-1]] if aligned else []))
+            tops: list[TreeNode] = []
+            if aligned:
+                parent = tree.find(keys[:-1])
+                top = parent.children.get(keys[-1]) if parent is not None else None
+                tops = [top] if top is not None else []
+            else:
+                node = tree.find(keys)
+                tops = list(node.children.values()) if node is not None else []
+            dropped = self.l2.drop(tops, l2=l2, l3=l3)
+            if l3:
+                doomed = dict.fromkeys(dropped.keys + ([keys[-1]] if aligned else []))
+                self.l2.events.l3_removed(list(doomed))
                 if self.l2.groups.has_state:
                     # Their bodies too (models with Mamba state groups, page_keys.body_key).
                     doomed.update(dict.fromkeys(PageKey(body_key(k)) for k in list(doomed)))
                 l3_op = DeletePages(tuple(doomed))
+        counts = {"l2_pages": len(dropped.freed_slots),
+                  "skipped_locked": len(dropped.kept_slots)}
         self._requests.forget_stored()
         self._stats.flushed_l2_pages += counts["l2_pages"]
         self._stats.flush_skipped_locked += counts["skipped_locked"]
         return counts, l3_op
-
-    def _keys_below(self, slots: Sequence[int]) -> list[PageKey]:
-        """Keys of the pages in ``slots`` and of every page below them in the tree."""
-        wanted, keys = set(slots), []
-        stack = [(self.l2.tree.root, False)]
-        while stack:
-            node, inside = stack.pop()
-            for i, slot in enumerate(node.host_slots or ()):
-                if inside or slot in wanted:
-                    inside = True
-                    keys.append(node.keys[i])
-            stack.extend((child, inside) for child in node.children.values())
-        return keys

@@ -20,7 +20,14 @@ Contract:
 - Slots a worker found unusable (failed store, key mismatch) are dropped
   with every page below them at the next step; pages locked by a load or
   fetch are dropped once unlocked.
-- Every page that enters or leaves the tree is told to ``events``
+- L3 residency lives in the same tree (radix_tree.py): pages are marked
+  when every writing rank backed them up (``backed_up``), when a fetch read
+  them and when a lookup found them (``found_in_l3``), and unmarked when a
+  fetch could not read them (``publish_fetched``) or a flush deleted them
+  (``drop``). Eviction from L2 keeps what L3 holds as L3-only pages. Not for
+  models with Mamba state groups (``l3_index`` False): their L3 pages are
+  bodies and checkpoints, looked up in the store every time (fetches.py).
+- Every page that enters or leaves L2 or L3 is told to ``events``
   (tiers/controller/events.py, vLLM's KV events; off by default).
 """
 
@@ -34,7 +41,7 @@ from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import Dropped, HiRadixTree, TreeNode
 from hicache.tiers.index.slot_allocator import SlotAllocator
 
 
@@ -48,6 +55,8 @@ class L2Manager:
         # What entered and left the tree, for vLLM's KV events (off by default).
         self.events = events or PageEvents(page_size=1, hashes_per_page=1)
         self.groups = groups or KVGroups.single()
+        # The tree records L3 residency (see the module docstring).
+        self.l3_index = not self.groups.has_state
         # slot -> groups the page in it lacks (bit g = group g); defined for every
         # slot the tree holds, set whenever a slot is given a page; 0 = complete.
         self._missing: dict[int, int] = {}
@@ -129,7 +138,7 @@ class L2Manager:
             plans.append(PagePlan(slot, keys[page], 0, page_blocks[i],
                                   l3_keys=self.groups.l3_keys(keys[page], masks[i])))
         if source is not None:
-            self.events.added(source, [(p.slot, match.num_pages + i)
+            self.events.added(source, [(p.slot, match.num_pages + i, p.key)
                                        for i, p in enumerate(plans)])
         self._stats.stored_pages += len(plans)
         self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)
@@ -138,11 +147,12 @@ class L2Manager:
     def publish_fetched(self, node: TreeNode, prefix_keys: Sequence[PageKey],
                         keys: Sequence[PageKey], slots: Sequence[int], fetched: int,
                         masks: Sequence[int] = (), source: EventRequest | None = None,
-                        ) -> None:
+                        tried: bool = True) -> None:
         """An L3 fetch ended: its first ``fetched`` pages (``keys``, in their reserved
         ``slots``, with residency ``masks``: default complete) extend the locked
         prefix ``node`` in the tree; unlock it and free every reserved slot that no
-        page of the tree holds. ``source``: the request whose pages they are."""
+        page of the tree holds. ``source``: the request whose pages they are;
+        ``tried``: False for a fetch cancelled before it ran."""
         unused = list(slots[fetched:])
         attached = node is self.tree.root or node.parent is not None
         for i, slot in enumerate(slots[:fetched]):
@@ -157,7 +167,7 @@ class L2Manager:
             unused += [s for s in inserted.unused_slots if s in mine]
             if source is not None:
                 spare = set(unused)
-                self.events.added(source, [(slot, len(prefix_keys) + i)
+                self.events.added(source, [(slot, len(prefix_keys) + i, keys[i])
                                            for i, slot in enumerate(slots[:fetched])
                                            if slot not in spare])
         elif fetched:
@@ -165,6 +175,35 @@ class L2Manager:
         self.tree.unlock(node)
         if unused:
             self.slots.free(sorted(set(unused)))
+        if self.l3_index and tried:
+            # Read from L3: it holds them. The pages after them it could not
+            # give (missing, unreadable or too late): ask the store next time.
+            self.events.l3_added(self.tree.mark_l3_keys(keys[:fetched]))
+            self.events.l3_removed(self.tree.unmark_l3_keys(keys[fetched:]))
+
+    def found_in_l3(self, keys: Sequence[PageKey], start: int,
+                    source: EventRequest | None = None) -> None:
+        """A lookup found ``keys[start:]`` in L3 after ``keys[:start]`` (in the tree)."""
+        if not self.l3_index or start >= len(keys):
+            return
+        newly = set(self.tree.mark_l3(keys, start))
+        if newly and source is not None:
+            self.events.l3_found(source, [(i, k) for i, k in enumerate(keys) if k in newly])
+
+    def backed_up(self, keys: Iterable[PageKey]) -> None:
+        """Every writing rank stored these pages in L3."""
+        if self.l3_index:
+            self.events.l3_added(self.tree.mark_l3_keys(keys))
+
+    def drop(self, tops: Iterable[TreeNode], *, l2: bool, l3: bool) -> Dropped:
+        """Take ``tops`` and everything below them out of L2 and/or L3 (a flush);
+        locked pages stay in L2. Pages in neither tier leave the tree."""
+        dropped = self.tree.drop_subtrees(tops, l2=l2, l3=l3)
+        self.events.removed(dropped.freed_slots)
+        if l3:
+            self.events.l3_removed(dropped.keys)
+        self.slots.free(dropped.freed_slots)
+        return dropped
 
     def remove(self, slots: Iterable[int]) -> tuple[int, int]:
         """Drop the pages in ``slots`` and every page below them; (freed, kept locked)."""

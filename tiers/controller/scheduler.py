@@ -11,7 +11,7 @@ module of its own, which states its contract:
   loads.py       the read path: which blocks of a hit come from which L2 slot
   fetches.py     L3: the lookup past the L2 match and the fetches in flight
   prefetches.py  L3 -> L2 prefetch of requests waiting in vLLM's queue
-  events.py      L2's KV events (pages stored / removed) for vLLM's publisher
+  events.py      L2's and L3's KV events (pages stored / removed) for vLLM's publisher
   flush.py       the admin's flush and prefix keys
   policies.py    write / prefetch / eviction policies, chosen by name
 
@@ -32,8 +32,9 @@ Contract with vLLM's scheduler (see DESIGN.md "Flow of one request"):
   tree at once; see tiers/index/plans.py for the ordering that makes this safe).
 - ``request_finished`` stores what is left of a finished request and asks
   vLLM to keep its blocks until the worker reports the store done.
-- ``on_worker_report`` takes the workers' merged ``WorkerReport``: bad slots
-  and per-rank fetch results.
+- ``on_worker_report`` takes the workers' merged ``WorkerReport``: bad slots,
+  per-rank fetch results and L3 backups (a page enters the tree's L3 index
+  once every writing rank stored it).
 
 Nothing here imports vLLM or torch. Every call runs under ``lock``, which the
 connector holds around vLLM's calls and the admin endpoint around its own.
@@ -44,6 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hicache.tiers.controller.events import PageEvent, PageEvents
@@ -71,6 +73,9 @@ __all__ = ["HiCacheScheduler", "PrefixHasher", "SchedulerRequest", "SchedulerSta
 
 logger = logging.getLogger(__name__)
 
+# Pages backed up by some ranks but not yet all, remembered (oldest forgotten).
+MAX_BACKUP_VOTES = 1 << 16
+
 
 class HiCacheScheduler:
     """Placement logic: which pages hit L2 or L3, which slots they use, what to store."""
@@ -96,6 +101,7 @@ class HiCacheScheduler:
         prefetch_at_arrival: bool = False,
         kv_events: bool = False,
         async_stores: bool = False,
+        l3_writers: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``background_lookups``: L3 lookups of stores that allow it run on
@@ -103,7 +109,9 @@ class HiCacheScheduler:
         ``prefetch_at_arrival``: with them, an arriving request's L3 pages are
         prefetched into L2 while it waits (prefetches.py); ``clock`` times the
         timeout policy's wait. ``kv_events``: record L2's KV events (events.py).
-        ``async_stores``: the workers finish stores across steps (stores.py)."""
+        ``async_stores``: the workers finish stores across steps (stores.py).
+        ``l3_writers``: ranks that back pages up to L3 (default ``tp_size``; 1 for
+        MLA, whose ranks share one shard): a page is in L3 once all reported it."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -120,6 +128,9 @@ class HiCacheScheduler:
         self.write_threshold = write_threshold
         self.prefetch_policy = prefetch_policy
         self.tp_size = tp_size
+        self.l3_writers = l3_writers or tp_size
+        # L3 key -> the ranks that reported its backup, until every writer has.
+        self._backup_votes: OrderedDict[bytes, set[int]] = OrderedDict()
         # Held by the connector around vLLM's calls and by the admin endpoint.
         self.lock = threading.RLock()
 
@@ -194,7 +205,8 @@ class HiCacheScheduler:
         self.stats.lookups += 1
         l3_pages = 0
         if gate == "open" and request.request_id not in self.fetches.came_short:
-            found = self.fetches.lookup(keys[match.num_pages : max_pages], request.request_id)
+            found = self.fetches.lookup(keys, match.num_pages, max_pages, request.request_id,
+                                        known=match.l3_pages, source=request)
             if found is None:
                 return None, False  # the L3 lookup runs in the background: vLLM asks again
             l3_pages = found
@@ -337,12 +349,31 @@ class HiCacheScheduler:
 
     def on_worker_report(self, report: WorkerReport) -> None:
         self.l2.report_bad_slots(report.bad_slots)
+        if report.l3_stored:
+            self._count_backups(report.l3_stored)
         self.stores.on_stores_done(report.stores_done)
         self.fetches.on_report(report.fetched)
         self.prefetches.settle()
 
+    def _count_backups(self, stored: Mapping[int, list[bytes]]) -> None:
+        """Mark the pages every writing rank has backed up as in L3 (the tree)."""
+        if self.l3_writers == 1:
+            self.l2.backed_up([PageKey(k) for keys in stored.values() for k in keys])
+            return
+        votes, done = self._backup_votes, []
+        for rank, keys in stored.items():
+            for key in keys:
+                ranks = votes.setdefault(key, set())
+                ranks.add(rank)
+                if len(ranks) >= self.l3_writers:
+                    del votes[key]
+                    done.append(PageKey(key))
+        while len(votes) > MAX_BACKUP_VOTES:  # a rank whose backup failed never votes
+            votes.popitem(last=False)
+        self.l2.backed_up(done)
+
     def take_events(self) -> list[PageEvent]:
-        """L2's KV events since the last call (events.py; [] unless enabled)."""
+        """L2's and L3's KV events since the last call (events.py; [] unless enabled)."""
         return self.events.take()
 
     def has_pending_stores(self) -> bool:

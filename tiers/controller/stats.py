@@ -32,6 +32,8 @@ class SchedulerStats:
     l3_lookup_errors: int = 0
     # Lookups answered "not known yet" (a background probe still running).
     l3_lookups_pending: int = 0
+    # Lookups the tree answered alone (every page known in L3: no store call).
+    l3_lookups_from_tree: int = 0
     # Prefetches at arrival (tiers/controller/prefetches.py): started, their
     # pages, lookups told to wait for one, requests that stopped waiting
     # (timeout / best_effort), hits not prefetched for lack of room, prefetches

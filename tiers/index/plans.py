@@ -148,6 +148,9 @@ class WorkerReport:
     # rank -> the highest plan ``seq`` whose stores (and all before) are done on
     # that rank; present when it changed.
     stores_done: dict[int, int] = field(default_factory=dict)
+    # rank -> page keys (L3 keys) its L3 backups stored since its last report;
+    # the scheduler marks a page in L3 once every writing rank reported it.
+    l3_stored: dict[int, list[bytes]] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both ranks' reports in one (vLLM merges a step's reports over ranks)."""
@@ -162,5 +165,8 @@ class WorkerReport:
         observations = {k: list(v) for k, v in self.observations.items()}
         for name, values in other.observations.items():
             observations.setdefault(name, []).extend(values)
+        l3_stored = {rank: list(keys) for rank, keys in self.l3_stored.items()}
+        for rank, keys in other.l3_stored.items():
+            l3_stored.setdefault(rank, []).extend(keys)
         return type(self)(self.bad_slots | other.bad_slots, fetched, counters, gauges,
-                          observations, {**self.stores_done, **other.stores_done})
+                          observations, {**self.stores_done, **other.stores_done}, l3_stored)

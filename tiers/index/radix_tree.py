@@ -1,29 +1,50 @@
-"""HiRadixTree: a radix tree over page keys recording which pages each tier holds.
+"""HiRadixTree: a radix tree over page keys recording which pages L2 and L3 hold.
 
-Modelled on SGLang's ``radix_cache.py`` (node, match, insert, split, evict),
-but an edge is a list of :data:`~hicache.tiers.index.page_keys.PageKey` instead of
-token ids. Page keys are a hash chain, so within one namespace matching key
-sequences is matching token sequences, and a key never needs its tokens again.
+Modelled on SGLang's ``radix_cache.py`` / ``hiradix_cache.py`` (node, match,
+insert, split, evict, host and storage residency), but an edge is a list of
+:data:`~hicache.tiers.index.page_keys.PageKey` instead of token ids. Page keys
+are a hash chain, so within one namespace matching key sequences is matching
+token sequences, and a key never needs its tokens again.
 
 Contract:
 
 - The tree lives in the scheduler process and moves no data: it records host
-  (L2) slots per page; the caller allocates and frees the slots.
-- **Prefix closure**: if a node is resident in L2 (``host_slots`` is not
-  None) so is its parent; the root counts as resident. In this version every
-  non-root node is in L2 (an evicted node leaves the tree); ``host_slots`` is
-  Optional because the L3 tier will keep nodes that live only in L3.
-- **Locks** (``lock_ref``) pin a node and all its ancestors, root excluded
-  (the root is never evicted anyway). Hence an unlocked node has only
-  unlocked descendants, and every unlocked page can eventually be evicted.
+  (L2) slots per node and, per page, whether L3 holds it (``in_l3``); the
+  caller allocates and frees the slots and tells it what L3 holds.
+- **Every page of the tree is in L2 or in L3.** A node is L2-resident
+  (``host_slots`` is a list) or L3-only (``host_slots`` is None, every page
+  ``in_l3``). An L2-resident node's pages may or may not be in L3 as well.
+- **Prefix closure**: the parent of an L2-resident node is L2-resident (the
+  root counts as resident), so L3-only nodes only have L3-only descendants.
+  Every page's whole prefix is in the tree (in one tier or the other).
+- L3 residency is this engine's knowledge, not the store's truth: it is set
+  when a backup or a fetch succeeded or a lookup found the page
+  (``mark_l3``, ``mark_l3_keys``) and cleared on flush or a failed fetch
+  (``unmark_l3_keys``, ``drop_subtrees``). Another engine or the store's own
+  eviction may remove a page meanwhile: a fetch of it then fails and the
+  caller recomputes (never wrong bytes: L3 checks every page).
+- **Locks** (``lock_ref``) pin an L2-resident node and all its ancestors,
+  root excluded. Hence an unlocked node has only unlocked descendants, every
+  unlocked L2 page can eventually be evicted, and L3-only nodes are never
+  locked.
+- **Eviction from L2** (``evict``) takes unlocked L2 leaves (L2-resident
+  nodes without an L2-resident child), least recently used first. A node
+  whose pages L3 holds stays in the tree as L3-only; from its first page
+  that L3 does not hold on, it leaves the tree with its subtree.
+- The L3-only part of the index is bounded (``max_l3_only_pages``): beyond
+  it, least recently used L3-only leaves are forgotten (the store still
+  holds them; a lookup finds them again).
 - **Node handles stay valid across splits**: a split keeps the original
   object as the *lower* half, so a node returned by :meth:`match_prefix` or
   :meth:`insert` still ends at the same page after later splits.
-- **Access times** are set on every node along a matched or inserted path,
-  so a parent is never older than its children; leaf-first LRU eviction thus
-  pops pages in non-decreasing ``last_access`` order.
-- ``total_pages`` / ``evictable_pages`` count L2 pages (all / unlocked) and
-  are O(1) counters.
+- **Access times** are set on every node along a matched or inserted path;
+  an L3-only node gets its parent's time when added, so a parent is never
+  older than its children and leaf-first LRU eviction pops pages in
+  non-decreasing ``last_access`` order.
+- ``total_pages`` / ``evictable_pages`` count L2 pages (all / unlocked),
+  ``l3_pages`` / ``l3_only_pages`` the pages known in L3 (all / not in L2);
+  all are O(1) counters. A page key appears at most once in the tree (keys
+  hash their prefix), so ``node_of`` finds a page by its key.
 """
 
 from __future__ import annotations
@@ -32,15 +53,18 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.tiers.index.page_keys import PageKey
 
 _node_ids = itertools.count()
 
+# Pages of the L3-only index kept by default: about 100 bytes each.
+DEFAULT_MAX_L3_ONLY_PAGES = 1 << 20
+
 
 class TreeNode:
-    """One edge of the tree: a run of pages with identical residency and locks."""
+    """One edge of the tree: a run of pages with identical L2 residency and locks."""
 
     __slots__ = (
         "id",
@@ -48,6 +72,7 @@ class TreeNode:
         "parent",
         "children",
         "host_slots",
+        "in_l3",
         "lock_ref",
         "hit_count",
         "last_access",
@@ -59,6 +84,7 @@ class TreeNode:
         parent: TreeNode | None,
         host_slots: list[int] | None,
         last_access: float,
+        in_l3: list[bool] | None = None,
     ) -> None:
         self.id: int = next(_node_ids)
         self.keys = keys
@@ -66,36 +92,53 @@ class TreeNode:
         # Keyed by the child's first page key: siblings never share one.
         self.children: dict[PageKey, TreeNode] = {}
         self.host_slots = host_slots
+        # Per page: L3 holds it (as far as this engine knows).
+        self.in_l3 = in_l3 if in_l3 is not None else [False] * len(keys)
         self.lock_ref = 0
         self.hit_count = 1  # SGLang semantics: creation counts as one hit
         self.last_access = last_access
 
     def __repr__(self) -> str:
+        tier = "L2" if self.host_slots is not None else "L3"
         return (
-            f"TreeNode(id={self.id}, pages={len(self.keys)}, lock_ref={self.lock_ref}, "
+            f"TreeNode(id={self.id}, pages={len(self.keys)}, {tier}, "
+            f"in_l3={sum(self.in_l3)}, lock_ref={self.lock_ref}, "
             f"hits={self.hit_count}, children={len(self.children)})"
         )
 
 
 @dataclass(frozen=True)
 class MatchResult:
-    node: TreeNode  # ends exactly at the last matched page (root when nothing matched)
+    node: TreeNode  # ends exactly at the last L2-matched page (root when nothing matched)
     num_pages: int
     host_slots: list[int]  # one per matched page, in order
+    # Pages after the L2 match that the tree knows L3 holds, consecutively.
+    l3_pages: int = 0
 
 
 @dataclass(frozen=True)
 class InsertResult:
     node: TreeNode  # ends exactly at the last inserted page
-    unused_slots: list[int]  # given slots of pages that were already present: free them
-    num_new_pages: int
+    unused_slots: list[int]  # given slots of pages already in L2: free them
+    num_new_pages: int  # pages that entered L2 (new, or L3-only before)
+
+
+@dataclass
+class Dropped:
+    """What ``drop_subtrees`` took out of the tiers."""
+
+    freed_slots: list[int] = field(default_factory=list)  # L2 slots now free
+    kept_slots: list[int] = field(default_factory=list)  # L2 slots of locked pages, kept
+    keys: list[PageKey] = field(default_factory=list)  # every page key below the tops
 
 
 class HiRadixTree:
-    """Page-granular radix tree of L2-resident prefixes; see the module docstring."""
+    """Page-granular radix tree of L2- and L3-resident prefixes; see the module docstring."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_l3_only_pages: int = DEFAULT_MAX_L3_ONLY_PAGES) -> None:
         self._clock = clock
+        self.max_l3_only_pages = max_l3_only_pages
         self._clear()
 
     # ------------------------------------------------------------------ queries
@@ -106,18 +149,44 @@ class HiRadixTree:
     def evictable_pages(self) -> int:
         return self._evictable_pages
 
+    def l3_pages(self) -> int:
+        return self._l3_pages
+
+    def l3_only_pages(self) -> int:
+        return self._l3_only_pages
+
+    def node_of(self, key: PageKey) -> TreeNode | None:
+        return self._nodes.get(key)
+
     def iter_nodes(self) -> Iterator[TreeNode]:
-        """All nodes, root first, depth-first (for debugging and tests)."""
+        """All nodes, root first, depth-first (parents before children)."""
         stack = [self.root]
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
+    def find(self, keys: Sequence[PageKey]) -> TreeNode | None:
+        """The node ending exactly at ``keys`` in either tier (split so; root for
+        none), or None when the tree lacks one of them. Times are not touched."""
+        node, i = self.root, 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                return None
+            k = _common_prefix_len(child.keys, keys, i)
+            if k < len(child.keys):
+                if i + k < len(keys):
+                    return None
+                child = self._split(child, k)
+            node, i = child, i + k
+        return node
+
     # ------------------------------------------------------------------ match / insert
 
     def match_prefix(self, keys: Sequence[PageKey]) -> MatchResult:
-        """Longest prefix of ``keys`` resident in L2; splits so ``node`` ends at it."""
+        """Longest prefix of ``keys`` resident in L2 (split so ``node`` ends at it),
+        and how many pages after it the tree knows L3 holds."""
         now = self._clock()
         node = self.root
         node.last_access = now
@@ -137,39 +206,129 @@ class HiRadixTree:
             i += k
             # A match that ended inside the edge stops next round: the split
             # node's only child starts with a different key.
-        return MatchResult(node=node, num_pages=i, host_slots=slots)
+        return MatchResult(node=node, num_pages=i, host_slots=slots,
+                           l3_pages=self._l3_run(node, keys, i))
+
+    def _l3_run(self, node: TreeNode, keys: Sequence[PageKey], i: int) -> int:
+        """Pages of ``keys[i:]`` below ``node`` known in L3, consecutively (no splits)."""
+        run = 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            j = 0
+            while (j < len(child.keys) and i + j < len(keys)
+                   and child.keys[j] == keys[i + j] and child.in_l3[j]):
+                j += 1
+            run, i = run + j, i + j
+            if j < len(child.keys):
+                break
+            node = child
+        return run
 
     def insert(self, keys: Sequence[PageKey], host_slots: Sequence[int]) -> InsertResult:
-        """Record ``keys`` as resident at ``host_slots``; already-present pages keep their slots."""
+        """Record ``keys`` as L2-resident at ``host_slots``: already-present L2 pages
+        keep their slots, L3-only pages take theirs, the rest are added."""
         if len(keys) != len(host_slots):
             raise ValueError(f"{len(keys)} keys but {len(host_slots)} host slots")
         now = self._clock()
         node = self.root
         node.last_access = now
         unused: list[int] = []
+        new = 0
         i = 0
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
                 child = self._add_leaf(node, list(keys[i:]), list(host_slots[i:]), now)
-                return InsertResult(child, unused, len(keys) - i)
-            # L3-only nodes arrive with the L3 tier; until then the whole tree is in L2.
-            assert child.host_slots is not None
+                return InsertResult(child, unused, new + len(keys) - i)
             k = _common_prefix_len(child.keys, keys, i)
             if k < len(child.keys):
                 child = self._split(child, k)
+            if child.host_slots is None:
+                self._set_slots(child, list(host_slots[i : i + k]))  # L3-only: now in L2 too
+                new += k
+            else:
+                unused.extend(host_slots[i : i + k])
             child.hit_count += 1
             child.last_access = now
-            unused.extend(host_slots[i : i + k])
             node = child
             i += k
-        return InsertResult(node, unused, 0)
+        return InsertResult(node, unused, new)
+
+    # ------------------------------------------------------------------ L3 residency
+
+    def mark_l3(self, keys: Sequence[PageKey], start: int = 0) -> list[PageKey]:
+        """L3 holds ``keys[start:]``, whose prefix ``keys[:start]`` is in the tree:
+        mark them, adding the missing ones as L3-only pages. Returns the keys newly
+        marked ([] when the prefix is not in the tree)."""
+        node, i = self.root, 0
+        newly: list[PageKey] = []
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                if i < start:
+                    return newly
+                self._add_leaf(node, list(keys[i:]), None, node.last_access,
+                               in_l3=[True] * (len(keys) - i))
+                newly.extend(keys[i:])
+                break
+            k = _common_prefix_len(child.keys, keys, i)
+            if k < len(child.keys) and i + k < len(keys) and i + k < start:
+                return newly  # the prefix leaves the tree inside this edge
+            for j in range(max(0, start - i), k):
+                if not child.in_l3[j]:
+                    self._set_l3(child, j, True)
+                    newly.append(child.keys[j])
+            if k < len(child.keys):
+                if i + k == len(keys):
+                    break
+                child = self._split(child, k)
+            node, i = child, i + k
+        self._trim_l3_index()
+        return newly
+
+    def mark_l3_keys(self, keys: Iterable[PageKey]) -> list[PageKey]:
+        """L3 holds these pages: mark those the tree has (others are ignored).
+        Returns the keys newly marked."""
+        wanted: dict[TreeNode, set[PageKey]] = {}
+        for key in keys:
+            node = self._nodes.get(key)
+            if node is not None:
+                wanted.setdefault(node, set()).add(key)
+        newly: list[PageKey] = []
+        for node, mine in wanted.items():
+            for j, key in enumerate(node.keys):
+                if key in mine and not node.in_l3[j]:
+                    self._set_l3(node, j, True)
+                    newly.append(key)
+        return newly
+
+    def unmark_l3_keys(self, keys: Iterable[PageKey]) -> list[PageKey]:
+        """L3 no longer holds these pages: clear them; an L3-only node loses the
+        page and everything after it. Returns the keys that were marked."""
+        wanted: dict[TreeNode, set[PageKey]] = {}
+        for key in keys:
+            node = self._nodes.get(key)
+            if node is not None:
+                wanted.setdefault(node, set()).add(key)
+        cleared: list[PageKey] = []
+        for node, mine in wanted.items():
+            for j, key in enumerate(node.keys):
+                if key in mine and node.in_l3[j]:
+                    self._set_l3(node, j, False)
+                    cleared.append(key)
+        for node in wanted:
+            self._prune(node)  # a no-op for nodes already pruned with an ancestor's tail
+        return cleared
 
     # ------------------------------------------------------------------ locks
 
     def lock(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors (root excluded) against eviction."""
+        """Pin the L2-resident ``node`` and its ancestors (root excluded) against eviction."""
         self._check_attached(node)
+        if node is not self.root and node.host_slots is None:
+            raise ValueError(f"lock of L3-only node {node!r}")
         while node is not self.root:
             if node.lock_ref == 0:
                 self._evictable_pages -= len(node.keys)
@@ -188,14 +347,15 @@ class HiRadixTree:
                 self._evictable_pages += len(node.keys)
             node = node.parent  # type: ignore[assignment]
 
-    # ------------------------------------------------------------------ eviction
+    # ------------------------------------------------------------------ eviction / removal
 
     def evict(self, num_pages: int) -> list[int]:
-        """Free exactly ``num_pages`` pages if possible: unlocked leaves, LRU first.
+        """Free exactly ``num_pages`` L2 pages if possible: unlocked L2 leaves, LRU first.
 
         A leaf longer than what is still needed loses only its tail pages, so
-        the reusable head of a long history survives. Fewer are freed only
-        when nothing unlocked is left. Returns the freed host slots.
+        the reusable head of a long history survives. Pages L3 holds stay in
+        the tree, L3-only. Fewer are freed only when nothing unlocked is left.
+        Returns the freed host slots.
         """
         heap = [(n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
@@ -205,17 +365,18 @@ class HiRadixTree:
             still_needed = num_pages - len(freed)
             if len(leaf.keys) > still_needed:
                 self._split(leaf, len(leaf.keys) - still_needed)  # leaf keeps the tail
-            assert leaf.host_slots is not None
-            freed.extend(leaf.host_slots)
-            parent = self._remove_leaf(leaf)
+            parent = leaf.parent
+            assert parent is not None
+            freed.extend(self._drop_l2(leaf))
             # Parents are never older than children, so pushing one keeps the
             # popped sequence in LRU order.
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent in self._leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        self._trim_l3_index()
         return freed
 
     def remove_slots(self, slots: Iterable[int]) -> tuple[list[int], set[int]]:
-        """Forget the pages held in ``slots`` and every page below them.
+        """Forget the pages held in ``slots`` and every page below them, in both tiers.
 
         Used when a slot turned out unusable (failed store, key mismatch):
         its descendants lose their prefix, so they go too. Pages of the same
@@ -239,8 +400,35 @@ class HiRadixTree:
             freed.extend(self._remove_subtree(node))
         return freed, kept
 
+    def drop_subtrees(self, tops: Iterable[TreeNode], *, l2: bool, l3: bool) -> Dropped:
+        """Take the pages of ``tops`` and of every node below them out of L2
+        (``l2``; locked nodes keep theirs) and/or out of L3 (``l3``). Pages left
+        in neither tier leave the tree."""
+        out = Dropped()
+        for top in list(tops):
+            if top is self.root or top.parent is None:
+                continue
+            subtree = list(_preorder(top))
+            out.keys.extend(k for node in subtree for k in node.keys)
+            for node in reversed(subtree):  # children before parents
+                if node.parent is None:
+                    continue  # went with a descendant's... never: pruning goes downwards
+                if l3:
+                    for j, flag in enumerate(node.in_l3):
+                        if flag:
+                            self._set_l3(node, j, False)
+                if l2 and node.host_slots is not None:
+                    if node.lock_ref:
+                        out.kept_slots.extend(node.host_slots)
+                        continue
+                    out.freed_slots.extend(self._drop_l2(node))
+                elif node.host_slots is None:
+                    self._prune(node)
+        self._trim_l3_index()
+        return out
+
     def reset(self) -> list[int]:
-        """Drop every node; returns all host slots. Raises if anything is locked."""
+        """Drop every node (both tiers); returns all host slots. Raises if anything is locked."""
         if self._evictable_pages != self._total_pages:
             raise RuntimeError("cannot reset the tree while nodes are locked")
         slots: list[int] = []
@@ -253,59 +441,127 @@ class HiRadixTree:
 
     def _clear(self) -> None:
         self.root = TreeNode([], None, [], self._clock())
-        self._leaves: set[TreeNode] = set()  # childless non-root nodes
+        self._leaves: set[TreeNode] = set()  # L2 nodes without an L2 child (root excluded)
+        self._nodes: dict[PageKey, TreeNode] = {}
         self._total_pages = 0
         self._evictable_pages = 0
+        self._l3_pages = 0
+        self._l3_only_pages = 0
 
     # ------------------------------------------------------------------ internals
 
-    def _add_leaf(
-        self, parent: TreeNode, keys: list[PageKey], slots: list[int], now: float
-    ) -> TreeNode:
-        leaf = TreeNode(keys, parent, slots, now)
+    def _add_leaf(self, parent: TreeNode, keys: list[PageKey], slots: list[int] | None,
+                  now: float, in_l3: list[bool] | None = None) -> TreeNode:
+        leaf = TreeNode(keys, parent, slots, now, in_l3)
         parent.children[keys[0]] = leaf
-        self._leaves.discard(parent)
-        self._leaves.add(leaf)
-        self._total_pages += len(keys)
-        self._evictable_pages += len(keys)
+        for key in keys:
+            self._nodes[key] = leaf
+        self._l3_pages += sum(leaf.in_l3)
+        if slots is None:
+            self._l3_only_pages += len(keys)
+        else:
+            self._total_pages += len(keys)
+            self._evictable_pages += len(keys)
+        self._refresh_leaf(leaf)
+        self._refresh_leaf(parent)
         return leaf
 
-    def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
-        parent = leaf.parent
-        assert parent is not None and not leaf.children and leaf.lock_ref == 0
-        del parent.children[leaf.keys[0]]
-        leaf.parent = None  # marks the handle detached
-        self._leaves.discard(leaf)
-        if parent is not self.root and not parent.children:
-            self._leaves.add(parent)
-        self._total_pages -= len(leaf.keys)
-        self._evictable_pages -= len(leaf.keys)
-        return parent
+    def _set_slots(self, node: TreeNode, slots: list[int] | None) -> None:
+        """Make ``node`` L2-resident at ``slots`` or (None) L3-only; keeps the counters."""
+        n = len(node.keys)
+        if node.host_slots is None:
+            self._l3_only_pages -= n
+        else:
+            self._total_pages -= n
+            self._evictable_pages -= n if node.lock_ref == 0 else 0
+        node.host_slots = slots
+        if slots is None:
+            assert node.lock_ref == 0, "a locked node leaves L2"
+            self._l3_only_pages += n
+        else:
+            self._total_pages += n
+            self._evictable_pages += n if node.lock_ref == 0 else 0
+        self._refresh_leaf(node)
+        if node.parent is not None:
+            self._refresh_leaf(node.parent)
+
+    def _set_l3(self, node: TreeNode, j: int, value: bool) -> None:
+        if node.in_l3[j] != value:
+            node.in_l3[j] = value
+            self._l3_pages += 1 if value else -1
+
+    def _refresh_leaf(self, node: TreeNode) -> None:
+        """Keep ``_leaves`` (L2 nodes without an L2 child) right for ``node``."""
+        if (node is not self.root and node.parent is not None and node.host_slots is not None
+                and not any(c.host_slots is not None for c in node.children.values())):
+            self._leaves.add(node)
+        else:
+            self._leaves.discard(node)
+
+    def _drop_l2(self, node: TreeNode) -> list[int]:
+        """``node`` (unlocked, every descendant already L3-only) leaves L2; what L3
+        holds of it stays. Returns its slots."""
+        freed = list(node.host_slots or ())
+        self._set_slots(node, None)
+        self._prune(node)
+        return freed
+
+    def _prune(self, node: TreeNode) -> None:
+        """An L3-only ``node`` keeps its leading pages that L3 holds; from the first
+        other page on it leaves the tree with its subtree (all L3-only)."""
+        if node.host_slots is not None or node.parent is None:
+            return
+        n = 0
+        while n < len(node.keys) and node.in_l3[n]:
+            n += 1
+        if n == len(node.keys):
+            return
+        if n > 0:
+            self._split(node, n)  # node keeps the tail, from the first page L3 lacks
+        self._remove_subtree(node)
 
     def _remove_subtree(self, top: TreeNode) -> list[int]:
-        """Detach ``top`` and its descendants (all unlocked); returns their slots."""
+        """Detach ``top`` and its descendants (all unlocked); returns their L2 slots."""
         parent = top.parent
         assert parent is not None and top.lock_ref == 0
         del parent.children[top.keys[0]]
-        if parent is not self.root and not parent.children:
-            self._leaves.add(parent)
         slots: list[int] = []
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
+        for node in list(_preorder(top)):
             slots.extend(node.host_slots or ())
             self._leaves.discard(node)
-            self._total_pages -= len(node.keys)
-            self._evictable_pages -= len(node.keys)
+            for key in node.keys:
+                self._nodes.pop(key, None)
+            self._l3_pages -= sum(node.in_l3)
+            if node.host_slots is None:
+                self._l3_only_pages -= len(node.keys)
+            else:
+                self._total_pages -= len(node.keys)
+                self._evictable_pages -= len(node.keys)
             node.parent = None  # outstanding handles become detached
+        self._refresh_leaf(parent)
         return slots
+
+    def _trim_l3_index(self) -> None:
+        """Forget least recently used L3-only leaves beyond ``max_l3_only_pages``."""
+        if self._l3_only_pages <= self.max_l3_only_pages:
+            return
+        target = self.max_l3_only_pages * 9 // 10
+        heap = [(n.last_access, n.id, n) for n in self.iter_nodes()
+                if n is not self.root and n.host_slots is None and not n.children]
+        heapq.heapify(heap)
+        while self._l3_only_pages > target and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            self._remove_subtree(leaf)
+            if parent is not self.root and parent.host_slots is None and not parent.children:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         """Cut ``child`` after ``k`` pages; returns the new upper node.
 
         The original object keeps the lower half so outstanding handles stay
-        valid; locks, hits and access time carry over to both halves.
+        valid; residency, locks, hits and access time carry over to both halves.
         """
         assert 0 < k < len(child.keys)
         parent = child.parent
@@ -315,12 +571,16 @@ class HiRadixTree:
             parent,
             None if child.host_slots is None else child.host_slots[:k],
             child.last_access,
+            child.in_l3[:k],
         )
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
         upper.children[child.keys[k]] = child
         parent.children[upper.keys[0]] = upper
+        for key in upper.keys:
+            self._nodes[key] = upper
         child.keys = child.keys[k:]
+        child.in_l3 = child.in_l3[k:]
         if child.host_slots is not None:
             child.host_slots = child.host_slots[k:]
         child.parent = upper
@@ -332,8 +592,9 @@ class HiRadixTree:
 
     def check_invariants(self) -> None:
         """Assert the structural invariants; O(nodes), for tests and debugging."""
-        total = evictable = 0
+        total = evictable = l3 = l3_only = 0
         leaves: set[TreeNode] = set()
+        index: dict[PageKey, TreeNode] = {}
         for node in self.iter_nodes():
             for first, child in node.children.items():
                 assert child.parent is node, "child/parent link broken"
@@ -346,18 +607,38 @@ class HiRadixTree:
             if node is self.root:
                 assert node.lock_ref == 0 and not node.keys and node.host_slots == []
                 continue
-            # This version: every tree node is in L2.
-            assert node.host_slots is not None and len(node.host_slots) == len(node.keys)
+            assert len(node.in_l3) == len(node.keys)
+            for key in node.keys:
+                assert key not in index, "page key twice in the tree"
+                index[key] = node
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values())
+            l3 += sum(node.in_l3)
+            if node.host_slots is None:
+                assert all(node.in_l3), "L3-only node with a page L3 lacks"
+                assert node.lock_ref == 0, "locked L3-only node"
+                l3_only += len(node.keys)
+                continue
+            assert len(node.host_slots) == len(node.keys)
             total += len(node.keys)
             evictable += len(node.keys) if node.lock_ref == 0 else 0
-            if not node.children:
+            if not any(c.host_slots is not None for c in node.children.values()):
                 leaves.add(node)
         assert total == self._total_pages, f"total_pages {self._total_pages} != {total}"
         assert evictable == self._evictable_pages, (
             f"evictable_pages {self._evictable_pages} != {evictable}"
         )
+        assert l3 == self._l3_pages, f"l3_pages {self._l3_pages} != {l3}"
+        assert l3_only == self._l3_only_pages, f"l3_only_pages {self._l3_only_pages} != {l3_only}"
         assert leaves == self._leaves, "leaf set out of date"
+        assert index == self._nodes, "key index out of date"
+
+
+def _preorder(top: TreeNode) -> Iterator[TreeNode]:
+    stack = [top]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
 
 
 def _common_prefix_len(edge: Sequence[PageKey], keys: Sequence[PageKey], start: int) -> int:

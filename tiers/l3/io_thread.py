@@ -23,6 +23,8 @@ Contract:
   backups of those slots and waits for a running one (bounded by the
   backend's own timeouts). Without this a backup could store another
   page's bytes, with a valid checksum, under this page's key.
+  ``take_backed_up()`` returns the L3 keys stored since the last call, for
+  the scheduler's tree (``WorkerReport.l3_stored``).
 - ``submit_removal(keys)`` (admin flush): drops queued backups of those
   pages and deletes them from this rank's store after the backup already
   running, so a flushed page is not written back later.
@@ -121,6 +123,7 @@ class StorageIO:
         self._running_backup: set[int] = set()
         self._removals: deque[list[bytes] | None] = deque()
         self._jobs: list[_Job] = []  # submitted, not yet returned by poll
+        self._backed_up: list[bytes] = []  # L3 keys stored, not yet taken
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self._thread.start()
@@ -166,6 +169,12 @@ class StorageIO:
             for job in [j for j in self._jobs if j.result is not None]:
                 self._jobs.remove(job)
                 done.append(job.result)  # type: ignore[arg-type]
+        return done
+
+    def take_backed_up(self) -> list[bytes]:
+        """L3 keys whose backups succeeded since the last call."""
+        with self._cv:
+            done, self._backed_up = self._backed_up, []
         return done
 
     def wait_results(self, timeout_s: float) -> bool:
@@ -267,6 +276,10 @@ class StorageIO:
                     self._cv.notify_all()
 
     def _remove(self, keys: list[bytes] | None) -> None:
+        with self._cv:  # stored before this removal, then deleted: not in L3
+            wanted = None if keys is None else set(keys)
+            self._backed_up = [k for k in self._backed_up
+                               if wanted is not None and k not in wanted]
         try:
             if keys is None:
                 self.backend.clear()
@@ -290,6 +303,8 @@ class StorageIO:
                 logger.exception("HiCache L3: backup of %d pages failed", len(batch))
                 ok = [False] * len(batch)
             good = sum(1 for x in ok if x)
+            with self._cv:
+                self._backed_up.extend(at for (_, _, at), x in zip(batch, ok, strict=True) if x)
             self.stats.backup_pages += good
             self.stats.backup_failed_pages += len(batch) - good
 

@@ -1,4 +1,4 @@
-"""L2's KV events (tiers/controller/events.py) on the scheduler, without an engine:
+"""L2's and L3's KV events (tiers/controller/events.py) on the scheduler, without an engine:
 a stored page names its request's block hashes, parent and tokens; a page that
 leaves L2 (eviction, flush, reset) is removed by exactly those hashes; fetched
 pages are stored too; nothing is recorded when vLLM publishes no events."""
@@ -9,7 +9,7 @@ from concurrent.futures import wait
 
 from support.fakes import file_store, request, write_prompt_pages
 
-from hicache.tiers.controller.events import MEDIUM_L2, PagesRemoved, PageStored
+from hicache.tiers.controller.events import MEDIUM_L2, MEDIUM_L3, PagesRemoved, PageStored
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport, prefetch_id
@@ -86,10 +86,17 @@ def test_pages_fetched_from_l3_are_stored_events(tmp_path):
     sched.on_new_request(req)
     assert wait([sched.fetches.probes._probes["r"].future], timeout=30).done
     sched.build_connector_meta({})
-    assert sched.take_events() == []  # reserved, not in L2 yet
-    sched.on_worker_report(WorkerReport(fetched={prefetch_id("r"): [2]}))
     h = req.block_hashes
-    assert [e.block_hashes for e in sched.take_events()] == [(h[0], h[1]), (h[2], h[3])]
+    # The lookup found both pages in L3 (the tree learns it: medium STORAGE);
+    # they are reserved in L2, not there yet.
+    assert sched.take_events() == [
+        PageStored((h[0], h[1]), None, tuple(tokens[:8]), BS, MEDIUM_L3),
+        PageStored((h[2], h[3]), h[1], tuple(tokens[8:16]), BS, MEDIUM_L3),
+    ]
+    sched.on_worker_report(WorkerReport(fetched={prefetch_id("r"): [2]}))
+    events = sched.take_events()
+    assert [(e.block_hashes, e.medium) for e in events] == [((h[0], h[1]), MEDIUM_L2),
+                                                            ((h[2], h[3]), MEDIUM_L2)]
     sched.fetches.probes.close()
 
 

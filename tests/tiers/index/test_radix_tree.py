@@ -1,3 +1,5 @@
+import hashlib
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -188,24 +190,42 @@ def test_remove_slots_keeps_locked_nodes():
 
 # ---------------------------------------------------------------- stateful model check
 
-ALPHABET = [K(c) for c in "abc"]
 MAX_LEN = 6
-sequences = st.lists(st.sampled_from(ALPHABET), max_size=MAX_LEN)
+
+
+def chain(letters: list[str]) -> list[PageKey]:
+    """Page keys as the engine makes them: each one hashes its whole prefix."""
+    return [PageKey(hashlib.sha256("".join(letters[: i + 1]).encode()).digest())
+            for i in range(len(letters))]
+
+
+sequences = st.lists(st.sampled_from("abc"), max_size=MAX_LEN).map(chain)
 
 
 class TreeVsReference(RuleBasedStateMachine):
-    """The tree against a flat dict of present prefixes with per-page times and locks."""
+    """The tree against flat references: L2 prefixes with their slots, the set of
+    prefixes known in L3, per-page times (L2) and locks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
         self.tree = HiRadixTree(self.clock)
-        self.ref: dict[tuple[PageKey, ...], int] = {}  # present prefix -> its last page's slot
+        self.ref: dict[tuple[PageKey, ...], int] = {}  # L2 prefix -> its last page's slot
+        self.l3: set[tuple[PageKey, ...]] = set()  # prefixes in the tree and known in L3
         self.atime: dict[tuple[PageKey, ...], float] = {}
         self.locks: dict[tuple[PageKey, ...], int] = {}
         self.handles: list[tuple[TreeNode, tuple[PageKey, ...]]] = []
         self.free: set[int] = set()
         self.handed_out = 0
+
+    def _present(self, prefix: tuple[PageKey, ...]) -> bool:
+        return not prefix or prefix in self.ref or prefix in self.l3
+
+    def _close(self) -> None:
+        """What the tree keeps: pages in a tier whose whole prefix is kept too."""
+        for p in sorted(self.l3, key=len):
+            if not self._present(p[:-1]):
+                self.l3.discard(p)
 
     def _take(self, n: int) -> list[int]:
         slots = sorted(self.free)[:n]
@@ -252,6 +272,10 @@ class TreeVsReference(RuleBasedStateMachine):
         assert m.num_pages == n
         assert m.host_slots == [self.ref[tuple(seq[: i + 1])] for i in range(n)]
         assert path_keys(m.node) == seq[:n]
+        run = 0
+        while n + run < len(seq) and tuple(seq[: n + run + 1]) in self.l3:
+            run += 1
+        assert m.l3_pages == run
         self._touch(seq, n)
         return m.node
 
@@ -276,6 +300,63 @@ class TreeVsReference(RuleBasedStateMachine):
         for i in range(1, len(prefix) + 1):
             self.locks[prefix[:i]] -= 1
 
+    @rule(seq=sequences, data=st.data())
+    def mark_l3(self, seq, data):
+        start = data.draw(st.integers(0, len(seq)))
+        newly = self.tree.mark_l3(seq, start)
+        expected = []
+        if self._present(tuple(seq[:start])):
+            expected = [seq[i] for i in range(start, len(seq))
+                        if tuple(seq[: i + 1]) not in self.l3]
+            self.l3 |= {tuple(seq[: i + 1]) for i in range(start, len(seq))}
+        assert newly == expected
+
+    @rule(seq=sequences, data=st.data())
+    def mark_or_unmark_keys(self, seq, data):
+        mark = data.draw(st.booleans())
+        chosen = [k for k in seq if data.draw(st.booleans())]
+        prefixes = {tuple(seq[: seq.index(k) + 1]) for k in chosen}
+        if mark:
+            got = self.tree.mark_l3_keys(chosen)
+            expected = {p for p in prefixes if self._present(p) and p not in self.l3}
+            self.l3 |= expected
+        else:
+            got = self.tree.unmark_l3_keys(chosen)
+            expected = prefixes & self.l3
+            self.l3 -= expected
+            self._close()
+        assert sorted(got) == sorted(p[-1] for p in expected)
+
+    @rule(seq=sequences, l2=st.booleans(), l3=st.booleans())
+    def drop_subtree(self, seq, l2, l3):
+        top = self.tree.find(seq) if seq else None
+        if not self._present(tuple(seq)) or not seq:
+            assert top is None
+            return
+        assert top is not None and path_keys(top) == seq
+        # The top's own last page and everything below it.
+        below = {p for p in set(self.ref) | self.l3 if p[: len(seq)] == tuple(seq)}
+        below_top = [top] if len(top.keys) == 1 else []
+        if not below_top:  # the tree's top node may start above seq's last page
+            parent = self.tree.find(seq[:-1])
+            assert parent is not None
+            below_top = [parent.children[seq[-1]]]
+        dropped = self.tree.drop_subtrees(below_top, l2=l2, l3=l3)
+        assert set(dropped.keys) == {p[-1] for p in below}
+        if l3:
+            self.l3 -= below
+        freed = []
+        if l2:
+            for p in below:
+                if p in self.ref and self.locks.get(p, 0) == 0:
+                    freed.append(self.ref.pop(p))
+        self._close()
+        assert sorted(dropped.freed_slots) == sorted(freed)
+        self.free |= set(freed)
+        for p in list(self.atime):
+            if p not in self.ref:
+                del self.atime[p]
+
     @rule(n=st.integers(0, 8))
     def evict(self, n):
         freed = self.tree.evict(n)
@@ -285,7 +366,7 @@ class TreeVsReference(RuleBasedStateMachine):
         for p in removed:
             assert self.locks.get(p, 0) == 0, "evicted a locked page"
             del self.ref[p]
-        for p in self.ref:  # still prefix-closed: only whole subtrees went
+        for p in self.ref:  # still prefix-closed: only whole L2 subtrees went
             assert all(p[:i] in self.ref for i in range(1, len(p)))
         remaining_unlocked = [p for p in self.ref if self.locks.get(p, 0) == 0]
         if removed and remaining_unlocked:  # LRU: nothing evicted is newer than a survivor
@@ -298,6 +379,7 @@ class TreeVsReference(RuleBasedStateMachine):
             assert len(freed) == n, "evicted more pages than asked"
         for p in removed:
             del self.atime[p]
+        self._close()
         self.free |= set(freed)
 
     @precondition(lambda self: not self.handles)
@@ -306,6 +388,7 @@ class TreeVsReference(RuleBasedStateMachine):
         assert sorted(self.tree.reset()) == sorted(self.ref.values())
         self.free |= set(self.ref.values())
         self.ref.clear()
+        self.l3.clear()
         self.atime.clear()
         self.locks.clear()
 
@@ -319,18 +402,26 @@ class TreeVsReference(RuleBasedStateMachine):
     def agrees_with_reference(self):
         self.tree.check_invariants()
         seen: dict[tuple[PageKey, ...], int] = {}
+        seen_l3: set[tuple[PageKey, ...]] = set()
         for node in self.tree.iter_nodes():
             if node is self.tree.root:
                 continue
             start = tuple(path_keys(node.parent))
-            for i, slot in enumerate(node.host_slots):
+            for i in range(len(node.keys)):
                 prefix = start + tuple(node.keys[: i + 1])
-                seen[prefix] = slot
+                if node.in_l3[i]:
+                    seen_l3.add(prefix)
+                assert self.locks.get(prefix, 0) == node.lock_ref
+                if node.host_slots is None:
+                    continue
+                seen[prefix] = node.host_slots[i]
                 # Pages of one node share their access time and lock count.
                 assert self.atime[prefix] == node.last_access
-                assert self.locks.get(prefix, 0) == node.lock_ref
         assert seen == self.ref
+        assert seen_l3 == self.l3
         assert self.tree.total_pages() == len(self.ref)
+        assert self.tree.l3_pages() == len(self.l3)
+        assert self.tree.l3_only_pages() == len(self.l3 - set(self.ref))
         unlocked = sum(1 for p in self.ref if self.locks.get(p, 0) == 0)
         assert self.tree.evictable_pages() == unlocked
 
