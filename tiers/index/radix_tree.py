@@ -412,7 +412,7 @@ class HiRadixTree:
             out.keys.extend(k for node in subtree for k in node.keys)
             for node in reversed(subtree):  # children before parents
                 if node.parent is None:
-                    continue  # went with a descendant's... never: pruning goes downwards
+                    continue  # defensive: children come first, so none is detached yet
                 if l3:
                     for j, flag in enumerate(node.in_l3):
                         if flag:
