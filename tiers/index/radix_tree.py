@@ -73,6 +73,7 @@ class TreeNode:
         "children",
         "host_slots",
         "in_l3",
+        "l2_children",
         "lock_ref",
         "hit_count",
         "last_access",
@@ -94,6 +95,8 @@ class TreeNode:
         self.host_slots = host_slots
         # Per page: L3 holds it (as far as this engine knows).
         self.in_l3 = in_l3 if in_l3 is not None else [False] * len(keys)
+        # Children that are L2-resident (an L2 node without any is an L2 leaf).
+        self.l2_children = 0
         self.lock_ref = 0
         self.hit_count = 1  # SGLang semantics: creation counts as one hit
         self.last_access = last_access
@@ -454,6 +457,7 @@ class HiRadixTree:
                   now: float, in_l3: list[bool] | None = None) -> TreeNode:
         leaf = TreeNode(keys, parent, slots, now, in_l3)
         parent.children[keys[0]] = leaf
+        parent.l2_children += slots is not None
         for key in keys:
             self._nodes[key] = leaf
         self._l3_pages += sum(leaf.in_l3)
@@ -469,6 +473,8 @@ class HiRadixTree:
     def _set_slots(self, node: TreeNode, slots: list[int] | None) -> None:
         """Make ``node`` L2-resident at ``slots`` or (None) L3-only; keeps the counters."""
         n = len(node.keys)
+        if node.parent is not None:
+            node.parent.l2_children += (slots is not None) - (node.host_slots is not None)
         if node.host_slots is None:
             self._l3_only_pages -= n
         else:
@@ -493,7 +499,7 @@ class HiRadixTree:
     def _refresh_leaf(self, node: TreeNode) -> None:
         """Keep ``_leaves`` (L2 nodes without an L2 child) right for ``node``."""
         if (node is not self.root and node.parent is not None and node.host_slots is not None
-                and not any(c.host_slots is not None for c in node.children.values())):
+                and node.l2_children == 0):
             self._leaves.add(node)
         else:
             self._leaves.discard(node)
@@ -525,6 +531,7 @@ class HiRadixTree:
         parent = top.parent
         assert parent is not None and top.lock_ref == 0
         del parent.children[top.keys[0]]
+        parent.l2_children -= top.host_slots is not None
         slots: list[int] = []
         for node in list(_preorder(top)):
             slots.extend(node.host_slots or ())
@@ -575,6 +582,7 @@ class HiRadixTree:
         )
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
+        upper.l2_children = int(child.host_slots is not None)
         upper.children[child.keys[k]] = child
         parent.children[upper.keys[0]] = upper
         for key in upper.keys:
@@ -596,6 +604,8 @@ class HiRadixTree:
         leaves: set[TreeNode] = set()
         index: dict[PageKey, TreeNode] = {}
         for node in self.iter_nodes():
+            assert node.l2_children == sum(c.host_slots is not None
+                                           for c in node.children.values()), "l2_children"
             for first, child in node.children.items():
                 assert child.parent is node, "child/parent link broken"
                 assert child.keys and child.keys[0] == first, "child keyed by wrong page"
