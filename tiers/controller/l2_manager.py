@@ -205,13 +205,6 @@ class L2Manager:
         self.slots.free(dropped.freed_slots)
         return dropped
 
-    def remove(self, slots: Iterable[int]) -> tuple[int, int]:
-        """Drop the pages in ``slots`` and every page below them; (freed, kept locked)."""
-        freed, kept = self.tree.remove_slots(slots)
-        self.events.removed(freed)
-        self.slots.free(freed)
-        return len(freed), len(kept)
-
     def report_bad_slots(self, slots: Iterable[int]) -> None:
         self._bad_slots.update(slots)
 

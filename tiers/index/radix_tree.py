@@ -294,11 +294,7 @@ class HiRadixTree:
     def mark_l3_keys(self, keys: Iterable[PageKey]) -> list[PageKey]:
         """L3 holds these pages: mark those the tree has (others are ignored).
         Returns the keys newly marked."""
-        wanted: dict[TreeNode, set[PageKey]] = {}
-        for key in keys:
-            node = self._nodes.get(key)
-            if node is not None:
-                wanted.setdefault(node, set()).add(key)
+        wanted = self._by_node(keys)
         newly: list[PageKey] = []
         for node, mine in wanted.items():
             for j, key in enumerate(node.keys):
@@ -307,14 +303,19 @@ class HiRadixTree:
                     newly.append(key)
         return newly
 
-    def unmark_l3_keys(self, keys: Iterable[PageKey]) -> list[PageKey]:
-        """L3 no longer holds these pages: clear them; an L3-only node loses the
-        page and everything after it. Returns the keys that were marked."""
+    def _by_node(self, keys: Iterable[PageKey]) -> dict[TreeNode, set[PageKey]]:
+        """The given keys the tree holds, grouped by the node holding them."""
         wanted: dict[TreeNode, set[PageKey]] = {}
         for key in keys:
             node = self._nodes.get(key)
             if node is not None:
                 wanted.setdefault(node, set()).add(key)
+        return wanted
+
+    def unmark_l3_keys(self, keys: Iterable[PageKey]) -> list[PageKey]:
+        """L3 no longer holds these pages: clear them; an L3-only node loses the
+        page and everything after it. Returns the keys that were marked."""
+        wanted = self._by_node(keys)
         cleared: list[PageKey] = []
         for node, mine in wanted.items():
             for j, key in enumerate(node.keys):
