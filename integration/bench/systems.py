@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from hicache.integration.bench.lmcache_service import NO_TELEMETRY
+
 SYSTEM_KINDS = ("vllm", "hicache", "vllm_offload", "lmcache", "sglang")
 L3_BACKENDS = ("file", "nixl")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -242,6 +244,8 @@ def plan(cfg: CompareConfig, spec: SystemSpec, *, port: int, admin_port: int,
     lp = LaunchPlan(spec, base_url=f"http://127.0.0.1:{port}")
     python = _python(spec)
     lp.env = {**cfg.env, **spec.env}
+    if spec.kind == "lmcache":  # LMCache reports usage unless told not to
+        lp.env.update(NO_TELEMETRY)
     model = resolve_model(cfg.model)
     if spec.kind == "sglang":
         # SGLang's HiCache moves KV between device and host with sgl_kernel's

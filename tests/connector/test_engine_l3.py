@@ -406,3 +406,41 @@ def test_mooncake_master_killed_mid_run(tiny_model, baseline, mooncake):
     assert again.outputs == want1.outputs[6:7]
     # That the breaker stops further calls from waiting on the dead master is
     # checked call by call in tests/tiers/l3/test_mooncake_backend.py.
+
+
+@pytest.fixture(scope="module")
+def lmcache(tmp_path_factory):
+    """A stock ``lmcache server`` (its own venv) with an fs L2, on 127.0.0.1."""
+    from hicache.integration.bench.lmcache_service import start_lmcache
+
+    with start_lmcache(tmp_path_factory.mktemp("lmcache-l2"),
+                       log_dir=tmp_path_factory.mktemp("lmcache-logs")) as service:
+        yield service
+
+
+def test_lmcache_restart_serves_from_l3(tiny_model, baseline, lmcache):
+    # Engine A's pages live in the LMCache server and outlive A; B has an empty L2.
+    got = restart_round_trip(tiny_model, baseline, "lmcache", lmcache.extra_config())
+    assert got.num_cached_tokens == history_pages(baseline, 1)[:3]
+
+
+def test_lmcache_server_killed_mid_run(tiny_model, baseline, lmcache):
+    """The server dies between turns: calls fail fast, vLLM recomputes, tokens stay
+    identical; it comes back and the engine stores and serves from it again."""
+    want0, want1 = baseline.turns[0], baseline.turns[1]
+    llm = engine(tiny_model, "lmcache", lmcache.extra_config(),
+                 hicache_storage_prefetch_policy="wait_complete")
+    try:
+        first = run_turns(llm, want0.prompts[3:6], WORKLOAD.answer_tokens)
+        lmcache.kill()
+        second = run_turns(llm, want1.prompts[3:6], WORKLOAD.answer_tokens)
+        lmcache.restart()
+        again = run_turns(llm, want1.prompts[6:7], WORKLOAD.answer_tokens)
+    finally:
+        close_llm(llm)
+        if not lmcache.alive():
+            lmcache.restart()
+    assert first.outputs == want0.outputs[3:6]
+    assert second.outputs == want1.outputs[3:6]
+    assert again.outputs == want1.outputs[6:7]
+    # Call by call (breaker, recovery, re-registration): tests/tiers/l3/test_lmcache_backend.py.

@@ -1,4 +1,4 @@
-"""Build an L3 backend by name: ``file``, ``mooncake``, ``nixl`` or ``dynamic``.
+"""Build an L3 backend by name: ``file``, ``mooncake``, ``nixl``, ``lmcache`` or ``dynamic``.
 
 Contract: ``create_backend(name, config)`` imports the backend lazily (so a
 missing optional dependency only matters to whoever selects it) and returns
@@ -29,12 +29,13 @@ from hicache.tiers.l3.base import (
 )
 from hicache.tiers.settings import Settings
 
-StorageBackendName = Literal["file", "mooncake", "nixl", "dynamic"]
+StorageBackendName = Literal["file", "mooncake", "nixl", "lmcache", "dynamic"]
 STORAGE_BACKENDS: tuple[str, ...] = get_args(StorageBackendName)
 BACKENDS: dict[str, str] = {
     "file": "hicache.tiers.l3.file_backend:FileBackend",
     "mooncake": "hicache.tiers.l3.mooncake_backend:MooncakeBackend",
     "nixl": "hicache.tiers.l3.nixl_backend:NixlBackend",
+    "lmcache": "hicache.tiers.l3.lmcache_backend:LMCacheBackend",
 }
 
 

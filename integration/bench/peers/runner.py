@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.integration.bench.lmcache_service import NO_TELEMETRY
 from hicache.integration.bench.peers import ours
 from hicache.integration.bench.peers.workload import make_spec, write_workload
 
@@ -146,6 +147,7 @@ def run_peer(peer: str, workload: Path, workdir: Path, parts: list[str], venvs: 
            if not k.startswith(("PYTHON", "VIRTUAL_ENV", "SGLANG_", "LMCACHE_"))}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in extra_path)
     env["PYTHONHASHSEED"] = "0"  # LMCache falls back to hash() without vLLM
+    env.update(NO_TELEMETRY)  # LMCache reports usage unless told not to
     t0 = time.perf_counter()
     try:
         with log.open("w") as log_file:

@@ -74,6 +74,10 @@ def test_equal_budget_reaches_every_kind(tmp_path):
     off = plan(cfg, cfg.systems[0], port=1, admin_port=2, workdir=tmp_path)
     assert off.cmd[off.cmd.index("--kv-offloading-size") + 1] == "3"
     assert off.cmd[off.cmd.index("--kv-offloading-backend") + 1] == "native"
+    lm = plan(cfg, cfg.systems[1], port=1, admin_port=2, workdir=tmp_path)
+    # LMCache reports usage unless told not to: every LMCache process gets both.
+    assert lm.env["LMCACHE_TRACK_USAGE"] == "false" and lm.env["DO_NOT_TRACK"] == "1"
+    assert "LMCACHE_TRACK_USAGE" not in off.env
 
 
 def test_missing_interpreter_and_package_give_reasons(tmp_path):

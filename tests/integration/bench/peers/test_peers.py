@@ -118,7 +118,9 @@ def test_failing_peer_and_unselected_peer(tmp_path: Path) -> None:
     """A peer python that exits non-zero, and a peer left out with --peers."""
     fake = tmp_path / "venvs" / "lmcache" / "bin" / "python"
     fake.parent.mkdir(parents=True)
-    fake.write_text("#!/bin/sh\necho 'peer exploded on purpose' >&2\nexit 3\n")
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"peer exploded on purpose, telemetry=$LMCACHE_TRACK_USAGE/$DO_NOT_TRACK\""
+                    " >&2\nexit 3\n")
     fake.chmod(0o755)
     opts = runner.Options(out=tmp_path / "out", quick=True, parts=("kv", "radix"),
                           peers=("lmcache",), venvs=tmp_path / "venvs",
@@ -130,6 +132,7 @@ def test_failing_peer_and_unselected_peer(tmp_path: Path) -> None:
     for row in kv_rows:
         assert row["status"].startswith("not run: lmcache_peer.py exited 3"), row
         assert "peer exploded on purpose" in row["status"]
+        assert "telemetry=false/1" in row["status"]  # LMCache's usage reports are off
     for row in radix_rows:
         assert row["status"] == "not run: peer sglang not selected (--peers)"
         assert row["ours"] > 0

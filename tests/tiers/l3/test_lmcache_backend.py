@@ -1,0 +1,352 @@
+"""LMCache L3 backend against a real ``lmcache server`` on 127.0.0.1 (no mocks).
+
+The server runs from its own venv (``make lmcache-venv``; ``make test`` builds
+it first), with LMCache's fs L2 adapter in a temporary folder. Round trips
+through every host layout, consecutive exists, dedup, TP-rank and layout
+isolation, a second process reading the first's pages, a restart served from
+the fs L2, a corrupted L2 file as a counted miss, a killed and a hung server,
+exact deletes and a scoped clear, bad configuration, and no telemetry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.integration.bench.lmcache_service import (
+    NO_TELEMETRY,
+    LMCacheService,
+    start_lmcache,
+)
+from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3.base import (
+    StorageConfig,
+    StorageConfigError,
+    StorageStats,
+    StorageUnavailable,
+)
+from hicache.tiers.l3.factory import create_backend
+from hicache.tiers.l3.lmcache_backend import LMCacheBackend, chunk_hash
+
+GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=1024)
+NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 2)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    l2 = tmp_path_factory.mktemp("lmcache-l2")
+    with start_lmcache(l2, log_dir=tmp_path_factory.mktemp("lmcache-logs")) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def shared(service):
+    """Backends reused across tests, by name."""
+    made: dict[tuple[str, int, str], LMCacheBackend] = {}
+
+    def _get(name: str, *, rank: int = 0, layout: str = "page_first") -> LMCacheBackend:
+        if (name, rank, layout) not in made:
+            backend = LMCacheBackend(config(service.extra_config(), rank=rank, layout=layout))
+            backend.register_host_pool(filled_pool(layout, seed=len(made) + 1))
+            made[(name, rank, layout)] = backend
+        return made[(name, rank, layout)]
+
+    yield _get
+    for backend in made.values():
+        backend.close()
+
+
+@pytest.fixture
+def make(service):
+    """Fresh backends, closed after the test."""
+    made: list[LMCacheBackend] = []
+
+    def _make(*, rank: int = 0, layout: str = "page_first", **extra) -> LMCacheBackend:
+        backend = LMCacheBackend(config(service.extra_config(**extra), rank=rank, layout=layout))
+        backend.register_host_pool(filled_pool(layout, seed=len(made) + 100))
+        made.append(backend)
+        return backend
+
+    yield _make
+    for backend in made:
+        backend.close()
+
+
+def config(extra: dict, *, rank: int = 0, layout: str = "page_first") -> StorageConfig:
+    return StorageConfig(tp_rank=rank, tp_size=2, namespace=NS.fingerprint(), mem_layout=layout,
+                         page_bytes=GEOM.page_bytes, extra_config=extra)
+
+
+def keys(n: int, seed: int) -> list[str]:
+    return [k.hex() for k in page_keys(NS.seed(), list(range(seed, seed + 64 * n)), 64)]
+
+
+def filled_pool(layout: str, seed: int) -> HostPagePool:
+    pool = HostPagePool(GEOM, layout=layout, pin_memory=False)
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=gen))
+    return pool
+
+
+def delta(backend: LMCacheBackend, before: StorageStats) -> StorageStats:
+    now = backend.stats().as_dict()
+    return StorageStats(**{k: v - before.as_dict()[k] for k, v in now.items()})
+
+
+def l2_file(service: LMCacheService, backend: LMCacheBackend, key: str) -> Path:
+    """The fs adapter's file of page ``key``, once the server has written it."""
+    name = chunk_hash(key, backend.chunk_size).hex()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert service.l2_dir is not None
+        found = [p for p in service.l2_dir.iterdir()
+                 if p.name.startswith(backend.model_name) and name in p.name]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no L2 file for page {key}")
+
+
+def wait_reachable(backend: LMCacheBackend, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not backend.server_reachable and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.server_reachable, backend.last_error
+
+
+@pytest.mark.parametrize(
+    ("writer_layout", "reader_layout"),
+    [("page_first", "page_first"), ("layer_first", "page_first_direct"),
+     ("page_first_direct", "layer_first")],  # the last two share L3 byte order
+)
+def test_round_trip_bit_exact_through_host_slots(shared, writer_layout, reader_layout):
+    a = shared("a", layout=writer_layout)
+    b = shared("b" if writer_layout == reader_layout else "a", layout=reader_layout)
+    a0, b0 = a.stats(), b.stats()
+    ks = keys(5, seed=1000 + len(writer_layout))
+    assert a.batch_set_v1(ks, [0, 1, 2, 3, 4]) == [True] * 5
+    assert delta(a, a0).set_pages == 5 and delta(a, a0).bytes_written == 5 * GEOM.page_bytes
+    assert b.batch_exists(ks) == 5
+    assert b.batch_get_v1(ks, [7, 6, 5, 4, 3]) == [True] * 5
+    for s, d in zip([0, 1, 2, 3, 4], [7, 6, 5, 4, 3], strict=True):
+        assert torch.equal(a.pool.canonical[s], b.pool.canonical[d])
+    st = delta(b, b0)
+    assert (st.get_hits, st.get_misses, st.corrupt_pages) == (5, 0, 0)
+    assert st.bytes_read == 5 * GEOM.page_bytes
+    # a missing page is a plain miss, the others in the batch still load
+    assert b.batch_get_v1([ks[0], keys(1, seed=99_999)[0]], [0, 1]) == [True, False]
+    assert delta(b, b0).get_misses == 1 and delta(b, b0).corrupt_pages == 0
+
+
+def test_single_pages_and_a_key_twice_in_a_batch(shared):
+    backend = shared("a")
+    ks = keys(2, seed=2000)
+    page = torch.arange(GEOM.page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    assert backend.set(ks[0], page)
+    out = torch.zeros_like(page)
+    assert backend.exists(ks[0]) and backend.get(ks[0], out) and torch.equal(out, page)
+    assert not backend.exists(ks[1]) and not backend.get(ks[1], out)
+    before = backend.stats()
+    assert backend.batch_set_v1([ks[1], ks[1]], [2, 2]) == [True, True]
+    assert delta(backend, before).set_pages == 1
+    assert backend.batch_get_v1([ks[1], ks[1]], [5, 6]) == [True, True]
+    assert torch.equal(backend.pool.canonical[5], backend.pool.canonical[2])
+    assert torch.equal(backend.pool.canonical[6], backend.pool.canonical[2])
+
+
+def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(shared):
+    backend, other = shared("a"), shared("b")
+    ks = keys(5, seed=3000)
+    assert backend.batch_exists([]) == 0
+    assert backend.batch_set_v1([ks[0], ks[1], ks[3]], [0, 1, 3]) == [True] * 3
+    assert backend.batch_exists(ks) == 2
+    assert backend.batch_exists(ks[3:]) == 1
+    assert backend.batch_exists(ks[2:]) == 0
+    before = backend.stats()
+    assert backend.batch_set_v1([ks[0], ks[2]], [5, 2]) == [True, True]
+    assert delta(backend, before).set_skipped_existing == 1
+    assert delta(backend, before).set_pages == 1
+    # another instance (another engine's rank 0) dedups against the same server
+    before = other.stats()
+    assert other.batch_set_v1(ks[:4], [0, 1, 2, 3]) == [True] * 4
+    assert delta(other, before).set_skipped_existing == 4 and delta(other, before).set_pages == 0
+
+
+def test_other_tp_rank_and_other_layout_do_not_see_the_page(shared):
+    rank0, rank1 = shared("a"), shared("a", rank=1)
+    layer_first = shared("a", layout="layer_first")  # other L3 byte order than page_first
+    ks = keys(2, seed=5000)
+    assert rank0.batch_set_v1(ks, [0, 1]) == [True, True]
+    assert rank0.batch_exists(ks) == 2
+    assert rank1.batch_exists(ks) == 0 and rank1.batch_get_v1(ks, [0, 1]) == [False, False]
+    assert layer_first.batch_exists(ks) == 0
+    assert len({rank0.model_name, rank1.model_name, layer_first.model_name}) == 3
+
+
+_READER = textwrap.dedent("""
+    import json, sys, xxhash
+    from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+    from hicache.tiers.l3.base import StorageConfig
+    from hicache.tiers.l3.lmcache_backend import LMCacheBackend
+    args = json.loads(sys.argv[1])
+    b = LMCacheBackend(StorageConfig(**args["config"]))
+    pool = HostPagePool(PoolGeometry(**args["geom"]), layout="page_first_direct",
+                        pin_memory=False)
+    b.register_host_pool(pool)
+    n = b.batch_exists(args["keys"])
+    ok = b.batch_get_v1(args["keys"], list(range(len(args["keys"]))))
+    digests = [xxhash.xxh3_64_hexdigest(pool.read_page(i).numpy().tobytes()) if o else None
+               for i, o in enumerate(ok)]
+    print(json.dumps({"exists": n, "ok": ok, "digests": digests}))
+    b.close()
+""")
+
+
+def test_second_process_reads_what_the_first_wrote(shared, service):
+    import xxhash
+
+    writer = shared("a", layout="page_first_direct")
+    ks = keys(4, seed=4000)
+    assert writer.batch_set_v1(ks, [4, 5, 6, 7]) == [True] * 4
+    cfg = config(service.extra_config(), layout="page_first_direct")
+    args = {"geom": {"num_slots": GEOM.num_slots, "num_layers": GEOM.num_layers,
+                     "blocks_per_page": GEOM.blocks_per_page, "block_bytes": GEOM.block_bytes},
+            "config": {"tp_rank": cfg.tp_rank, "tp_size": cfg.tp_size,
+                       "namespace": cfg.namespace, "mem_layout": cfg.mem_layout,
+                       "page_bytes": cfg.page_bytes, "extra_config": cfg.extra_config},
+            "keys": ks}
+    proc = subprocess.run([sys.executable, "-c", _READER, json.dumps(args)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["exists"] == 4 and result["ok"] == [True] * 4
+    want = [xxhash.xxh3_64_hexdigest(writer.pool.read_page(s).numpy().tobytes())
+            for s in (4, 5, 6, 7)]
+    assert result["digests"] == want
+
+
+def test_delete_is_exact_and_clear_keeps_other_models_pages(make):
+    a, b = make(), make(rank=1)
+    ks = keys(6, seed=6000)
+    assert a.batch_set_v1(ks, list(range(6))) == [True] * 6
+    assert b.batch_set_v1(ks[:3], [0, 1, 2]) == [True] * 3
+    assert a.batch_delete(ks[4:] + keys(1, seed=77_777)) == 2  # the absent key is not counted
+    assert a.batch_exists(ks) == 4 and a.batch_exists(ks[4:]) == 0
+    assert a.delete(ks[3]) and not a.delete(ks[3])
+    a.clear()
+    assert a.batch_exists(ks) == 0
+    assert b.batch_exists(ks[:3]) == 3  # rank 1 is another model name: untouched
+
+
+def test_deletes_need_the_http_url(make):
+    backend = make(http_url=None)
+    with pytest.raises(NotImplementedError, match="http_url"):
+        backend.batch_delete(keys(1, seed=6500))
+    with pytest.raises(NotImplementedError, match="http_url"):
+        backend.clear()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"server_url": "127.0.0.1:5555"}, r"extra_config\.server_url.*tcp://"),
+    ({"http_url": "ftp://x"}, r"extra_config\.http_url"),
+    ({"transfer_mode": "pickle"}, r"extra_config\.transfer_mode.*'shm'"),
+    ({"request_timeout_s": 0.0}, r"extra_config\.request_timeout_s.*> 0"),
+    ({"heartbeat_interval_s": 300.0}, r"extra_config\.heartbeat_interval_s.*110"),
+    ({"chunk": 16}, r"lmcache backend: \['chunk'\]; allowed keys: \['heartbeat_interval_s'"),
+])
+def test_bad_config_names_the_key(service, override, message):
+    with pytest.raises(StorageConfigError, match=message):
+        create_backend("lmcache", config(service.extra_config(**override)))
+
+
+def test_unreachable_server_at_start_is_storage_unavailable():
+    from hicache.integration.bench.mooncake_service import free_port
+
+    with pytest.raises(StorageUnavailable, match="does not answer"):
+        LMCacheBackend(config({"server_url": f"tcp://127.0.0.1:{free_port()}",
+                               "request_timeout_s": 1.0}))
+
+
+def test_server_runs_without_telemetry(service):
+    environ = Path(f"/proc/{service.proc.pid}/environ").read_bytes().split(b"\0")
+    env = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
+    for name, value in NO_TELEMETRY.items():
+        assert env.get(name) == value
+
+
+def test_restart_is_served_from_the_fs_l2_and_a_corrupt_file_is_a_counted_miss(make, service):
+    """The server restarts with an empty DRAM tier: pages come back from its fs L2;
+    a page whose file was damaged is a corrupt miss, deleted, never loaded."""
+    backend = make(layout="page_first")
+    ks = keys(4, seed=7000)
+    assert backend.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
+    damaged = l2_file(service, backend, ks[2])
+    for k in ks:
+        l2_file(service, backend, k)
+    service.stop()
+    raw = bytearray(damaged.read_bytes())
+    raw[200] ^= 0xFF  # a payload byte (the header is the first 128)
+    damaged.write_bytes(bytes(raw))
+    service.restart()
+    wait_reachable(backend)
+    before = backend.stats()
+    assert backend.batch_get_v1(ks, [7, 6, 5, 4]) == [True, True, False, True]
+    for s, d in ((0, 7), (1, 6), (3, 4)):
+        assert torch.equal(backend.pool.canonical[s], backend.pool.canonical[d])
+    st = delta(backend, before)
+    assert (st.get_hits, st.get_misses, st.corrupt_pages) == (3, 1, 1)
+    assert not damaged.exists()  # deleted through the HTTP API
+    assert backend.batch_exists(ks[2:3]) == 0
+
+
+def test_killed_server_fails_fast_without_raising_and_recovers(make, service):
+    # A timeout this long would hang the test: the drop must be seen, not waited out.
+    backend = make(request_timeout_s=600.0)
+    ks = keys(3, seed=8000)
+    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    for k in ks:
+        l2_file(service, backend, k)
+    service.kill()
+    try:
+        before = backend.stats()
+        assert backend.batch_exists(ks) == 0
+        assert not backend.server_reachable
+        assert "Gone" in backend.last_error, backend.last_error  # a drop, not a timeout
+        # with the breaker open nothing reaches the wire, nothing raises
+        assert backend.batch_get_v1(ks, [3, 4, 5]) == [False] * 3
+        assert backend.batch_set_v1(keys(1, seed=8100), [6]) == [False]
+        assert delta(backend, before).errors == 1
+    finally:
+        service.restart()
+    wait_reachable(backend)
+    assert backend.batch_get_v1(ks, [3, 4, 5]) == [True] * 3
+    assert torch.equal(backend.pool.canonical[0], backend.pool.canonical[3])
+    assert backend.batch_set_v1(keys(1, seed=8100), [6]) == [True]
+
+
+def test_hung_server_is_bounded_by_the_request_timeout_and_recovers(make, service):
+    backend = make(request_timeout_s=1.0)
+    ks = keys(2, seed=9000)
+    assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
+    os.kill(service.proc.pid, signal.SIGSTOP)
+    try:
+        before = backend.stats()
+        assert backend.batch_exists(ks) == 0
+        assert "Timeout" in backend.last_error, backend.last_error
+        assert backend.batch_exists(ks) == 0  # the breaker: no second wait
+        assert delta(backend, before).errors == 1
+    finally:
+        os.kill(service.proc.pid, signal.SIGCONT)
+    wait_reachable(backend)
+    assert backend.batch_exists(ks) == 2
+    assert backend.batch_get_v1(ks, [2, 3]) == [True, True]

@@ -1,0 +1,591 @@
+"""L3 backend on a stock LMCache multi-process server (``lmcache server``, "MP mode").
+
+Contract (on top of ``base.py``):
+- A pure client: never imports lmcache (its pins conflict with vLLM's; the
+  server runs from its own venv). The wire is ``lmcache_wire.py``; the data
+  moves through the server's shared-memory pool (``/dev/shm``): the server
+  hands out slots, we copy, then commit. Its pickle transfer path (which
+  unpickles client bytes) is never used.
+- Extra-config keys (``LMCacheExtraConfig``; anything else is a
+  ``StorageConfigError`` naming the key and the allowed keys):
+    ``server_url``            "tcp://127.0.0.1:5555", the server's ``--host``/``--port``
+    ``http_url``              None, or the server's ``--http-host``/``--http-port``
+                              ("http://127.0.0.1:8080"); deletes and flushes need it
+    ``transfer_mode``         "shm" (the only one)
+    ``request_timeout_s``     5.0, bound on every round trip (and HTTP call)
+    ``heartbeat_interval_s``  30.0, must stay under the server's 120 s reap
+- Objects: one LMCache chunk per page, holding the 128-byte integrity header
+  then the payload (``integrity.py``; every read is verified, a mismatch is
+  a corrupt miss and the object is deleted when ``http_url`` is set).
+  Registered as a uint8 "MLA" layout of shape ``[1, 1, header + page]``
+  under model name ``hicache-<fingerprint>``: pages of another model, dtype,
+  layout, page size or TP rank never alias, and LMCache never mistakes them
+  for its own KV. A page key becomes the chunk's tokens: its 8 little-endian
+  uint32 words, zero-padded to the server's chunk size (which must be >= 8).
+  The server derives the object key from them (blake3 chain, its default);
+  ``delete`` derives the same key locally (``chunk_hash``) and checks once,
+  on a probe object, that the server agrees.
+- Every page operation uses its own LMCache session (request id
+  ``hicache-<instance>-<key>``, ended after use), because LMCache caches a
+  session's hashes. A batch costs a few pipelined round trips whatever its
+  size: store = prepare / commit+end; read = lookup+wait / prepare /
+  commit+end; exists = lookup+wait / unlock+end.
+- Writes: the server's ``prepare_store`` skips pages its DRAM tier holds
+  (``set_skipped_existing``); a page only in its L2 is written again (an
+  exists probe would load it from L2 first, costing more than the write).
+- Failures never raise from the page methods. A missing reply or a dropped
+  connection opens a breaker: calls fail at once while a probe thread asks
+  the server every ``PROBE_INTERVAL_S``; when it answers, the instance
+  registers again (new shared memory if the server restarted) and the
+  breaker closes. A heartbeat thread pings and re-registers (idempotent)
+  every ``heartbeat_interval_s`` so the server never reaps a quiet client.
+- ``clear`` deletes the pages this instance wrote or found (up to
+  ``KNOWN_KEYS``, most recent first); LMCache's fs and Redis adapters cannot
+  list objects, so pages written by earlier processes stay until the server
+  evicts them. Prefix flushes (``batch_delete``) delete exactly the pages
+  named, from the DRAM tier and the L2; the count returned is what the DRAM
+  tier held (L2 adapters report every key asked as deleted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any, Literal
+
+import blake3
+import httpx
+import numpy as np
+import torch
+from cachetools import LRUCache
+from pydantic import Field
+
+from hicache.tiers.l3 import integrity
+from hicache.tiers.l3.base import (
+    StorageBackend,
+    StorageConfig,
+    StorageConfigError,
+    StorageUnavailable,
+    validate_extra,
+)
+from hicache.tiers.l3.lmcache_wire import Request, ServerGone, ServerTimeout, WireClient
+from hicache.tiers.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+HEADER = integrity.HEADER_BYTES
+TOKENS_PER_KEY = 8  # a 32-byte page key as uint32 tokens
+# LMCache's kv_rank bitmap for world size 1, rank 0: every shard is its own model name.
+KV_RANK = 0x01000100
+PROBE_INTERVAL_S = 0.5
+MAX_BATCH = 64  # pages per pipelined batch (bounds the slots held at once)
+KNOWN_KEYS = 1 << 18
+DELETE_BATCH = 5000  # the server refuses deletes of more than 10,000 keys
+# blake3(prefix) as LMCache seeds its chain: the hash of (0, (0,)).
+_NONE_HASH = blake3.blake3(struct.pack(">q", 0) + struct.pack(">I", 0)).digest()
+_PROBE_KEY = "00" * 31 + "01"
+
+
+class LMCacheExtraConfig(Settings):
+    """The lmcache backend's ``hicache_storage_backend_extra_config``."""
+
+    server_url: str = Field(
+        "tcp://127.0.0.1:5555", pattern=r"^tcp://[^\s:/]+:\d{1,5}$",
+        description="ZMQ address of the LMCache server: 'tcp://<--host>:<--port>'")
+    http_url: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(:\d{1,5})?/?$",
+        description="the server's HTTP API, 'http://<--http-host>:<--http-port>'; "
+        "deleting pages (prefix flushes, corrupt pages) needs it")
+    transfer_mode: Literal["shm"] = Field(
+        "shm", description="data path: the server's shared-memory pool (its pickle "
+        "path unpickles client bytes and is never used)")
+    request_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="bound on every round trip to the server, in s")
+    heartbeat_interval_s: float = Field(
+        30.0, gt=0, le=110, description="seconds between heartbeats; the server forgets "
+        "a client silent for 120 s")
+
+
+def page_tokens(key: str, chunk_size: int) -> list[int]:
+    """The chunk of tokens that stands for page ``key`` (64 hex chars) in LMCache."""
+    return list(struct.unpack("<8I", bytes.fromhex(key))) + [0] * (chunk_size - TOKENS_PER_KEY)
+
+
+def chunk_hash(key: str, chunk_size: int) -> bytes:
+    """LMCache's object hash of page ``key`` (its blake3 chain over one chunk)."""
+    tokens = page_tokens(key, chunk_size)
+    return blake3.blake3(_NONE_HASH + struct.pack(f">{len(tokens)}I", *tokens)).digest()
+
+
+def _first_of(keys: Sequence[str]) -> list[int]:
+    """For each position, the position of the first occurrence of its key."""
+    seen: dict[str, int] = {}
+    return [seen.setdefault(k, i) for i, k in enumerate(keys)]
+
+
+class _Shm:
+    """The server's shared-memory pool, mapped into this process."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self._shm = shared_memory.SharedMemory(name=name, create=False)
+        # The server owns the segment: this process must never unlink it.
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(f"/{self._shm.name}", "shared_memory")
+        self.bytes: np.ndarray | None = np.ndarray((size,), np.uint8, self._shm.buf)
+
+    def slot(self, desc: Any, length: int) -> np.ndarray | None:
+        """The slot a server descriptor names, if it is exactly ``length`` bytes in the pool."""
+        try:
+            offset, size = int(desc["offset"]), int(desc["length"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if self.bytes is None or size != length or offset < 0 or offset + size > self.size:
+            return None
+        return self.bytes[offset:offset + size]
+
+    def close(self) -> None:
+        self.bytes = None
+        with contextlib.suppress(Exception):
+            self._shm.close()
+
+
+class LMCacheBackend(StorageBackend):
+    """HiCache L3 pages as LMCache MP-server chunks (header || payload)."""
+
+    # The wire client serialises calls on its lock; lookups may come from the
+    # scheduler's probe threads, off vLLM's scheduling thread.
+    concurrent_lookups = True
+    concurrent_io = False
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        self.settings = validate_extra(config.extra_config, LMCacheExtraConfig, "lmcache")
+        s = self.settings
+        self.model_name = f"hicache-{config.fingerprint.hex()}"
+        self.object_bytes = HEADER + config.page_bytes
+        # Above any PID, so never the id of a vLLM + LMCache worker on the same server.
+        self.instance_id = (1 << 30) | secrets.randbits(30)
+        self._fp = config.fingerprint
+        self._lock = threading.Lock()  # breaker state, registration, known keys
+        self._down = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._probe: threading.Thread | None = None
+        self._shm: _Shm | None = None
+        self._known: LRUCache[str, bool] = LRUCache(KNOWN_KEYS)
+        self._deletes_ok: bool | None = None  # None: not checked yet
+        self.last_error = ""  # why the breaker last opened
+        self._wire = WireClient(s.server_url, connect_timeout_s=s.request_timeout_s)
+        try:
+            chunk = self._wire.call("get_chunk_size", timeout_s=s.request_timeout_s)
+        except (ServerTimeout, ServerGone) as exc:
+            self._wire.close()
+            raise StorageUnavailable(
+                f"LMCache server {s.server_url} does not answer ({exc}) "
+                "(hicache_storage_backend_extra_config.server_url)") from None
+        if not isinstance(chunk, int) or chunk < TOKENS_PER_KEY:
+            self._wire.close()
+            raise StorageConfigError(
+                f"LMCache server {s.server_url} has chunk size {chunk!r}; the lmcache "
+                f"backend needs >= {TOKENS_PER_KEY} (lmcache server --chunk-size)")
+        self.chunk_size = chunk
+        try:
+            self._register()
+        except (ServerTimeout, ServerGone, OSError, ValueError) as exc:
+            self._wire.close()
+            raise StorageUnavailable(
+                f"LMCache server {s.server_url} refused the registration: {exc}") from None
+        self._heartbeat = threading.Thread(target=self._beat, daemon=True,
+                                           name="hicache-lmcache-heartbeat")
+        self._heartbeat.start()
+
+    # ---- registration, heartbeat, breaker --------------------------------------------------
+
+    def _register(self, remap: bool = True) -> None:
+        """Register (idempotent on the server) and map the pool it names: again when
+        ``remap`` (the server may have restarted), else only if it names another one."""
+        reply = self._wire.call("register_kv_cache_engine_driven_context", {
+            "instance_id": self.instance_id, "model_name": self.model_name, "world_size": 1,
+            "block_size": self.chunk_size, "num_layers": 1,
+            "hidden_dim_size": self.object_bytes, "dtype_str": "uint8", "use_mla": True,
+            "num_physical_slots": 1}, timeout_s=self.settings.request_timeout_s)
+        name = reply.get("shm_name", "") if isinstance(reply, dict) else ""
+        size = int(reply.get("pool_size", 0)) if isinstance(reply, dict) else 0
+        if not name or size <= 0:
+            raise StorageUnavailable(
+                f"LMCache server {self.settings.server_url} has no shared-memory pool: "
+                "start it with --shm-name <name> (and without --l1-use-lazy)")
+        with self._lock:
+            old = self._shm
+            if not remap and old is not None and (old.name, old.size) == (name, size):
+                return
+            self._shm = _Shm(name, size)
+        if old is not None:
+            old.close()
+
+    def _beat(self) -> None:
+        s = self.settings
+        while not self._stop.wait(s.heartbeat_interval_s):
+            if self._down:
+                continue
+            try:
+                self._wire.call_many([("ping", [self.instance_id])],
+                                     timeout_s=s.request_timeout_s)
+                self._register(remap=False)  # back in if the server reaped us
+            except (ServerTimeout, ServerGone, StorageUnavailable, OSError) as exc:
+                self._failed(exc)
+
+    def _available(self) -> bool:
+        """Whether to call the server now (breaker closed, same server as registered)."""
+        if self._down or self._closed:
+            return False
+        if self._wire.reconnected():  # the server may have restarted: new pool, no us
+            try:
+                self._register()
+            except (ServerTimeout, ServerGone, StorageUnavailable, OSError) as exc:
+                self._failed(exc)
+                return False
+        return True
+
+    def _failed(self, exc: BaseException) -> None:
+        """Open the breaker and start the probe that closes it."""
+        self._count(errors=1)
+        with self._lock:
+            if self._down or self._closed:
+                return
+            self._down = True
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("LMCache server %s failed (%s); calls fail fast until it answers",
+                           self.settings.server_url, exc)
+            self._probe = threading.Thread(target=self._probe_loop, daemon=True,
+                                           name="hicache-lmcache-probe")
+            self._probe.start()
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL_S):
+            if not self._wire.connected:
+                continue
+            try:
+                self._wire.call("get_chunk_size", timeout_s=self.settings.request_timeout_s)
+                # Drop what the server may still hold for us, then register afresh.
+                self._wire.call("unregister_kv_cache_engine_driven_context", self.instance_id,
+                                timeout_s=self.settings.request_timeout_s)
+                self._wire.reconnected()
+                self._register()
+            except (ServerTimeout, ServerGone, StorageUnavailable, OSError):
+                continue
+            with self._lock:
+                self._down = False
+            logger.warning("LMCache server %s answers again", self.settings.server_url)
+            return
+
+    @property
+    def server_reachable(self) -> bool:
+        """False while the breaker is open."""
+        return not self._down
+
+    def _calls(self, requests: Sequence[Request]) -> list[Any] | None:
+        """One pipelined round trip; None when the breaker is open or it failed (opening it)."""
+        if self._down:
+            return None
+        try:
+            return self._wire.call_many(requests, timeout_s=self.settings.request_timeout_s)
+        except (ServerTimeout, ServerGone) as exc:
+            self._failed(exc)
+            return None
+
+    # ---- keys ----------------------------------------------------------------------------
+
+    def _ipc_key(self, key: str) -> dict[str, Any]:
+        return {"model_name": self.model_name, "world_size": 1, "worker_id": 0,
+                "token_ids": page_tokens(key, self.chunk_size), "start": 0,
+                "end": self.chunk_size, "request_id": self._session(key), "num_kv_readers": 1}
+
+    def _session(self, key: str) -> str:
+        return f"hicache-{self.instance_id:x}-{key}"
+
+    def _remember(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._known[key] = True
+
+    # ---- the data path -------------------------------------------------------------------
+
+    def _write(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
+        """Store pages (a key twice in ``keys`` is written once)."""
+        first = _first_of(keys)
+        todo = sorted(set(first))
+        done: dict[int, bool] = {}
+        for lo in range(0, len(todo), MAX_BATCH):
+            batch = todo[lo:lo + MAX_BATCH]
+            oks = self._write_batch([keys[i] for i in batch], [payloads[i] for i in batch])
+            done.update(zip(batch, oks, strict=True))
+        return [done[first[i]] for i in range(len(keys))]
+
+    def _write_batch(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
+        n = len(keys)
+        if not self._available():
+            self._count(set_failures=n)
+            return [False] * n
+        t0 = time.perf_counter()
+        ipc = [self._ipc_key(k) for k in keys]
+        replies = self._calls([("prepare_store", (k, self.instance_id)) for k in ipc])
+        shm = self._shm
+        if replies is None or shm is None:
+            self._count(set_failures=n)
+            return [False] * n
+        results = [False] * n
+        commit: list[int] = []
+        skipped = 0
+        for i, reply in enumerate(replies):
+            context = reply.get("context") if isinstance(reply, dict) else None
+            slots = context.get("slots") if isinstance(context, dict) else None
+            if slots == []:  # the server's DRAM tier already holds it
+                results[i] = True
+                skipped += 1
+                continue
+            slot = shm.slot(slots[0], self.object_bytes) if isinstance(slots, list) \
+                and len(slots) == 1 else None
+            if slot is None:  # not a slot we can fill: its reservation expires on the server
+                continue
+            slot[:HEADER] = np.frombuffer(
+                integrity.pack_header(self.page_key_bytes(keys[i]), self._fp, payloads[i]),
+                dtype=np.uint8)
+            slot[HEADER:] = payloads[i]
+            commit.append(i)
+            results[i] = True
+        done = self._calls([("commit_store", (ipc[i], self.instance_id, b"")) for i in commit]
+                           + [("end_session", (self._session(k),)) for k in keys])
+        for j, i in enumerate(commit):
+            results[i] = results[i] and done is not None and done[j] is True
+        stored = sum(results) - skipped
+        self._remember([k for k, ok in zip(keys, results, strict=True) if ok])
+        self._count(set_pages=stored, set_skipped_existing=skipped,
+                    set_failures=n - sum(results), bytes_written=stored * self.config.page_bytes,
+                    write_seconds=time.perf_counter() - t0)
+        return results
+
+    def _lookup(self, keys: list[str]) -> list[int] | None:
+        """Ask the server to hold each page in DRAM; 1 per page it holds, else 0."""
+        wait_s = self.settings.request_timeout_s * 0.8
+        requests: list[Request] = []
+        for key in keys:
+            requests += [("lookup", (self._ipc_key(key), 1)),
+                         ("wait_prefetch_status", (self._session(key), wait_s))]
+        replies = self._calls(requests)
+        if replies is None:
+            return None
+        return [1 if replies[2 * i + 1] == 1 else 0 for i in range(len(keys))]
+
+    def _read(self, keys: list[str], targets: list[np.ndarray]) -> list[bool]:
+        """Read pages into ``targets`` (a key twice in ``keys`` is read once, then copied)."""
+        first = _first_of(keys)
+        todo = sorted(set(first))
+        done: dict[int, bool] = {}
+        for lo in range(0, len(todo), MAX_BATCH):
+            batch = todo[lo:lo + MAX_BATCH]
+            oks = self._read_batch([keys[i] for i in batch], [targets[i] for i in batch])
+            done.update(zip(batch, oks, strict=True))
+        results = [done[first[i]] for i in range(len(keys))]
+        for i, j in enumerate(first):
+            if i != j and results[i]:
+                targets[i][:] = targets[j]
+        return results
+
+    def _read_batch(self, keys: list[str], targets: list[np.ndarray]) -> list[bool]:
+        n, pb = len(keys), self.config.page_bytes
+        self._count(get_pages=n)
+        results = [False] * n
+        t0 = time.perf_counter()
+        hits = self._lookup(keys) if self._available() else None
+        held = [i for i in range(n) if hits is not None and hits[i]]
+        replies = self._calls([("prepare_retrieve", (self._ipc_key(keys[i]), self.instance_id))
+                               for i in held]) if held else []
+        corrupt: list[str] = []
+        shm = self._shm
+        for j, i in enumerate(held):
+            reply = replies[j] if replies is not None else None
+            slots = (reply.get("context") or {}).get("slots") if isinstance(reply, dict) \
+                and reply.get("success") else None
+            slot = shm.slot(slots[0], self.object_bytes) if shm and isinstance(slots, list) \
+                and len(slots) == 1 else None
+            if slot is None:
+                continue
+            header = bytes(slot[:HEADER])
+            targets[i][:] = slot[HEADER:]
+            why = integrity.verify(header, self.page_key_bytes(keys[i]), self._fp, targets[i])
+            if why is None:
+                results[i] = True
+            else:
+                logger.warning("LMCache page %s is corrupt (%s)", keys[i], why)
+                corrupt.append(keys[i])
+        if hits is not None:
+            self._calls([("commit_retrieve", (self._ipc_key(keys[i]), self.instance_id))
+                         for i in held] + [("end_session", (self._session(k),)) for k in keys])
+        self._remember([k for k, ok in zip(keys, results, strict=True) if ok])
+        if corrupt:
+            self._count(corrupt_pages=len(corrupt))
+            self._delete(corrupt)
+        got = sum(results)
+        self._count(get_hits=got, get_misses=n - got, bytes_read=got * pb,
+                    read_seconds=time.perf_counter() - t0)
+        return results
+
+    # ---- single pages (through a staging copy) ---------------------------------------------
+
+    def get(self, key: str, target: torch.Tensor) -> bool:
+        staging = np.empty(self.config.page_bytes, dtype=np.uint8)
+        if not self._read([key], [staging])[0]:
+            return False
+        target.view(-1).copy_(torch.from_numpy(staging))
+        return True
+
+    def set(self, key: str, value: torch.Tensor) -> bool:
+        return self._write([key], [value.reshape(-1).view(torch.uint8).numpy()])[0]
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ---- batches ---------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str]) -> int:
+        self._count(exists_queries=len(keys))
+        found = 0
+        for lo in range(0, len(keys), MAX_BATCH):
+            batch = keys[lo:lo + MAX_BATCH]
+            hits = self._lookup(batch) if self._available() else None
+            if hits is None:
+                return found
+            # Release what the lookups pinned in the server's DRAM, and the sessions.
+            self._calls([("free_lookup_locks", (self._ipc_key(k), 1))
+                         for k, hit in zip(batch, hits, strict=True) if hit]
+                        + [("end_session", (self._session(k),)) for k in batch])
+            run = hits.index(0) if 0 in hits else len(batch)
+            self._remember(batch[:run])
+            found += run
+            if run < len(batch):
+                break
+        return found
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        staging = [np.empty(self.config.page_bytes, dtype=np.uint8) for _ in keys]
+        results = self._read(keys, staging)
+        for ok, target, data in zip(results, targets, staging, strict=True):
+            if ok:
+                target.view(-1).copy_(torch.from_numpy(data))
+        return results
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        return self._write(keys, [v.reshape(-1).view(torch.uint8).numpy() for v in values])
+
+    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        pool = self._require_pool()
+        if len(keys) != len(host_slots):
+            raise ValueError("keys and host_slots differ in length")
+        views = [pool.page_view(s) for s in host_slots]
+        if any(v is None for v in views):  # layer_first: slots are not contiguous
+            return super().batch_get_v1(keys, host_slots)
+        return self._read(keys, [v.numpy() for v in views if v is not None])
+
+    def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        pool = self._require_pool()
+        if len(keys) != len(host_slots):
+            raise ValueError("keys and host_slots differ in length")
+        views = [pool.page_view(s) for s in host_slots]
+        if any(v is None for v in views):
+            return super().batch_set_v1(keys, host_slots)
+        return self._write(keys, [v.numpy() for v in views if v is not None])
+
+    # ---- deletes, through the server's HTTP API ---------------------------------------------
+
+    def _check_deletes(self) -> bool:
+        """Once: whether the server derives object keys as ``chunk_hash`` does (a probe
+        object written, then deleted by the key computed here)."""
+        if self._deletes_ok is not None:
+            return self._deletes_ok
+        probe = np.zeros(self.config.page_bytes, dtype=np.uint8)
+        if not self._write([_PROBE_KEY], [probe])[0]:
+            return False  # the server is down: ask again next time
+        deleted = self._http_delete([_PROBE_KEY], "all")
+        if deleted is None:
+            return False
+        self._deletes_ok = deleted > 0
+        if not self._deletes_ok:
+            logger.warning("LMCache server %s names objects differently from this client "
+                           "(it must run with --hash-algorithm blake3, the default); "
+                           "pages cannot be deleted", self.settings.server_url)
+        return self._deletes_ok
+
+    def _http_delete(self, keys: list[str], tier: str) -> int | None:
+        """Objects the server deleted from ``tier`` (l1 / l2 / all); None on failure."""
+        url = self.settings.http_url
+        assert url is not None
+        body = {"tier": tier, "force": True, "keys": [
+            {"chunk_hash_hex": chunk_hash(k, self.chunk_size).hex(),
+             "model_name": self.model_name, "kv_rank": KV_RANK} for k in keys]}
+        try:
+            reply = httpx.request("DELETE", url.rstrip("/") + "/cache/objects", json=body,
+                                  timeout=self.settings.request_timeout_s)
+            reply.raise_for_status()
+            return int(reply.json().get("deleted", 0))
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            logger.warning("LMCache delete through %s failed: %s", url, exc)
+            self._count(errors=1)
+            return None
+
+    def _delete(self, keys: list[str]) -> int:
+        if self.settings.http_url is None or not keys or not self._check_deletes():
+            return 0
+        found = 0
+        for lo in range(0, len(keys), DELETE_BATCH):
+            batch = keys[lo:lo + DELETE_BATCH]
+            # The DRAM tier counts what it held; L2 adapters count every key asked
+            # (fs, Redis), so pages only in L2 are deleted but not counted.
+            found += self._http_delete(batch, "l1") or 0
+            self._http_delete(batch, "l2")
+        with self._lock:
+            for key in keys:
+                self._known.pop(key, None)
+        return min(found, len(keys))
+
+    def delete(self, key: str) -> bool:
+        return self.batch_delete([key]) == 1
+
+    def batch_delete(self, keys: list[str]) -> int:
+        if self.settings.http_url is None:
+            raise NotImplementedError(
+                "the lmcache backend deletes pages through the server's HTTP API: set "
+                "hicache_storage_backend_extra_config.http_url")
+        return self._delete(keys)
+
+    def clear(self) -> None:
+        if self.settings.http_url is None:
+            raise NotImplementedError(
+                "the lmcache backend deletes pages through the server's HTTP API: set "
+                "hicache_storage_backend_extra_config.http_url")
+        with self._lock:
+            keys = list(self._known.keys())
+        self._delete(keys)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if not self._down and self._wire.connected:
+            with contextlib.suppress(ServerTimeout, ServerGone):
+                self._wire.call("unregister_kv_cache_engine_driven_context", self.instance_id,
+                                timeout_s=min(1.0, self.settings.request_timeout_s))
+        self._wire.close()
+        with self._lock:
+            shm, self._shm = self._shm, None
+        if shm is not None:
+            shm.close()
