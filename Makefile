@@ -54,7 +54,7 @@ serve: $(STAMP)
 bench-copy: $(STAMP)
 	$(PY) -m hicache.integration.bench.micro.kv_copy $(BENCH_ARGS)
 
-bench-l3: $(STAMP)
+bench-l3: $(STAMP) lmcache-venv
 	$(PY) -m hicache.integration.bench.micro.l3_io $(BENCH_ARGS)
 
 bench-l2: $(STAMP)

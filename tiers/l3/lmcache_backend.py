@@ -181,6 +181,7 @@ class LMCacheBackend(StorageBackend):
         self._shm: _Shm | None = None
         self._known: LRUCache[str, bool] = LRUCache(KNOWN_KEYS)
         self._deletes_ok: bool | None = None  # None: not checked yet
+        self._no_l2 = False  # the server said it has no L2 adapter
         self.last_error = ""  # why the breaker last opened
         self._wire = WireClient(s.server_url, connect_timeout_s=s.request_timeout_s)
         try:
@@ -513,7 +514,7 @@ class LMCacheBackend(StorageBackend):
         probe = np.zeros(self.config.page_bytes, dtype=np.uint8)
         if not self._write([_PROBE_KEY], [probe])[0]:
             return False  # the server is down: ask again next time
-        deleted = self._http_delete([_PROBE_KEY], "all")
+        deleted = self._http_delete([_PROBE_KEY], "l1")  # just written: in the DRAM tier
         if deleted is None:
             return False
         self._deletes_ok = deleted > 0
@@ -530,9 +531,14 @@ class LMCacheBackend(StorageBackend):
         body = {"tier": tier, "force": True, "keys": [
             {"chunk_hash_hex": chunk_hash(k, self.chunk_size).hex(),
              "model_name": self.model_name, "kv_rank": KV_RANK} for k in keys]}
+        if tier == "l2" and self._no_l2:
+            return 0
         try:
             reply = httpx.request("DELETE", url.rstrip("/") + "/cache/objects", json=body,
                                   timeout=self.settings.request_timeout_s)
+            if tier == "l2" and reply.status_code == 503 and "L2" in reply.text:
+                self._no_l2 = True  # a server without L2 adapters: nothing to delete there
+                return 0
             reply.raise_for_status()
             return int(reply.json().get("deleted", 0))
         except (httpx.HTTPError, ValueError, AttributeError) as exc:

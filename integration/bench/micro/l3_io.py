@@ -12,6 +12,10 @@
   ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` on the
   same registered buffer, against a master this benchmark starts on
   127.0.0.1 (``l3_mooncake``); its baseline is named ``raw-client``.
+- ``lmcache``: through ``LMCacheBackend`` against a raw client making the
+  fewest wire calls per page on the same ``lmcache server`` this benchmark
+  starts (``l3_lmcache``); baseline ``raw-client``. The row also carries the
+  server's cost per wire operation (``per_call_ms``).
 - Each side is timed ``--repeats`` times (default 5; median), interleaved
   with the others in rotating order, so a change in the machine's load
   (other work on this 2-core VM) hits every side alike. Each timed write
@@ -28,7 +32,7 @@
 Prints a table with ratio columns, writes ``bench_results/l3.json`` and a
 PNG bar chart::
 
-    python -m hicache.integration.bench.micro.l3_io [--page-mib 1,4] [--total-mib 256] [--backends file,nixl,mooncake] [--direct-io off] [--cold]
+    python -m hicache.integration.bench.micro.l3_io [--page-mib 1,4] [--total-mib 256] [--backends file,nixl,mooncake,lmcache] [--direct-io off] [--cold]
 """
 
 from __future__ import annotations
@@ -228,6 +232,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "raw_write_gbs": res["raw_put_gbps"], "raw_read_gbs": res["raw_get_gbps"],
             })
             continue
+        if backend == "lmcache":
+            from hicache.integration.bench.micro.l3_lmcache import bench_lmcache
+
+            res = bench_lmcache(page_bytes, pages, args.repeats)
+            rows.append({
+                "backend": backend, "page_mib": mib, "pages": pages,
+                "ours_write_gbs": res["ours_put_gbps"], "ours_read_gbs": res["ours_get_gbps"],
+                "raw": "raw-client",  # the fewest wire calls per page, same server
+                "raw_write_gbs": res["raw_put_gbps"], "raw_read_gbs": res["raw_get_gbps"],
+                "per_call_ms": res["per_call_ms"],
+            })
+            continue
         pool = _pool(page_bytes, pages)
         extra = {"direct_io": args.direct_io} if backend == "file" else {}
         cases = [_ours_case(backend, directory, pool, pages, extra, args.cold)]
@@ -291,7 +307,7 @@ def main() -> None:
     parser.add_argument("--total-mib", type=float, default=256.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", type=lambda s: s.split(","),
-                        default=["file", "nixl", "mooncake"])
+                        default=["file", "nixl", "mooncake", "lmcache"])
     parser.add_argument("--dir", default=None, help="where file/nixl pages go (default: temp)")
     parser.add_argument("--direct-io", choices=["off", "auto", "on"], default="off",
                         help="the file backend's direct_io (O_DIRECT)")
@@ -301,6 +317,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = run(args)
     print_table(rows)
+    for r in rows:
+        if "per_call_ms" in r:
+            costs = ", ".join(f"{op} {ms:.2f}" for op, ms in r["per_call_ms"].items())
+            print(f"lmcache server, ms per wire call ({r['page_mib']:g} MiB pages): {costs}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "l3.json").write_text(json.dumps(rows, indent=2))
