@@ -110,11 +110,20 @@ def l2_file(service: LMCacheService, backend: LMCacheBackend, key: str) -> Path:
     while time.monotonic() < deadline:
         assert service.l2_dir is not None
         found = [p for p in service.l2_dir.iterdir()
-                 if p.name.startswith(backend.model_name) and name in p.name]
+                 if p.name.startswith(backend.model_name) and p.name.endswith(f"{name}.data")]
         if found:
             return found[0]
         time.sleep(0.1)
     raise AssertionError(f"no L2 file for page {key}")
+
+
+def wait_serving(backend: LMCacheBackend, key: str, timeout_s: float = 60.0) -> None:
+    """Until ``key`` is found again after a server restart (the first call may see the
+    connection still down and open the breaker; the probe then closes it)."""
+    deadline = time.monotonic() + timeout_s
+    while backend.batch_exists([key]) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.server_reachable, backend.last_error
 
 
 def wait_reachable(backend: LMCacheBackend, timeout_s: float = 60.0) -> None:
@@ -298,7 +307,7 @@ def test_restart_is_served_from_the_fs_l2_and_a_corrupt_file_is_a_counted_miss(m
     raw[200] ^= 0xFF  # a payload byte (the header is the first 128)
     damaged.write_bytes(bytes(raw))
     service.restart()
-    wait_reachable(backend)
+    wait_serving(backend, ks[0])  # from the L2; the others stay there until read
     before = backend.stats()
     assert backend.batch_get_v1(ks, [7, 6, 5, 4]) == [True, True, False, True]
     for s, d in ((0, 7), (1, 6), (3, 4)):
