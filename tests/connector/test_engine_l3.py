@@ -418,29 +418,34 @@ def lmcache(tmp_path_factory):
         yield service
 
 
-def test_lmcache_restart_serves_from_l3(tiny_model, baseline, lmcache):
-    # Engine A's pages live in the LMCache server and outlive A; B has an empty L2.
-    got = restart_round_trip(tiny_model, baseline, "lmcache", lmcache.extra_config())
-    assert got.num_cached_tokens == history_pages(baseline, 1)[:3]
-
-
-def test_lmcache_server_killed_mid_run(tiny_model, baseline, lmcache):
-    """The server dies between turns: calls fail fast, vLLM recomputes, tokens stay
-    identical; it comes back and the engine stores and serves from it again."""
+def test_lmcache_restart_and_a_killed_server(tiny_model, baseline, lmcache):
+    """Engine A writes turn 1 through a stock LMCache server and stops; engine B
+    (empty L2) serves the returning turns from it. Then the server dies between
+    turns: calls fail fast, vLLM recomputes; it comes back and B stores and
+    serves from it again. Tokens equal the oracle throughout."""
     want0, want1 = baseline.turns[0], baseline.turns[1]
+    llm = engine(tiny_model, "lmcache", lmcache.extra_config())
+    try:
+        first = run_turns(llm, want0.prompts[:3], WORKLOAD.answer_tokens)
+    finally:
+        close_llm(llm)
+    assert first.outputs == want0.outputs[:3]
     llm = engine(tiny_model, "lmcache", lmcache.extra_config(),
                  hicache_storage_prefetch_policy="wait_complete")
     try:
-        first = run_turns(llm, want0.prompts[3:6], WORKLOAD.answer_tokens)
+        returning = run_turns(llm, want1.prompts[:3], WORKLOAD.answer_tokens)
+        stored = run_turns(llm, want0.prompts[3:6], WORKLOAD.answer_tokens)
         lmcache.kill()
-        second = run_turns(llm, want1.prompts[3:6], WORKLOAD.answer_tokens)
+        down = run_turns(llm, want1.prompts[3:6], WORKLOAD.answer_tokens)
         lmcache.restart()
-        again = run_turns(llm, want1.prompts[6:7], WORKLOAD.answer_tokens)
+        back = run_turns(llm, want1.prompts[6:7], WORKLOAD.answer_tokens)
     finally:
         close_llm(llm)
         if not lmcache.alive():
             lmcache.restart()
-    assert first.outputs == want0.outputs[3:6]
-    assert second.outputs == want1.outputs[3:6]
-    assert again.outputs == want1.outputs[6:7]
+    assert returning.outputs == want1.outputs[:3]
+    assert returning.num_cached_tokens == history_pages(baseline, 1)[:3]  # all from LMCache
+    assert stored.outputs == want0.outputs[3:6]
+    assert down.outputs == want1.outputs[3:6]
+    assert back.outputs == want1.outputs[6:7]
     # Call by call (breaker, recovery, re-registration): tests/tiers/l3/test_lmcache_backend.py.
