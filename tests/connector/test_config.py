@@ -43,7 +43,7 @@ def test_unknown_key_lists_allowed_keys():
         ("hicache_ratio", -1, "> 0"),
         ("hicache_ratio", "2", "number"),
         ("hicache_size", -0.5, ">= 0"),
-        ("hicache_storage_backend", "s3", "['file', 'mooncake', 'nixl', 'dynamic']"),
+        ("hicache_storage_backend", "s3", "['file', 'mooncake', 'nixl', 'lmcache', 'dynamic']"),
         ("hicache_storage_prefetch_policy", "eager", "['best_effort', 'wait_complete', 'timeout']"),
         ("hicache_admin_port", 65536, "[0, 65535]"),
         ("hicache_admin_port", True, "[0, 65535]"),

@@ -36,9 +36,10 @@ WORKLOAD = dataclasses.replace(FP32_WORKLOAD, conversations=4)
 
 
 def _spec(model: str, **kw) -> EngineSpec:
+    # In-process (a third of a separate engine process's start), oracle and subject alike.
     return EngineSpec(model=model, dtype="bfloat16", block_size=BLOCK_SIZE,
                       max_model_len=MAX_MODEL_LEN, extra_args={"enable_prompt_embeds": True},
-                      **kw)
+                      in_process=True, **kw)
 
 
 def _serve(llm, embeds: list[torch.Tensor]) -> tuple[list[list[int]], list[list[int]], list[int]]:

@@ -59,7 +59,7 @@ def history_pages(baseline, turn: int) -> list[int]:
 def written(tiny_model, baseline, tmp_path_factory) -> Path:
     """Engine A: turn 1 with the file L3 on; its pages are on disk once it stops."""
     path = tmp_path_factory.mktemp("l3-file")
-    llm = engine(tiny_model, "file", {"path": str(path)})
+    llm = engine(tiny_model, "file", {"path": str(path)}, in_process=True)
     try:
         got = serve_turn(llm, baseline, 0)
     finally:
@@ -86,7 +86,7 @@ def test_engine_a_backed_up_every_page(written, baseline):
 def test_restarted_engine_serves_returning_turns_from_l3(tiny_model, baseline, written,
                                                          tmp_path_factory):
     path = copy_of(written, tmp_path_factory, "l3-restart")
-    llm = engine(tiny_model, "file", {"path": str(path)},
+    llm = engine(tiny_model, "file", {"path": str(path)}, in_process=True,
                  hicache_storage_prefetch_policy="wait_complete")
     try:
         got = serve_turn(llm, baseline, 1)
@@ -117,7 +117,7 @@ def test_corrupt_and_truncated_pages_are_recomputed(tiny_model, baseline, writte
         f.write_bytes(bytes(data))
     for f in truncated:
         f.write_bytes(f.read_bytes()[: rng.randrange(1, f.stat().st_size)])
-    llm = engine(tiny_model, "file", {"path": str(path)},
+    llm = engine(tiny_model, "file", {"path": str(path)}, in_process=True,
                  hicache_storage_prefetch_policy="wait_complete")
     try:
         got = serve_turn(llm, baseline, 1)
@@ -348,13 +348,16 @@ def restart_round_trip(tiny_model, baseline, backend: str, extra: dict, conversa
     """Engine A serves turn 1 of a few conversations and stops; engine B (empty L2)
     serves their turn 2. Returns B's turn."""
     want0, want1 = baseline.turns[0], baseline.turns[1]
-    llm = engine(tiny_model, backend, extra)
+    # In-process engines (a third of a separate process's start): each is a new
+    # connector with an empty L2, so B's hits can only come from L3.
+    llm = engine(tiny_model, backend, extra, in_process=True)
     try:
         first = run_turns(llm, want0.prompts[:conversations], WORKLOAD.answer_tokens)
     finally:
         close_llm(llm)
     assert first.outputs == want0.outputs[:conversations]
-    llm = engine(tiny_model, backend, extra, hicache_storage_prefetch_policy="wait_complete")
+    llm = engine(tiny_model, backend, extra, in_process=True,
+                 hicache_storage_prefetch_policy="wait_complete")
     try:
         second = run_turns(llm, want1.prompts[:conversations], WORKLOAD.answer_tokens)
     finally:
@@ -424,13 +427,13 @@ def test_lmcache_restart_and_a_killed_server(tiny_model, baseline, lmcache):
     turns: calls fail fast, vLLM recomputes; it comes back and B stores and
     serves from it again. Tokens equal the oracle throughout."""
     want0, want1 = baseline.turns[0], baseline.turns[1]
-    llm = engine(tiny_model, "lmcache", lmcache.extra_config())
+    llm = engine(tiny_model, "lmcache", lmcache.extra_config(), in_process=True)
     try:
         first = run_turns(llm, want0.prompts[:3], WORKLOAD.answer_tokens)
     finally:
         close_llm(llm)
     assert first.outputs == want0.outputs[:3]
-    llm = engine(tiny_model, "lmcache", lmcache.extra_config(),
+    llm = engine(tiny_model, "lmcache", lmcache.extra_config(), in_process=True,
                  hicache_storage_prefetch_policy="wait_complete")
     try:
         returning = run_turns(llm, want1.prompts[:3], WORKLOAD.answer_tokens)

@@ -53,6 +53,7 @@ def test_layout_and_policy_keep_tokens_and_hit(tiny_model, baseline, layout, pol
         num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN,
         hicache={"hicache_size": 0.05, "hicache_mem_layout": layout,
                  "hicache_write_policy": policy},
+        in_process=True,
     ))
     try:
         cached = []
