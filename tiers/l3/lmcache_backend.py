@@ -55,7 +55,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Literal
 
@@ -121,6 +121,35 @@ def chunk_hash(key: str, chunk_size: int) -> bytes:
     """LMCache's object hash of page ``key`` (its blake3 chain over one chunk)."""
     tokens = page_tokens(key, chunk_size)
     return blake3.blake3(_NONE_HASH + struct.pack(f">{len(tokens)}I", *tokens)).digest()
+
+
+def registration(instance_id: int, model_name: str, chunk_size: int,
+                 object_bytes: int) -> dict[str, Any]:
+    """The ``register_kv_cache_engine_driven_context`` payload for objects of
+    ``object_bytes`` bytes, one per chunk (a uint8 "MLA" layout ``[1, 1, object_bytes]``)."""
+    return {"instance_id": instance_id, "model_name": model_name, "world_size": 1,
+            "block_size": chunk_size, "num_layers": 1, "hidden_dim_size": object_bytes,
+            "dtype_str": "uint8", "use_mla": True, "num_physical_slots": 1}
+
+
+def ipc_key(model_name: str, key: str, chunk_size: int, request_id: str) -> dict[str, Any]:
+    """LMCache's ``IPCCacheServerKey`` for page ``key``: one chunk, in session ``request_id``."""
+    return {"model_name": model_name, "world_size": 1, "worker_id": 0,
+            "token_ids": page_tokens(key, chunk_size), "start": 0, "end": chunk_size,
+            "request_id": request_id, "num_kv_readers": 1}
+
+
+def delete_body(keys: Sequence[str], model_name: str, chunk_size: int,
+                tier: str) -> dict[str, Any]:
+    """The ``DELETE /cache/objects`` body removing these pages from ``tier``."""
+    return {"tier": tier, "force": True, "keys": [
+        {"chunk_hash_hex": chunk_hash(k, chunk_size).hex(), "model_name": model_name,
+         "kv_rank": KV_RANK} for k in keys]}
+
+
+def _end_sessions(ipc: Sequence[dict[str, Any]]) -> list[Request]:
+    """Requests ending the sessions of these IPC keys."""
+    return [("end_session", (k["request_id"],)) for k in ipc]
 
 
 def _first_of(keys: Sequence[str]) -> list[int]:
@@ -212,11 +241,10 @@ class LMCacheBackend(StorageBackend):
     def _register(self, remap: bool = True) -> None:
         """Register (idempotent on the server) and map the pool it names: again when
         ``remap`` (the server may have restarted), else only if it names another one."""
-        reply = self._wire.call("register_kv_cache_engine_driven_context", {
-            "instance_id": self.instance_id, "model_name": self.model_name, "world_size": 1,
-            "block_size": self.chunk_size, "num_layers": 1,
-            "hidden_dim_size": self.object_bytes, "dtype_str": "uint8", "use_mla": True,
-            "num_physical_slots": 1}, timeout_s=self.settings.request_timeout_s)
+        reply = self._wire.call(
+            "register_kv_cache_engine_driven_context",
+            registration(self.instance_id, self.model_name, self.chunk_size, self.object_bytes),
+            timeout_s=self.settings.request_timeout_s)
         name = reply.get("shm_name", "") if isinstance(reply, dict) else ""
         size = int(reply.get("pool_size", 0)) if isinstance(reply, dict) else 0
         if not name or size <= 0:
@@ -305,9 +333,7 @@ class LMCacheBackend(StorageBackend):
     # ---- keys ----------------------------------------------------------------------------
 
     def _ipc_key(self, key: str) -> dict[str, Any]:
-        return {"model_name": self.model_name, "world_size": 1, "worker_id": 0,
-                "token_ids": page_tokens(key, self.chunk_size), "start": 0,
-                "end": self.chunk_size, "request_id": self._session(key), "num_kv_readers": 1}
+        return ipc_key(self.model_name, key, self.chunk_size, self._session(key))
 
     def _session(self, key: str) -> str:
         return f"hicache-{self.instance_id:x}-{key}"
@@ -319,16 +345,23 @@ class LMCacheBackend(StorageBackend):
 
     # ---- the data path -------------------------------------------------------------------
 
-    def _write(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
-        """Store pages (a key twice in ``keys`` is written once)."""
-        first = _first_of(keys)
+    @staticmethod
+    def _distinct_batches(keys: list[str], pages: list[np.ndarray],
+                          run: Callable[[list[str], list[np.ndarray]], list[bool]],
+                          first: list[int]) -> list[bool]:
+        """``run`` over batches of ``MAX_BATCH`` distinct keys (``first``: ``_first_of(keys)``);
+        a repeated key gets its first occurrence's result."""
         todo = sorted(set(first))
         done: dict[int, bool] = {}
         for lo in range(0, len(todo), MAX_BATCH):
             batch = todo[lo:lo + MAX_BATCH]
-            oks = self._write_batch([keys[i] for i in batch], [payloads[i] for i in batch])
+            oks = run([keys[i] for i in batch], [pages[i] for i in batch])
             done.update(zip(batch, oks, strict=True))
-        return [done[first[i]] for i in range(len(keys))]
+        return [done[j] for j in first]
+
+    def _write(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
+        """Store pages (a key twice in ``keys`` is written once)."""
+        return self._distinct_batches(keys, payloads, self._write_batch, _first_of(keys))
 
     def _write_batch(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
         n = len(keys)
@@ -363,7 +396,7 @@ class LMCacheBackend(StorageBackend):
             commit.append(i)
             results[i] = True
         done = self._calls([("commit_store", (ipc[i], self.instance_id, b"")) for i in commit]
-                           + [("end_session", (self._session(k),)) for k in keys])
+                           + _end_sessions(ipc))
         for j, i in enumerate(commit):
             results[i] = results[i] and done is not None and done[j] is True
         stored = sum(results) - skipped
@@ -373,28 +406,22 @@ class LMCacheBackend(StorageBackend):
                     write_seconds=time.perf_counter() - t0)
         return results
 
-    def _lookup(self, keys: list[str]) -> list[int] | None:
-        """Ask the server to hold each page in DRAM; 1 per page it holds, else 0."""
+    def _lookup(self, ipc: list[dict[str, Any]]) -> list[int] | None:
+        """Ask the server to hold each page (``ipc``: their ``_ipc_key``) in DRAM;
+        1 per page it holds, else 0."""
         wait_s = self.settings.request_timeout_s * 0.8
         requests: list[Request] = []
-        for key in keys:
-            requests += [("lookup", (self._ipc_key(key), 1)),
-                         ("wait_prefetch_status", (self._session(key), wait_s))]
+        for k in ipc:
+            requests += [("lookup", (k, 1)), ("wait_prefetch_status", (k["request_id"], wait_s))]
         replies = self._calls(requests)
         if replies is None:
             return None
-        return [1 if replies[2 * i + 1] == 1 else 0 for i in range(len(keys))]
+        return [1 if replies[2 * i + 1] == 1 else 0 for i in range(len(ipc))]
 
     def _read(self, keys: list[str], targets: list[np.ndarray]) -> list[bool]:
         """Read pages into ``targets`` (a key twice in ``keys`` is read once, then copied)."""
         first = _first_of(keys)
-        todo = sorted(set(first))
-        done: dict[int, bool] = {}
-        for lo in range(0, len(todo), MAX_BATCH):
-            batch = todo[lo:lo + MAX_BATCH]
-            oks = self._read_batch([keys[i] for i in batch], [targets[i] for i in batch])
-            done.update(zip(batch, oks, strict=True))
-        results = [done[first[i]] for i in range(len(keys))]
+        results = self._distinct_batches(keys, targets, self._read_batch, first)
         for i, j in enumerate(first):
             if i != j and results[i]:
                 targets[i][:] = targets[j]
@@ -405,9 +432,10 @@ class LMCacheBackend(StorageBackend):
         self._count(get_pages=n)
         results = [False] * n
         t0 = time.perf_counter()
-        hits = self._lookup(keys) if self._available() else None
+        ipc = [self._ipc_key(k) for k in keys]
+        hits = self._lookup(ipc) if self._available() else None
         held = [i for i in range(n) if hits is not None and hits[i]]
-        replies = self._calls([("prepare_retrieve", (self._ipc_key(keys[i]), self.instance_id))
+        replies = self._calls([("prepare_retrieve", (ipc[i], self.instance_id))
                                for i in held]) if held else []
         corrupt: list[str] = []
         shm = self._shm
@@ -428,8 +456,8 @@ class LMCacheBackend(StorageBackend):
                 logger.warning("LMCache page %s is corrupt (%s)", keys[i], why)
                 corrupt.append(keys[i])
         if hits is not None:
-            self._calls([("commit_retrieve", (self._ipc_key(keys[i]), self.instance_id))
-                         for i in held] + [("end_session", (self._session(k),)) for k in keys])
+            self._calls([("commit_retrieve", (ipc[i], self.instance_id)) for i in held]
+                        + _end_sessions(ipc))
         self._remember([k for k, ok in zip(keys, results, strict=True) if ok])
         if corrupt:
             self._count(corrupt_pages=len(corrupt))
@@ -461,13 +489,13 @@ class LMCacheBackend(StorageBackend):
         found = 0
         for lo in range(0, len(keys), MAX_BATCH):
             batch = keys[lo:lo + MAX_BATCH]
-            hits = self._lookup(batch) if self._available() else None
+            ipc = [self._ipc_key(k) for k in batch]
+            hits = self._lookup(ipc) if self._available() else None
             if hits is None:
                 return found
             # Release what the lookups pinned in the server's DRAM, and the sessions.
-            self._calls([("free_lookup_locks", (self._ipc_key(k), 1))
-                         for k, hit in zip(batch, hits, strict=True) if hit]
-                        + [("end_session", (self._session(k),)) for k in batch])
+            self._calls([("free_lookup_locks", (k, 1)) for k, hit in zip(ipc, hits, strict=True)
+                         if hit] + _end_sessions(ipc))
             run = hits.index(0) if 0 in hits else len(batch)
             self._remember(batch[:run])
             found += run
@@ -486,23 +514,26 @@ class LMCacheBackend(StorageBackend):
     def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
         return self._write(keys, [v.reshape(-1).view(torch.uint8).numpy() for v in values])
 
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+    def _slot_views(self, keys: list[str], host_slots: list[int]) -> list[np.ndarray] | None:
+        """Byte views of the pool slots, or None where slots are not contiguous
+        (layer_first: the base class stages those)."""
         pool = self._require_pool()
         if len(keys) != len(host_slots):
             raise ValueError("keys and host_slots differ in length")
         views = [pool.page_view(s) for s in host_slots]
-        if any(v is None for v in views):  # layer_first: slots are not contiguous
+        return [v.numpy() for v in views if v is not None] if None not in views else None
+
+    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        views = self._slot_views(keys, host_slots)
+        if views is None:
             return super().batch_get_v1(keys, host_slots)
-        return self._read(keys, [v.numpy() for v in views if v is not None])
+        return self._read(keys, views)
 
     def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
-        pool = self._require_pool()
-        if len(keys) != len(host_slots):
-            raise ValueError("keys and host_slots differ in length")
-        views = [pool.page_view(s) for s in host_slots]
-        if any(v is None for v in views):
+        views = self._slot_views(keys, host_slots)
+        if views is None:
             return super().batch_set_v1(keys, host_slots)
-        return self._write(keys, [v.numpy() for v in views if v is not None])
+        return self._write(keys, views)
 
     # ---- deletes, through the server's HTTP API ---------------------------------------------
 
@@ -528,11 +559,9 @@ class LMCacheBackend(StorageBackend):
         """Objects the server deleted from ``tier`` (l1 / l2 / all); None on failure."""
         url = self.settings.http_url
         assert url is not None
-        body = {"tier": tier, "force": True, "keys": [
-            {"chunk_hash_hex": chunk_hash(k, self.chunk_size).hex(),
-             "model_name": self.model_name, "kv_rank": KV_RANK} for k in keys]}
         if tier == "l2" and self._no_l2:
             return 0
+        body = delete_body(keys, self.model_name, self.chunk_size, tier)
         try:
             reply = httpx.request("DELETE", url.rstrip("/") + "/cache/objects", json=body,
                                   timeout=self.settings.request_timeout_s)
@@ -564,18 +593,18 @@ class LMCacheBackend(StorageBackend):
     def delete(self, key: str) -> bool:
         return self.batch_delete([key]) == 1
 
-    def batch_delete(self, keys: list[str]) -> int:
+    def _require_http(self) -> None:
         if self.settings.http_url is None:
             raise NotImplementedError(
                 "the lmcache backend deletes pages through the server's HTTP API: set "
                 "hicache_storage_backend_extra_config.http_url")
+
+    def batch_delete(self, keys: list[str]) -> int:
+        self._require_http()
         return self._delete(keys)
 
     def clear(self) -> None:
-        if self.settings.http_url is None:
-            raise NotImplementedError(
-                "the lmcache backend deletes pages through the server's HTTP API: set "
-                "hicache_storage_backend_extra_config.http_url")
+        self._require_http()
         with self._lock:
             keys = list(self._known.keys())
         self._delete(keys)

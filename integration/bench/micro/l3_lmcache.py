@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -34,15 +33,15 @@ import numpy as np
 import torch
 
 from hicache.integration.bench.lmcache_service import start_lmcache
-from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.integration.bench.micro.store_rounds import ours_round, source_pool, timed
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.lmcache_backend import (
-    KV_RANK,
     MAX_BATCH,
     LMCacheBackend,
     _Shm,
-    chunk_hash,
-    page_tokens,
+    delete_body,
+    ipc_key,
+    registration,
 )
 from hicache.tiers.l3.lmcache_wire import Request, WireClient
 
@@ -58,16 +57,13 @@ class RawClient:
         self.iid = (1 << 30) | os.getpid()
         self.model = f"raw-bench-{page_bytes}"
         self.chunk = int(self.wire.call("get_chunk_size", timeout_s=TIMEOUT_S))
-        reply = self.wire.call("register_kv_cache_engine_driven_context", {
-            "instance_id": self.iid, "model_name": self.model, "world_size": 1,
-            "block_size": self.chunk, "num_layers": 1, "hidden_dim_size": page_bytes,
-            "dtype_str": "uint8", "use_mla": True, "num_physical_slots": 1}, timeout_s=TIMEOUT_S)
+        reply = self.wire.call("register_kv_cache_engine_driven_context",
+                               registration(self.iid, self.model, self.chunk, page_bytes),
+                               timeout_s=TIMEOUT_S)
         self.shm = _Shm(reply["shm_name"], int(reply["pool_size"]))
 
     def _key(self, key: str) -> dict[str, Any]:
-        return {"model_name": self.model, "world_size": 1, "worker_id": 0,
-                "token_ids": page_tokens(key, self.chunk), "start": 0, "end": self.chunk,
-                "request_id": f"raw-{key}", "num_kv_readers": 1}
+        return ipc_key(self.model, key, self.chunk, f"raw-{key}")
 
     def put(self, keys: list[str], pages: list[np.ndarray]) -> int:
         replies = self.wire.call_many([("prepare_store", (self._key(k), self.iid)) for k in keys],
@@ -101,21 +97,13 @@ class RawClient:
         return got
 
     def delete(self, keys: list[str]) -> None:
-        body = {"tier": "l1", "force": True, "keys": [  # the server has no L2 here
-            {"chunk_hash_hex": chunk_hash(k, self.chunk).hex(), "model_name": self.model,
-             "kv_rank": KV_RANK} for k in keys]}
+        body = delete_body(keys, self.model, self.chunk, "l1")  # the server has no L2 here
         httpx.request("DELETE", f"{self.http_url}/cache/objects", json=body,
                       timeout=TIMEOUT_S).raise_for_status()
 
     def close(self) -> None:
         self.wire.close()
         self.shm.close()
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
 
 
 def per_call_ms(wire: WireClient, backend: LMCacheBackend, keys: list[str]) -> dict[str, float]:
@@ -142,16 +130,10 @@ def per_call_ms(wire: WireClient, backend: LMCacheBackend, keys: list[str]) -> d
 
 def bench_lmcache(page_bytes: int, num_pages: int, repeats: int) -> dict[str, Any]:
     """GB/s of put and get through LMCacheBackend versus ``RawClient`` on one server."""
-    geom = PoolGeometry(num_slots=2 * num_pages, num_layers=1, blocks_per_page=1,
-                        block_bytes=page_bytes)
-    pool = HostPagePool(geom, layout="page_first_direct", pin_memory=False)
-    gen = torch.Generator().manual_seed(0)
-    src = pool.buffer[:num_pages].view(-1)
-    src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, generator=gen))
+    pool = source_pool(page_bytes, num_pages)
     payload = num_pages * page_bytes
     # both sides' objects at once, with room to spare (its eviction starts before full)
     l1_gb = max(0.25, 3 * num_pages * (page_bytes + 4096) / 2**30)
-    src_slots, dst_slots = list(range(num_pages)), list(range(num_pages, 2 * num_pages))
     batches = [(lo, min(lo + MAX_BATCH, num_pages)) for lo in range(0, num_pages, MAX_BATCH)]
     rows = pool.buffer.view(2 * num_pages, page_bytes).numpy()
     samples: dict[str, list[float]] = {"ours_put": [], "ours_get": [], "raw_put": [],
@@ -164,32 +146,19 @@ def bench_lmcache(page_bytes: int, num_pages: int, repeats: int) -> dict[str, An
         try:
             backend.register_host_pool(pool)
             keys = [f"{i:064x}" for i in range(1, num_pages + 1)]
-            ours_checked = raw_checked = False
-            for _ in range(repeats):
+            raw_checked = False
+            for rep in range(repeats):
                 backend.batch_delete(keys)
-                secs, ok = _timed(lambda: sum(
-                    sum(backend.batch_set_v1(keys[lo:hi], src_slots[lo:hi])) for lo, hi in batches))
-                if ok != num_pages:
-                    raise RuntimeError(f"LMCacheBackend stored {ok}/{num_pages} pages")
-                samples["ours_put"].append(payload / secs / 1e9)
-                pool.buffer[num_pages:].zero_()
-                secs, ok = _timed(lambda: sum(
-                    sum(backend.batch_get_v1(keys[lo:hi], dst_slots[lo:hi])) for lo, hi in batches))
-                if ok != num_pages:
-                    raise RuntimeError(f"LMCacheBackend loaded {ok}/{num_pages} pages")
-                samples["ours_get"].append(payload / secs / 1e9)
-                if not ours_checked:
-                    assert torch.equal(pool.buffer[:num_pages], pool.buffer[num_pages:])
-                    ours_checked = True
+                ours_round(backend, pool, keys, MAX_BATCH, samples, check=rep == 0)
                 # ---- raw, same bytes
                 raw.delete(keys)
-                secs, ok = _timed(lambda: sum(raw.put(keys[lo:hi], list(rows[lo:hi]))
+                secs, ok = timed(lambda: sum(raw.put(keys[lo:hi], list(rows[lo:hi]))
                                               for lo, hi in batches))
                 if ok != num_pages:
                     raise RuntimeError(f"raw client stored {ok}/{num_pages} pages")
                 samples["raw_put"].append(payload / secs / 1e9)
                 pool.buffer[num_pages:].zero_()
-                secs, ok = _timed(lambda: sum(
+                secs, ok = timed(lambda: sum(
                     raw.get(keys[lo:hi], list(rows[num_pages + lo:num_pages + hi]))
                     for lo, hi in batches))
                 if ok != num_pages:

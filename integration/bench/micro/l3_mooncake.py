@@ -21,14 +21,12 @@ stopped before it returns.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from hicache.integration.bench.micro.store_rounds import ours_round, source_pool, timed
 from hicache.integration.bench.mooncake_service import apply_client_env, start_mooncake
-from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.integrity import HEADER_BYTES
 from hicache.tiers.l3.mooncake_backend import MooncakeBackend
@@ -38,27 +36,14 @@ def _keys(prefix: str, n: int) -> list[str]:
     return [f"{i:064x}" if not prefix else f"{prefix}-{i}" for i in range(n)]
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
 def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
                    batch_pages: int = 256) -> dict[str, Any]:
     """GB/s of put and get through MooncakeBackend versus raw Mooncake calls."""
     apply_client_env()
-    geom = PoolGeometry(num_slots=2 * num_pages, num_layers=1, blocks_per_page=1,
-                        block_bytes=page_bytes)
-    pool = HostPagePool(geom, layout="page_first_direct", pin_memory=False)
-    gen = torch.Generator().manual_seed(0)
-    src = pool.buffer[:num_pages].view(-1)
-    src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, generator=gen))
+    pool = source_pool(page_bytes, num_pages)
     # room for one full run of objects (eviction starts at 90 % full)
     segment = int(num_pages * (page_bytes + HEADER_BYTES) * 1.5) + (64 << 20)
     payload = num_pages * page_bytes
-    src_slots = list(range(num_pages))
-    dst_slots = list(range(num_pages, 2 * num_pages))
     batches = [(lo, min(lo + batch_pages, num_pages)) for lo in range(0, num_pages, batch_pages)]
 
     samples: dict[str, list[float]] = {"ours_put": [], "ours_get": [], "raw_put": [],
@@ -77,33 +62,19 @@ def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
             keys = _keys("", num_pages)
             raw_keys = _keys("raw", num_pages)
             base, nb = pool.buffer.data_ptr(), page_bytes
-            ours_checked = raw_checked = False
-            for _ in range(repeats):
-                # ---- ours
+            raw_checked = False
+            for rep in range(repeats):
                 backend.clear()
-                secs, ok = _timed(lambda: sum(
-                    sum(backend.batch_set_v1(keys[lo:hi], src_slots[lo:hi])) for lo, hi in batches))
-                if ok != num_pages:
-                    raise RuntimeError(f"MooncakeBackend stored {ok}/{num_pages} pages")
-                samples["ours_put"].append(payload / secs / 1e9)
-                pool.buffer[num_pages:].zero_()
-                secs, ok = _timed(lambda: sum(
-                    sum(backend.batch_get_v1(keys[lo:hi], dst_slots[lo:hi])) for lo, hi in batches))
-                if ok != num_pages:
-                    raise RuntimeError(f"MooncakeBackend loaded {ok}/{num_pages} pages")
-                samples["ours_get"].append(payload / secs / 1e9)
-                if not ours_checked:
-                    assert torch.equal(pool.buffer[:num_pages], pool.buffer[num_pages:])
-                    ours_checked = True
+                ours_round(backend, pool, keys, batch_pages, samples, check=rep == 0)
                 # ---- raw, same bytes
                 raw.remove_all(True)
-                secs, rcs = _timed(lambda: [rc for lo, hi in batches for rc in raw.batch_put_from(
+                secs, rcs = timed(lambda: [rc for lo, hi in batches for rc in raw.batch_put_from(
                     raw_keys[lo:hi], [base + i * nb for i in range(lo, hi)], [nb] * (hi - lo))])
                 if any(rc != 0 for rc in rcs):
                     raise RuntimeError(f"raw batch_put_from failed: {sorted(set(rcs))}")
                 samples["raw_put"].append(payload / secs / 1e9)
                 pool.buffer[num_pages:].zero_()
-                secs, rcs = _timed(lambda: [rc for lo, hi in batches for rc in raw.batch_get_into(
+                secs, rcs = timed(lambda: [rc for lo, hi in batches for rc in raw.batch_get_into(
                     raw_keys[lo:hi], [base + (num_pages + i) * nb for i in range(lo, hi)],
                     [nb] * (hi - lo))])
                 if any(rc != nb for rc in rcs):
