@@ -10,36 +10,33 @@ exact deletes and a scoped clear, bad configuration, and no telemetry.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from support.store_contract import (
+    GEOM,
+    ROUND_TRIP_LAYOUTS,
+    check_exists_and_dedup,
+    check_round_trip,
+    config,
+    delta,
+    filled_pool,
+    keys,
+    read_in_another_process,
+)
 
 from hicache.integration.bench.lmcache_service import (
     NO_TELEMETRY,
     LMCacheService,
     start_lmcache,
 )
-from hicache.tiers.index.page_keys import KeyNamespace, page_keys
-from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3.base import (
-    StorageConfig,
-    StorageConfigError,
-    StorageStats,
-    StorageUnavailable,
-)
+from hicache.tiers.l3.base import StorageConfigError, StorageUnavailable
 from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.lmcache_backend import LMCacheBackend, chunk_hash
-
-GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=1024)
-NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 2)
 
 
 @pytest.fixture(scope="module")
@@ -82,27 +79,6 @@ def make(service):
         backend.close()
 
 
-def config(extra: dict, *, rank: int = 0, layout: str = "page_first") -> StorageConfig:
-    return StorageConfig(tp_rank=rank, tp_size=2, namespace=NS.fingerprint(), mem_layout=layout,
-                         page_bytes=GEOM.page_bytes, extra_config=extra)
-
-
-def keys(n: int, seed: int) -> list[str]:
-    return [k.hex() for k in page_keys(NS.seed(), list(range(seed, seed + 64 * n)), 64)]
-
-
-def filled_pool(layout: str, seed: int) -> HostPagePool:
-    pool = HostPagePool(GEOM, layout=layout, pin_memory=False)
-    gen = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=gen))
-    return pool
-
-
-def delta(backend: LMCacheBackend, before: StorageStats) -> StorageStats:
-    now = backend.stats().as_dict()
-    return StorageStats(**{k: v - before.as_dict()[k] for k, v in now.items()})
-
-
 def l2_file(service: LMCacheService, backend: LMCacheBackend, key: str) -> Path:
     """The fs adapter's file of page ``key``, once the server has written it."""
     name = chunk_hash(key, backend.chunk_size).hex()
@@ -133,28 +109,11 @@ def wait_reachable(backend: LMCacheBackend, timeout_s: float = 60.0) -> None:
     assert backend.server_reachable, backend.last_error
 
 
-@pytest.mark.parametrize(
-    ("writer_layout", "reader_layout"),
-    [("page_first", "page_first"), ("layer_first", "page_first_direct"),
-     ("page_first_direct", "layer_first")],  # the last two share L3 byte order
-)
+@pytest.mark.parametrize(("writer_layout", "reader_layout"), ROUND_TRIP_LAYOUTS)
 def test_round_trip_bit_exact_through_host_slots(shared, writer_layout, reader_layout):
     a = shared("a", layout=writer_layout)
     b = shared("b" if writer_layout == reader_layout else "a", layout=reader_layout)
-    a0, b0 = a.stats(), b.stats()
-    ks = keys(5, seed=1000 + len(writer_layout))
-    assert a.batch_set_v1(ks, [0, 1, 2, 3, 4]) == [True] * 5
-    assert delta(a, a0).set_pages == 5 and delta(a, a0).bytes_written == 5 * GEOM.page_bytes
-    assert b.batch_exists(ks) == 5
-    assert b.batch_get_v1(ks, [7, 6, 5, 4, 3]) == [True] * 5
-    for s, d in zip([0, 1, 2, 3, 4], [7, 6, 5, 4, 3], strict=True):
-        assert torch.equal(a.pool.canonical[s], b.pool.canonical[d])
-    st = delta(b, b0)
-    assert (st.get_hits, st.get_misses, st.corrupt_pages) == (5, 0, 0)
-    assert st.bytes_read == 5 * GEOM.page_bytes
-    # a missing page is a plain miss, the others in the batch still load
-    assert b.batch_get_v1([ks[0], keys(1, seed=99_999)[0]], [0, 1]) == [True, False]
-    assert delta(b, b0).get_misses == 1 and delta(b, b0).corrupt_pages == 0
+    check_round_trip(a, b, seed=1000 + len(writer_layout))
 
 
 def test_single_pages_and_a_key_twice_in_a_batch(shared):
@@ -174,21 +133,7 @@ def test_single_pages_and_a_key_twice_in_a_batch(shared):
 
 
 def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(shared):
-    backend, other = shared("a"), shared("b")
-    ks = keys(5, seed=3000)
-    assert backend.batch_exists([]) == 0
-    assert backend.batch_set_v1([ks[0], ks[1], ks[3]], [0, 1, 3]) == [True] * 3
-    assert backend.batch_exists(ks) == 2
-    assert backend.batch_exists(ks[3:]) == 1
-    assert backend.batch_exists(ks[2:]) == 0
-    before = backend.stats()
-    assert backend.batch_set_v1([ks[0], ks[2]], [5, 2]) == [True, True]
-    assert delta(backend, before).set_skipped_existing == 1
-    assert delta(backend, before).set_pages == 1
-    # another instance (another engine's rank 0) dedups against the same server
-    before = other.stats()
-    assert other.batch_set_v1(ks[:4], [0, 1, 2, 3]) == [True] * 4
-    assert delta(other, before).set_skipped_existing == 4 and delta(other, before).set_pages == 0
+    check_exists_and_dedup(shared("a"), shared("b"), seed=3000)
 
 
 def test_other_tp_rank_and_other_layout_do_not_see_the_page(shared):
@@ -202,46 +147,9 @@ def test_other_tp_rank_and_other_layout_do_not_see_the_page(shared):
     assert len({rank0.model_name, rank1.model_name, layer_first.model_name}) == 3
 
 
-_READER = textwrap.dedent("""
-    import json, sys, xxhash
-    from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-    from hicache.tiers.l3.base import StorageConfig
-    from hicache.tiers.l3.lmcache_backend import LMCacheBackend
-    args = json.loads(sys.argv[1])
-    b = LMCacheBackend(StorageConfig(**args["config"]))
-    pool = HostPagePool(PoolGeometry(**args["geom"]), layout="page_first_direct",
-                        pin_memory=False)
-    b.register_host_pool(pool)
-    n = b.batch_exists(args["keys"])
-    ok = b.batch_get_v1(args["keys"], list(range(len(args["keys"]))))
-    digests = [xxhash.xxh3_64_hexdigest(pool.read_page(i).numpy().tobytes()) if o else None
-               for i, o in enumerate(ok)]
-    print(json.dumps({"exists": n, "ok": ok, "digests": digests}))
-    b.close()
-""")
-
-
 def test_second_process_reads_what_the_first_wrote(shared, service):
-    import xxhash
-
-    writer = shared("a", layout="page_first_direct")
-    ks = keys(4, seed=4000)
-    assert writer.batch_set_v1(ks, [4, 5, 6, 7]) == [True] * 4
-    cfg = config(service.extra_config(), layout="page_first_direct")
-    args = {"geom": {"num_slots": GEOM.num_slots, "num_layers": GEOM.num_layers,
-                     "blocks_per_page": GEOM.blocks_per_page, "block_bytes": GEOM.block_bytes},
-            "config": {"tp_rank": cfg.tp_rank, "tp_size": cfg.tp_size,
-                       "namespace": cfg.namespace, "mem_layout": cfg.mem_layout,
-                       "page_bytes": cfg.page_bytes, "extra_config": cfg.extra_config},
-            "keys": ks}
-    proc = subprocess.run([sys.executable, "-c", _READER, json.dumps(args)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["exists"] == 4 and result["ok"] == [True] * 4
-    want = [xxhash.xxh3_64_hexdigest(writer.pool.read_page(s).numpy().tobytes())
-            for s in (4, 5, 6, 7)]
-    assert result["digests"] == want
+    read_in_another_process(shared("a", layout="page_first_direct"), "lmcache",
+                            service.extra_config(), timeout_s=120)
 
 
 def test_delete_is_exact_and_clear_keeps_other_models_pages(make):

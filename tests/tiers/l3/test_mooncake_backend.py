@@ -19,6 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.store_contract import (
+    GEOM,
+    NS,
+    ROUND_TRIP_LAYOUTS,
+    check_exists_and_dedup,
+    check_round_trip,
+    config,
+    delta,
+    filled_pool,
+    keys,
+    read_in_another_process,
+)
 
 pytest.importorskip("mooncake.store")
 
@@ -27,13 +39,10 @@ from hicache.integration.bench.mooncake_service import (  # noqa: E402
     apply_client_env,
     start_mooncake,
 )
-from hicache.tiers.index.page_keys import KeyNamespace, page_keys  # noqa: E402
-from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity  # noqa: E402
 from hicache.tiers.l3.base import (  # noqa: E402
     StorageConfig,
     StorageConfigError,
-    StorageStats,
     StorageUnavailable,
 )
 from hicache.tiers.l3.factory import create_backend  # noqa: E402
@@ -44,8 +53,6 @@ from hicache.tiers.l3.mooncake_backend import (  # noqa: E402
     parse_size,
 )
 
-GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=1024)
-NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 2)
 SEGMENT = 64 << 20  # two ranks -> 32 MiB each
 
 
@@ -115,27 +122,6 @@ def make(service):
         backend.close()
 
 
-def delta(backend: MooncakeBackend, before: StorageStats) -> StorageStats:
-    now = backend.stats().as_dict()
-    return StorageStats(**{k: v - before.as_dict()[k] for k, v in now.items()})
-
-
-def config(extra: dict, *, rank: int = 0, layout: str = "page_first") -> StorageConfig:
-    return StorageConfig(tp_rank=rank, tp_size=2, namespace=NS.fingerprint(), mem_layout=layout,
-                         page_bytes=GEOM.page_bytes, extra_config=extra)
-
-
-def keys(n: int, seed: int) -> list[str]:
-    return [k.hex() for k in page_keys(NS.seed(), list(range(seed, seed + 64 * n)), 64)]
-
-
-def filled_pool(layout: str, seed: int) -> HostPagePool:
-    pool = HostPagePool(GEOM, layout=layout, pin_memory=False)
-    gen = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=gen))
-    return pool
-
-
 def raw_client(service: MooncakeService):
     """A plain Mooncake client (no segment) for poking at objects behind the backend."""
     from mooncake.store import MooncakeDistributedStore
@@ -146,93 +132,26 @@ def raw_client(service: MooncakeService):
     return store
 
 
-@pytest.mark.parametrize(
-    ("writer_layout", "reader_layout"),
-    [("page_first", "page_first"), ("layer_first", "page_first_direct"),
-     ("page_first_direct", "layer_first")],  # the last two share L3 byte order
-)
+@pytest.mark.parametrize(("writer_layout", "reader_layout"), ROUND_TRIP_LAYOUTS)
 def test_round_trip_bit_exact_through_host_slots(shared, writer_layout, reader_layout):
     a = shared("a", layout=writer_layout)
     b = shared("b" if writer_layout == reader_layout else "a", layout=reader_layout)
-    a0, b0 = a.stats(), b.stats()
-    ks = keys(5, seed=1000 + len(writer_layout))
-    assert a.batch_set_v1(ks, [0, 1, 2, 3, 4]) == [True] * 5
-    assert delta(a, a0).set_pages == 5 and delta(a, a0).bytes_written == 5 * GEOM.page_bytes
-    assert b.batch_exists(ks) == 5
-    assert b.batch_get_v1(ks, [7, 6, 5, 4, 3]) == [True] * 5
-    for s, d in zip([0, 1, 2, 3, 4], [7, 6, 5, 4, 3], strict=True):
-        assert torch.equal(a.pool.canonical[s], b.pool.canonical[d])
-    st = delta(b, b0)
-    assert (st.get_hits, st.get_misses, st.corrupt_pages) == (5, 0, 0)
-    assert st.bytes_read == 5 * GEOM.page_bytes and st.exists_queries == 5
-    # a missing page is a plain miss, the others in the batch still load
-    assert b.batch_get_v1([ks[0], keys(1, seed=99_999)[0]], [0, 1]) == [True, False]
-    assert delta(b, b0).get_misses == 1 and delta(b, b0).corrupt_pages == 0
+    assert check_round_trip(a, b, seed=1000 + len(writer_layout)).exists_queries == 5
 
 
 def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(shared):
-    backend, other = shared("a"), shared("b")
-    ks = keys(5, seed=3000)
-    assert backend.batch_exists([]) == 0
-    assert backend.batch_set_v1([ks[0], ks[1], ks[3]], [0, 1, 3]) == [True] * 3
-    assert backend.batch_exists(ks) == 2
-    assert backend.batch_exists(ks[3:]) == 1
-    assert backend.batch_exists(ks[2:]) == 0
-    before = backend.stats()
-    assert backend.batch_set_v1([ks[0], ks[2]], [5, 2]) == [True, True]
-    assert delta(backend, before).set_skipped_existing == 1
-    assert delta(backend, before).set_pages == 1
-    # another instance (as another engine's rank 0 would) dedups against the same store
-    before = other.stats()
-    assert other.batch_set_v1(ks[:4], [0, 1, 2, 3]) == [True] * 4
-    assert delta(other, before).set_skipped_existing == 4 and delta(other, before).set_pages == 0
+    other = shared("b")
+    ks = check_exists_and_dedup(shared("a"), other, seed=3000)
     # a key twice in one batch is written once
     before = other.stats()
     assert other.batch_set_v1([ks[4], ks[4]], [4, 4]) == [True, True]
     assert delta(other, before).set_pages == 1 and delta(other, before).set_failures == 0
 
 
-_READER = textwrap.dedent("""
-    import json, sys, torch, xxhash
-    from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-    from hicache.tiers.l3.base import StorageConfig
-    from hicache.tiers.l3.mooncake_backend import MooncakeBackend
-    args = json.loads(sys.argv[1])
-    geom = PoolGeometry(**args["geom"])
-    b = MooncakeBackend(StorageConfig(**args["config"]))
-    pool = HostPagePool(geom, layout="page_first_direct", pin_memory=False)
-    b.register_host_pool(pool)
-    n = b.batch_exists(args["keys"])
-    ok = b.batch_get_v1(args["keys"], list(range(len(args["keys"]))))
-    digests = [xxhash.xxh3_64_hexdigest(pool.read_page(i).numpy().tobytes()) if o else None
-               for i, o in enumerate(ok)]
-    print(json.dumps({"exists": n, "ok": ok, "digests": digests}))
-    b.close()
-""")
-
-
 def test_second_process_reads_what_the_first_wrote(shared, service):
-    import xxhash
-
-    writer = shared("a", layout="page_first_direct")
-    pool = writer.pool
-    ks = keys(4, seed=4000)
-    assert writer.batch_set_v1(ks, [4, 5, 6, 7]) == [True] * 4
-    cfg = config(extra_for(service), layout="page_first_direct")
-    args = {"geom": {"num_slots": GEOM.num_slots, "num_layers": GEOM.num_layers,
-                     "blocks_per_page": GEOM.blocks_per_page, "block_bytes": GEOM.block_bytes},
-            "config": {"tp_rank": cfg.tp_rank, "tp_size": cfg.tp_size,
-                       "namespace": cfg.namespace, "mem_layout": cfg.mem_layout,
-                       "page_bytes": cfg.page_bytes, "extra_config": cfg.extra_config},
-            "keys": ks}
-    env = {**os.environ, **service.client_env()}
-    proc = subprocess.run([sys.executable, "-c", _READER, json.dumps(args)], env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["exists"] == 4 and result["ok"] == [True] * 4
-    expected = [xxhash.xxh3_64_hexdigest(pool.read_page(s).numpy().tobytes()) for s in (4, 5, 6, 7)]
-    assert result["digests"] == expected
+    read_in_another_process(shared("a", layout="page_first_direct"), "mooncake",
+                            extra_for(service), env={**os.environ, **service.client_env()},
+                            timeout_s=60)
 
 
 def test_corrupt_object_is_a_counted_miss_and_removed(shared, service):
