@@ -59,7 +59,7 @@ def key_namespace(
             f":{','.join(g.layer_names)}" for g in groups),)
     return KeyNamespace(
         model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",
-        kv_dtype=str(spec.dtype),
+        kv_dtype=kv_dtype_name(str(spec.dtype), vllm_config.cache_config.cache_dtype),
         layout=(
             f"{current_platform.device_type}:{layout}:{type(spec).__name__}:"
             f"bs{spec.block_size}:h{getattr(spec, 'num_kv_heads', 0)}:"
@@ -69,6 +69,16 @@ def key_namespace(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         extra=(f"block-hash={vllm_config.cache_config.prefix_caching_hash_algo}", *extra),
     )
+
+
+def kv_dtype_name(torch_dtype: str, cache_dtype: str) -> str:
+    """What a page's KV bytes are: the tensor dtype, plus vLLM's cache dtype when it is
+    quantised (every fp8 variant is stored as uint8, so the tensor dtype alone would let
+    an e5m2 engine read e4m3 pages). ``auto`` keeps the bare tensor dtype, so the keys of
+    unquantised caches are those of earlier releases."""
+    if cache_dtype in ("auto", "", None):
+        return torch_dtype
+    return f"{torch_dtype}/{cache_dtype}"
 
 
 def hash_block_size(kv_cache_config: KVCacheConfig, block_size: int) -> int:

@@ -204,6 +204,15 @@ class HiCacheWorker:
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
         self.pool = HostPagePool(geometry, layout=self.layout, device=layers[0].device)
+        if self.copy_path.precompile is not None:
+            # Triton's JIT now, not on the first load of a serving engine. A failure
+            # here costs only that: the first copy compiles as before.
+            try:
+                compiled = self.copy_path.precompile(layers, self.pool.canonical)
+                logger.info("HiCache: %d copy kernels compiled ahead", compiled)
+            except Exception:  # noqa: BLE001 - an optimisation, never a start failure
+                logger.exception("HiCache: compiling the copy kernels ahead failed; the "
+                                 "first copy will compile them")
         memory = self.pool.memory
         logger.info(
             "HiCache L2 pool: %d pages x %.2f MiB = %.2f GiB, %s, %s, copies: %s",

@@ -19,6 +19,15 @@ Contract:
   item copies one block in the widest word (8, 4, 2 or 1 bytes) that divides
   ``block_bytes`` and every base address and stride, hinting 16-byte
   alignment to the compiler when it holds so loads/stores vectorise.
+  ``Tuning`` sets the grid (programs per SM), the warps per program, the
+  chunk one loop iteration moves, and ``split``: whether the programs walk
+  (layer, unit, chunk) items instead of whole blocks (more independent loads
+  in flight when a transfer has few blocks). Every tuning moves the same
+  bytes; ``TUNING`` is the one the io backend uses.
+- ``precompile(layers, pool)`` compiles the kernels a transfer between these
+  tensors will use (both directions) without running them, so the first
+  load does not pay Triton's JIT (the worker calls it when vLLM registers its
+  KV caches).
 - Completion: ``save_blocks_async`` / ``load_blocks_async`` enqueue the copy
   on ``stream`` (default: the current stream of the engine device) and return
   at once. The copy is complete when that stream reaches this point of its
@@ -47,6 +56,7 @@ import importlib.util
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,13 +64,24 @@ import torch
 
 from hicache.kernels.block_copy import BlockTransfer
 
-# Items (layer, block) are walked by at most this many programs per SM: a few
-# programs per SM keep enough loads in flight to cover PCIe latency while the
-# copy leaves most of the GPU to the forward pass (SGLang caps its kernel at a
-# small fixed CTA count for the same reason). Not tuned on hardware yet.
-PROGRAMS_PER_SM = 4
-# Largest chunk of words one program moves per loop iteration.
-MAX_CHUNK_WORDS = 1024
+
+@dataclass(frozen=True)
+class Tuning:
+    """How a launch spreads its bytes over the GPU (see the module contract)."""
+
+    # Items are walked by at most this many programs per SM: a few programs per SM
+    # keep loads in flight to cover PCIe latency while the copy leaves most of the
+    # GPU to the forward pass (SGLang caps its kernel at a small CTA count too).
+    programs_per_sm: int = 4
+    # Warps per program; 0: one per 256 words of a chunk, at most 4.
+    num_warps: int = 0
+    # Largest chunk of words one program moves per loop iteration.
+    max_chunk_words: int = 1024
+    # Items are (layer, unit, chunk) instead of (layer, unit).
+    split: bool = False
+
+
+TUNING = Tuning()
 
 _kernel: Any = None
 
@@ -111,14 +132,17 @@ def _copy_kernel() -> Any:
         EVEN: tl.constexpr,  # words == n_chunks * CHUNK: no mask needed
         ALIGN: tl.constexpr,  # every address is a multiple of ALIGN bytes
         LOAD: tl.constexpr,  # True: pool -> engine; False: engine -> pool
+        SPLIT: tl.constexpr,  # items are (layer, unit, chunk), not (layer, unit)
     ):
         pid = tl.program_id(0)
         n_programs = tl.num_programs(0)
-        for item in range(pid, n_layers * n_units, n_programs):
+        per_block = n_chunks if SPLIT else 1
+        for item in range(pid, n_layers * n_units * per_block, n_programs):
             # Layer-major: neighbouring programs take neighbouring units of
             # one layer, which are neighbours in the pool for most layouts.
-            lay = item // n_units
-            unit = item % n_units
+            block_item = item // per_block
+            lay = block_item // n_units
+            unit = block_item % n_units
             layer_base = tl.load(meta_ptr + lay)
             layer_stride = tl.load(meta_ptr + n_layers + lay)
             pool_layer = tl.load(meta_ptr + 2 * n_layers + lay)
@@ -141,13 +165,21 @@ def _copy_kernel() -> Any:
             else:
                 src = engine
                 dst = host
-            for chunk in range(0, n_chunks):
-                offs = chunk * CHUNK + tl.arange(0, CHUNK)
+            if SPLIT:
+                offs = (item % per_block) * CHUNK + tl.arange(0, CHUNK)
                 if EVEN:
                     tl.store(dst + offs, tl.load(src + offs))
                 else:
                     mask = offs < words
                     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+            else:
+                for chunk in range(0, n_chunks):
+                    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+                    if EVEN:
+                        tl.store(dst + offs, tl.load(src + offs))
+                    else:
+                        mask = offs < words
+                        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
     _kernel = kv_block_copy
     return _kernel
@@ -248,27 +280,11 @@ def _meta_table(
     return np.concatenate([per_layer.reshape(-1), units.reshape(-1)])
 
 
-def launch(
-    layers: Sequence[torch.Tensor],
-    pool: torch.Tensor,
-    transfer: BlockTransfer,
-    layer_indices: Sequence[int] | None = None,
-    *,
-    load: bool,
-    stream: torch.cuda.Stream | None = None,
-    max_programs: int | None = None,
-) -> None:
-    """Enqueue one kernel moving ``transfer`` for the chosen layers (see module contract).
-
-    ``load=True`` copies pool -> engine, else engine -> pool. ``max_programs``
-    caps the grid (default: ``PROGRAMS_PER_SM`` x the SM count on a GPU).
-    """
-    indices = list(range(len(layers)) if layer_indices is None else layer_indices)
-    if not len(transfer) or not indices:
-        return
-    _check_shapes(layers, pool, indices)
-    units = _units(transfer, layers, pool, indices)
-    device = _check_devices(layers, pool, indices)
+def _plan(
+    layers: Sequence[torch.Tensor], pool: torch.Tensor, indices: Sequence[int], n_units: int,
+    load: bool, tuning: Tuning, max_programs: int | None, device: torch.device,
+) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
+    """(grid, scalar arguments, compile-time constants) of one launch."""
     block_bytes = pool.shape[3]
     s_slot, s_layer, s_block, _ = pool.stride()
     align = _alignment(
@@ -279,21 +295,48 @@ def launch(
     words = block_bytes // word
     low_bit = words & -words  # largest power of two dividing words
     if low_bit >= 128:  # chunks tile the block exactly: no masks
-        chunk = min(low_bit, MAX_CHUNK_WORDS)
+        chunk = min(low_bit, tuning.max_chunk_words)
     else:
-        chunk = min(_next_power_of_2(words), MAX_CHUNK_WORDS)
+        chunk = min(_next_power_of_2(words), tuning.max_chunk_words)
     n_chunks = -(-words // chunk)
-    n_items = len(indices) * units.shape[1]
+    n_items = len(indices) * n_units * (n_chunks if tuning.split else 1)
     if max_programs is None:
-        max_programs = _default_programs(device)
+        max_programs = _default_programs(device, tuning)
     grid = (max(1, min(n_items, max_programs)),)
+    args = (pool.data_ptr(), s_slot, s_layer, s_block, len(indices), n_units, n_chunks, words)
+    warps = tuning.num_warps or max(1, min(4, chunk // 256))
+    consts = dict(WORD_T=_word_type(word), CHUNK=chunk, EVEN=words == n_chunks * chunk,
+                  ALIGN=align, LOAD=load, SPLIT=tuning.split, num_warps=warps,
+                  enable_fp_fusion=False)  # no float math; also silences triton 3.9's warning
+    return grid, args, consts
+
+
+def launch(
+    layers: Sequence[torch.Tensor],
+    pool: torch.Tensor,
+    transfer: BlockTransfer,
+    layer_indices: Sequence[int] | None = None,
+    *,
+    load: bool,
+    stream: torch.cuda.Stream | None = None,
+    max_programs: int | None = None,
+    tuning: Tuning | None = None,
+) -> None:
+    """Enqueue one kernel moving ``transfer`` for the chosen layers (see module contract).
+
+    ``load=True`` copies pool -> engine, else engine -> pool. ``max_programs``
+    caps the grid (default: the tuning's programs per SM x the SM count on a GPU).
+    """
+    indices = list(range(len(layers)) if layer_indices is None else layer_indices)
+    if not len(transfer) or not indices:
+        return
+    _check_shapes(layers, pool, indices)
+    units = _units(transfer, layers, pool, indices)
+    device = _check_devices(layers, pool, indices)
+    grid, args, consts = _plan(layers, pool, indices, units.shape[1], load,
+                               tuning or TUNING, max_programs, device)
     table = torch.from_numpy(_meta_table(layers, indices, units))
     kernel = _copy_kernel()
-    args = (pool.data_ptr(), s_slot, s_layer, s_block, len(indices), units.shape[1], n_chunks,
-            words)
-    consts = dict(WORD_T=_word_type(word), CHUNK=chunk, EVEN=words == n_chunks * chunk,
-                  ALIGN=align, LOAD=load, num_warps=max(1, min(4, chunk // 256)),
-                  enable_fp_fusion=False)  # no float math; also silences triton 3.9's warning
     if device.type == "cpu":  # interpreter: runs synchronously
         kernel[grid](table, *args, **consts)
         return
@@ -302,6 +345,29 @@ def launch(
     with torch.cuda.device(device), torch.cuda.stream(stream):
         meta = table.pin_memory().to(device, non_blocking=True)
         kernel[grid](meta, *args, **consts)
+
+
+def precompile(
+    layers: Sequence[torch.Tensor], pool: torch.Tensor, tuning: Tuning | None = None
+) -> int:
+    """Compile (without running) the save and load kernels that transfers between
+    ``layers`` and ``pool`` will launch; returns how many were compiled. A no-op
+    (0) where the kernel cannot run: no CUDA, or CPU tensors."""
+    indices = list(range(min(len(layers), pool.shape[1])))
+    if not indices or not available() or layers[0].device.type != "cuda":
+        return 0
+    _check_shapes(layers, pool, indices)
+    device = _check_devices(layers, pool, indices)
+    kernel = _copy_kernel()
+    meta = torch.zeros(3 * len(indices) + 3, dtype=torch.int64, device=device)
+    compiled = 0
+    with torch.cuda.device(device):
+        for load in (True, False):
+            grid, args, consts = _plan(layers, pool, indices, 1, load, tuning or TUNING, None,
+                                       device)
+            kernel.warmup(meta, *args, grid=grid, **consts)
+            compiled += 1
+    return compiled
 
 
 def _next_power_of_2(n: int) -> int:
@@ -313,11 +379,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _default_programs(device: torch.device) -> int:
+def _default_programs(device: torch.device, tuning: Tuning = TUNING) -> int:
     if device.type != "cuda":
         return 4  # interpreter: programs run one after another anyway
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return PROGRAMS_PER_SM * _sm_count(index)
+    return tuning.programs_per_sm * _sm_count(index)
 
 
 def save_blocks_async(

@@ -13,7 +13,8 @@ Every path's ``save``/``load`` is complete on return. GPU paths also carry
 ``save_async``/``load_async``: same arguments, but they only enqueue the copy
 on the current CUDA stream and return; the copy is complete when that stream
 reaches it (``layer_pipeline`` runs them on its side stream). They are None
-where a path has no asynchronous form (CPU).
+where a path has no asynchronous form (CPU). ``precompile``, where set, compiles
+the path's kernels for a pair of layers and pool ahead of the first copy.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class CopyPath:
     # Enqueue-only forms on the current CUDA stream (None: no async form).
     save_async: CopyFn | None = None
     load_async: LoadFn | None = None
+    # Compile ahead what the first copies between these layers and this pool
+    # would compile (None: nothing to compile).
+    precompile: Callable[[Sequence[torch.Tensor], torch.Tensor], int] | None = None
 
 
 TORCH_SLICES = CopyPath("torch-slices", block_copy.save_blocks, block_copy.load_blocks,
@@ -55,7 +59,8 @@ TORCH_SLICES = CopyPath("torch-slices", block_copy.save_blocks, block_copy.load_
                         partial(block_copy.load_blocks, wait=False))
 CPU_BATCH = CopyPath("cpu-batch", cpu_copy.save_blocks, cpu_copy.load_blocks)
 GPU_KERNEL = CopyPath("gpu-kernel", gpu_copy.save_blocks, gpu_copy.load_blocks,
-                      gpu_copy.save_blocks_async, gpu_copy.load_blocks_async)
+                      gpu_copy.save_blocks_async, gpu_copy.load_blocks_async,
+                      gpu_copy.precompile)
 
 
 def select(io_backend: str, device_type: str) -> CopyPath:

@@ -137,3 +137,16 @@ def test_inside_multi_connector_the_top_level_policy_must_match():
     _ParentUnderConstruction(top, child, "recompute")
     _ParentUnderConstruction(
         KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both"), child, "fail")
+
+
+def test_fp8_cache_dtypes_get_their_own_keys():
+    from hicache.connector.vllm_keys import kv_dtype_name
+
+    # vLLM stores every fp8 variant as uint8: the tensor dtype alone would let an
+    # e5m2 engine read e4m3 pages.
+    names = {kv_dtype_name("torch.uint8", d) for d in ("fp8", "fp8_e4m3", "fp8_e5m2")}
+    assert len(names) == 3
+    # Unquantised caches keep the keys of earlier releases.
+    assert kv_dtype_name("torch.bfloat16", "auto") == "torch.bfloat16"
+    seeds = {KeyNamespace("m", n, "cpu", PAGE, 1).seed() for n in names}
+    assert len(seeds) == 3

@@ -82,8 +82,16 @@ def rebind(layers, old, new):
     return [new.as_strided(t.shape, t.stride(), t.data_ptr() - base) for t in layers]
 
 
+# Launch shapes the round trips draw from: the default, a split grid, tiny chunks
+# (many loop iterations, masked tails), and one warp per program.
+TUNINGS = [gpu_copy.TUNING, gpu_copy.Tuning(split=True),
+           gpu_copy.Tuning(max_chunk_words=16, split=True), gpu_copy.Tuning(max_chunk_words=16),
+           gpu_copy.Tuning(programs_per_sm=16, num_warps=1, max_chunk_words=256)]
+
+
 def round_trip_against_reference(
-    draw, *, device="cpu", pin=False, max_programs=None, min_layers=1, max_layers=3
+    draw, *, device="cpu", pin=False, max_programs=None, min_layers=1, max_layers=3,
+    tuning=None,
 ):
     """L1 -> host -> L1 -> host with the kernel and with block_copy; every stage must
     leave bit-identical bytes everywhere (moved and untouched), and the moved
@@ -123,12 +131,12 @@ def round_trip_against_reference(
         return BlockTransfer.from_lists(blocks, [p[0] for p in where], [p[1] for p in where])
 
     def kernel(load, t):
-        if max_programs is None:
+        if max_programs is None and tuning is None:
             (gpu_copy.load_blocks(pool.canonical, layers, t, subset) if load
              else gpu_copy.save_blocks(layers, pool.canonical, t, subset))
         else:
             gpu_copy.launch(layers, pool.canonical, t, subset, load=load,
-                            max_programs=max_programs)
+                            max_programs=max_programs, tuning=tuning)
             if device != "cpu":
                 torch.cuda.synchronize()
 
@@ -159,9 +167,10 @@ def round_trip_against_reference(
 @settings(max_examples=INTERPRETER_EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate],
           report_multiple_bugs=False)
-@given(max_programs=st.sampled_from([None, 1, 2, 3, 7]), data=st.data())
-def _interpreter_round_trips(max_programs, data):
-    round_trip_against_reference(data.draw, max_programs=max_programs)
+@given(max_programs=st.sampled_from([None, 1, 2, 3, 7]), tuning=st.sampled_from(TUNINGS),
+       data=st.data())
+def _interpreter_round_trips(max_programs, tuning, data):
+    round_trip_against_reference(data.draw, max_programs=max_programs, tuning=tuning)
 
 
 def _interpreter_word_sizes():
@@ -229,14 +238,14 @@ def test_kernel_compiles_for_gpu_and_vectorises_aligned_blocks(arch):
     signature = {name: "constexpr" if name.isupper() else
                  ("*i64" if name == "meta_ptr" else "i64" if name.startswith("pool") else "i32")
                  for name in kernel.arg_names}
-    for load in (True, False):
+    for load, split in ((True, False), (False, False), (True, True)):
         for word_t, align, even, chunk, expect in [
             (tl.int64, 16, True, 1024, "v2.b64"),
             (tl.int32, 4, False, 256, "b32"),
             (tl.uint8, 1, False, 1024, "b8"),
         ]:
             consts = {"WORD_T": word_t, "CHUNK": chunk, "EVEN": even, "ALIGN": align,
-                      "LOAD": load}
+                      "LOAD": load, "SPLIT": split}
             source = ASTSource(kernel, signature, constexprs={
                 (kernel.arg_names.index(k),): v for k, v in consts.items()})
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
@@ -301,9 +310,34 @@ def test_kernel_backend_is_selected_on_cuda():
 
 @needs_cuda
 @settings(max_examples=40, deadline=None)
-@given(max_programs=st.sampled_from([None, 1, 5]), data=st.data())
-def test_cuda_round_trip_with_pinned_pool_is_bit_exact(max_programs, data):
-    round_trip_against_reference(data.draw, device="cuda", pin=True, max_programs=max_programs)
+@given(max_programs=st.sampled_from([None, 1, 5]),
+       tuning=st.sampled_from([None, *TUNINGS]), data=st.data())
+def test_cuda_round_trip_with_pinned_pool_is_bit_exact(max_programs, tuning, data):
+    round_trip_against_reference(data.draw, device="cuda", pin=True, max_programs=max_programs,
+                                 tuning=tuning)
+
+
+@needs_cuda
+def test_cuda_precompile_leaves_nothing_for_the_first_copy_to_compile():
+    layers = [torch.randint(0, 256, (16, 65536), dtype=torch.uint8, device="cuda")
+              for _ in range(3)]
+    pool = HostPagePool(PoolGeometry(8, 3, 2, 65536), pin_memory=True)
+    kernel = gpu_copy._copy_kernel()
+    cache = kernel.device_caches[torch.cuda.current_device()][0]
+    cache.clear()
+    assert gpu_copy.precompile(layers, pool.canonical) == 2
+    compiled = len(cache)
+    assert compiled == 2
+    t = BlockTransfer.from_lists([3, 4, 9], [1, 1, 3], [0, 1, 1])
+    gpu_copy.save_blocks(layers, pool.canonical, t)
+    gpu_copy.load_blocks(pool.canonical, layers, t)
+    assert len(cache) == compiled  # both directions found their compiled kernel
+
+
+def test_precompile_is_a_no_op_without_cuda_tensors():
+    layers = [torch.zeros(4, 256, dtype=torch.uint8)]
+    pool = HostPagePool(PoolGeometry(2, 1, 1, 256), pin_memory=False)
+    assert gpu_copy.precompile(layers, pool.canonical) == 0
 
 
 @needs_cuda

@@ -3,14 +3,19 @@
 # repository root (see README "On a GPU"). The bundle parts travel as carried paths
 # .gpu/p0 and .gpu/p1 (built here by `python -m hicache.integration.bench.gpu.bundle build`).
 #
-#   stage0            keep bundle part 0 (in /tmp), GPU kernel tests, copy benchmark,
-#                     pinned-memory check            (carry .gpu/p0)
-#   stage1 [SECONDS]  keep part 1, unpack vLLM, register our plugin, start the e2e run in
-#                     its own session, collect for up to SECONDS (carry .gpu/p1)
-#   collect [SECONDS] wait for the e2e run up to SECONDS, copy what it wrote to $OUT
+#   stage0            keep bundle part 0 (in /tmp), build the gpu8b model in the
+#                     background, copy-kernel tests and the kernel tuning sweep
+#                     (carry .gpu/p0)
+#   stage1 [SECONDS]  keep part 1, unpack vLLM, register our plugin, start `runs` in its
+#                     own session, collect for up to SECONDS (carry .gpu/p1)
+#   collect [SECONDS] wait for `runs` up to SECONDS, copy what it wrote to $OUT
+#   runs              (started by stage1) the serving-under-load run (serve_load.py,
+#                     arguments $SERVE_ARGS; skipped when SERVE_ARGS=skip), then the
+#                     end-to-end run (e2e.py, arguments $E2E_ARGS; skipped when
+#                     E2E_ARGS=skip)
 #
 # The machine must stay warm between calls (the next call within its idle window), or
-# /tmp is gone and stage0/stage1 start over. Extra e2e arguments: $E2E_ARGS.
+# /tmp is gone and stage0/stage1 start over.
 set -u
 HB=/tmp/hicache-bundle
 SITE=/tmp/hicache-gpu/site
@@ -21,30 +26,44 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD
 export VLLM_USE_FLASHINFER_SAMPLER=0
 
+running() { [ -f "$RES.pid" ] && kill -0 "$(cat "$RES.pid")" 2>/dev/null; }
+
+snapshot() {
+  for d in serve e2e; do
+    mkdir -p "$OUT/$d"
+    cp "$RES/$d"/results.json "$RES/$d"/report.md "$RES/$d"/*.png "$OUT/$d"/ 2>/dev/null
+  done
+  tail -c 2000000 "$RES.log" >"$OUT/runs.log" 2>/dev/null
+}
+
+# Copies what the runs wrote every 10 s, so a call cut short still returns it.
 collect() {
   local limit=${1:-500} t=0
-  while pgrep -f "bench.gpu.e2e run" >/dev/null && [ "$t" -lt "$limit" ]; do
+  while running && [ "$t" -lt "$limit" ]; do
     sleep 5; t=$((t + 5))
+    [ $((t % 10)) -eq 0 ] && snapshot
   done
-  pgrep -f "bench.gpu.e2e run" >/dev/null && echo "e2e still running after ${t}s" \
-    || echo "e2e finished"
-  cp "$RES"/results.json "$RES"/report.md "$RES"/ttft.png "$OUT"/ 2>/dev/null
-  tail -c 4000000 "$RES.log" >"$OUT/e2e.log" 2>/dev/null
-  (cd "$RES" 2>/dev/null && tar czf "$OUT/case-logs.tgz" case-*.log 2>/dev/null)
-  cat "$RES/report.md" 2>/dev/null || tail -50 "$RES.log"
+  running && echo "runs still going after ${t}s" || echo "runs finished"
+  snapshot
+  (cd "$RES" 2>/dev/null && tar czf "$OUT/case-logs.tgz" */case-*.log 2>/dev/null)
+  cat "$RES/serve/report.md" "$RES/e2e/report.md" 2>/dev/null || tail -50 "$RES.log"
 }
 
 case "${1:-}" in
 stage0)
   cp .gpu/p0/* "$HB"/ && ls -la "$HB"
+  # The model stage1 serves (ignored paths stay on a warm machine).
+  nohup python3 -m hicache.integration.models.tiny_model --preset gpu8b >"$OUT/model.txt" 2>&1 &
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
     --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  python3 -m pytest --noconftest -q -p no:cacheprovider tests/kernels tests/tiers/l2 2>&1 \
+  python3 -m pytest --noconftest -q -p no:cacheprovider tests/kernels/test_gpu_copy.py 2>&1 \
     | tail -25 | tee "$OUT/kernel-tests.txt"
-  python3 -m hicache.integration.bench.micro.host_pin --gb 20 2>&1 | tee "$OUT/host-pin.txt"
-  python3 -m hicache.integration.bench.micro.kv_copy --out "$OUT/copy" 2>&1 \
-    | grep -v "it/s" | tee "$OUT/copy.txt"
+  python3 -m hicache.integration.bench.micro.kv_copy --sweep --page-sizes 16 --pages 64,256 \
+    --layouts page_first,layer_first --out "$OUT/sweep" 2>&1 | grep -v "it/s" \
+    | tee "$OUT/sweep.txt"
+  wait
+  cat "$OUT/model.txt"
   ;;
 stage1)
   cp .gpu/p1/* "$HB"/ && python3 integration/bench/gpu/bundle.py unpack --parts "$HB" \
@@ -59,17 +78,25 @@ stage1)
   python3 -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', \
 transformers.__version__)" || exit 1
   mkdir -p "$RES"
-  # shellcheck disable=SC2086
-  setsid nohup python3 -m hicache.integration.bench.gpu.e2e run --out "$RES" ${E2E_ARGS:-} \
-    >"$RES.log" 2>&1 </dev/null &
+  setsid nohup bash "$0" runs >"$RES.log" 2>&1 </dev/null &
+  echo $! >"$RES.pid"
   sleep 2
   collect "${2:-500}"
+  ;;
+runs)
+  export PYTHONPATH=$PWD:$SITE
+  # shellcheck disable=SC2086
+  [ "${SERVE_ARGS:-}" = skip ] || python3 -m hicache.integration.bench.gpu.serve_load run \
+    --out "$RES/serve" ${SERVE_ARGS:-}
+  # shellcheck disable=SC2086
+  [ "${E2E_ARGS:-}" = skip ] || python3 -m hicache.integration.bench.gpu.e2e run \
+    --out "$RES/e2e" ${E2E_ARGS:-}
   ;;
 collect)
   collect "${2:-500}"
   ;;
 *)
-  echo "usage: $0 stage0 | stage1 [SECONDS] | collect [SECONDS]" >&2
+  echo "usage: $0 stage0 | stage1 [SECONDS] | collect [SECONDS] | runs" >&2
   exit 2
   ;;
 esac

@@ -72,13 +72,16 @@ class Case:
     # that keeps its figures apart from the plain HiCache case of its mode.
     hicache_extra: dict[str, Any] = field(default_factory=dict)
     tag: str = ""
+    # vLLM's --kv-cache-dtype ("" = auto, the model's dtype).
+    kv_dtype: str = ""
 
     @property
     def mode(self) -> str:
         """The execution mode; a case's oracle is the null case of the same mode."""
         runner = self.env.get("VLLM_USE_V2_MODEL_RUNNER")
         return ("graphs" if self.graphs else "eager") + (
-            "" if runner is None else f"-runner{'2' if runner == '1' else '1'}")
+            "" if runner is None else f"-runner{'2' if runner == '1' else '1'}") + (
+            f"-{self.kv_dtype}" if self.kv_dtype else "")
 
 
 CASES: dict[str, Case] = {
@@ -93,6 +96,8 @@ CASES: dict[str, Case] = {
     "hicache-direct": Case("hicache", io="direct"),
     "hicache-async-stores": Case("hicache", hicache_extra={"hicache_async_stores": True},
                                  tag="+async"),
+    "null-fp8": Case("null", kv_dtype="fp8"),
+    "hicache-fp8": Case("hicache", kv_dtype="fp8"),
 }
 DEFAULT_CASES = ("null-eager", "hicache-eager", "offload-eager", "null-graphs",
                  "hicache-graphs", "null-graphs-repeat", "null-runner1", "hicache-runner1",
@@ -140,6 +145,8 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "cudagraph_mode": "PIECEWISE",
                 "inductor_compile_config": {"combo_kernels": True,
                                             "benchmark_combo_kernel": False}}
+    if case.kv_dtype:
+        extra["kv_cache_dtype"] = case.kv_dtype
     hicache = None
     kv_transfer: dict[str, Any] | None = None
     if case.kind == "null":

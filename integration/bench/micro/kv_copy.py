@@ -25,6 +25,7 @@ pages sit at random places, as after some churn in vLLM's block pool.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import random
@@ -64,9 +65,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _measure(
-    args: argparse.Namespace, page_size: int, num_pages: int, layout: str
-) -> list[dict[str, Any]]:
+def _setup(args: argparse.Namespace, page_size: int, num_pages: int, layout: str) -> Any:
+    """Layers, pool and transfer of one measurement, and the memcpy baselines."""
     device = torch.device(args.device)
     pinned = device.type == "cuda"
     rng = random.Random(page_size * 100_003 + num_pages)
@@ -102,6 +102,14 @@ def _measure(
         host_pages = list(dst.split(page_bytes))
         per_page["save"] = _timed(lambda: _copy_pages(host_pages, dev_pages), device)
         per_page["load"] = _timed(lambda: _copy_pages(dev_pages, host_pages), device)
+    return device, layers, pool, transfer, nbytes, baseline, per_page
+
+
+def _measure(
+    args: argparse.Namespace, page_size: int, num_pages: int, layout: str
+) -> list[dict[str, Any]]:
+    device, layers, pool, transfer, nbytes, baseline, per_page = _setup(
+        args, page_size, num_pages, layout)
     rows = []
     if device.type == "cpu":
         paths = {io_backend.select(io, device.type) for io in ("direct", "kernel")}
@@ -129,6 +137,55 @@ def _measure(
             row["per_page_ratio"] = per_page[direction] / seconds
         rows.append(row)
     return rows
+
+
+SWEEP = [gpu_copy.Tuning(programs_per_sm=pps, num_warps=warps, max_chunk_words=chunk,
+                         split=split)
+         for pps in (4, 8, 16, 32) for warps in (0, 8) for chunk in (1024, 4096)
+         for split in (False, True)]
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The GPU kernel under every tuning of ``SWEEP``, against memcpy of the same bytes."""
+    rows: list[dict[str, Any]] = []
+    combos = [(p, n, layout) for p in args.page_sizes for n in args.pages
+              for layout in args.layouts]
+    for page_size, num_pages, layout in tqdm(combos, desc="kernel tunings"):
+        device, layers, pool, transfer, nbytes, baseline, _ = _setup(
+            args, page_size, num_pages, layout)
+        for tuning in SWEEP:
+            for direction in ("save", "load"):
+                fn = functools.partial(gpu_copy.launch, layers, pool.canonical, transfer,
+                                       load=direction == "load", tuning=tuning)
+                seconds = _timed(fn, device, min_seconds=0.05)
+                rows.append({"page_size": page_size, "pages": num_pages, "layout": layout,
+                             "direction": direction, "tuning": dataclasses.asdict(tuning),
+                             "default": tuning == gpu_copy.TUNING, "bytes": nbytes,
+                             "gbps": nbytes / seconds / 1e9,
+                             "ratio": baseline[direction] / seconds})
+    return rows
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> None:
+    """Per tuning, the lowest ratio to memcpy over sizes, layouts and directions."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        t = r["tuning"]
+        key = (f"pps={t['programs_per_sm']:<2} warps={t['num_warps'] or 'auto':<4} "
+               f"chunk={t['max_chunk_words']:<4} split={int(t['split'])}")
+        by.setdefault(key, []).append(r)
+    print("\nGPU copy kernel tunings: ratio to one pinned cudaMemcpyAsync of the same bytes "
+          "(min / median over page sizes, page counts, layouts, directions)")
+    ranked = sorted(by.items(), key=lambda kv: -min(r["ratio"] for r in kv[1]))
+    for key, rs in ranked:
+        ratios = [r["ratio"] for r in rs]
+        mark = " (default)" if rs[0]["default"] else ""
+        print(f"  {key}  min {min(ratios):.2f}  median {statistics.median(ratios):.2f}{mark}")
+    for page_size in sorted({r["page_size"] for r in rows}):
+        best = ranked[0][0]
+        rs = [r for r in by[best] if r["page_size"] == page_size]
+        print(f"best at {page_size}-token pages: " + ", ".join(
+            f"{r['pages']}p {r['layout']} {r['direction']} {r['ratio']:.2f}" for r in rs))
 
 
 def _copy_pages(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -215,7 +272,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="bench_results/copy")
+    p.add_argument("--sweep", action="store_true",
+                   help="GPU: time the copy kernel under every tuning of SWEEP instead")
+    p.add_argument("--layouts", type=lambda s: s.split(","), default=sorted(LAYOUT_DIMS),
+                   help="host layouts of --sweep")
     args = p.parse_args(argv)
+    if args.sweep:
+        rows = sweep(args)
+        print_sweep(rows)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}))
+        return
     rows = run(args)
     print_table(rows, args.device)
     out = Path(args.out)
