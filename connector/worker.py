@@ -94,6 +94,11 @@ MAX_STORE_STEPS_IN_FLIGHT = 4
 # two, and 8 per-layer saves per step cost ~20% throughput (README, "Serving under
 # load on a GPU"). 4 MiB copies in ~0.1 ms at 45 GB/s.
 PER_LAYER_SAVE_MIN_BYTES = {"cuda": 4 << 20, "cpu": 256 << 10}
+# On a CPU, when each step waits for its stores, a step's store below this many bytes
+# (all layers) is copied in the calling thread when the copy thread is idle: handing a few KiB to the thread and waiting for
+# it costs more than the copy (a pool submit, a future, a condition wait: ~4% of a
+# decode step of the tiny model, py-spy).
+INLINE_STORE_MAX_BYTES = 1 << 20
 
 
 class HiCacheWorker:
@@ -421,12 +426,15 @@ class HiCacheWorker:
         self.apply_commands(meta)
         if meta.stores:
             store = self._store_of(meta)
+            inline = self._inline_store(store)
             for group, rows in enumerate(self._group_rows):
                 rest = [i for i in rows if i not in self._saved_layers]
-                if rest:
+                if rest and inline:
+                    self._save_now(store, store.transfer.groups[group], rest)
+                elif rest:
                     self._submit_save(store, store.transfer.groups[group], rest)
             store.release.extend(meta.release_after_store)
-            store.mark = self._pipeline.checkpoint()
+            store.mark = Checkpoint() if inline else self._pipeline.checkpoint()
             self._queued += 1
             store.order = self._queued
             self._pending.append(store)
@@ -473,6 +481,23 @@ class HiCacheWorker:
         if meta.flush_stores and self._pending:
             self.stats.store_waits += 1
             self._settle_all()
+
+    def _inline_store(self, store: PendingStore) -> bool:
+        """Whether this step's store is copied here, not on the copy thread: a small
+        store on a CPU in a step that waits for its stores anyway, no layer of it
+        queued yet, and nothing else in the queue."""
+        return (not self.async_stores and not self._pipeline.on_cuda and not self._saved_layers
+                and store.transfer.num_bytes(self.geometry.block_bytes)
+                < INLINE_STORE_MAX_BYTES and self._pipeline.idle())
+
+    def _save_now(self, store: PendingStore, transfer: BlockTransfer, rows: list[int]) -> None:
+        """The copy of ``_submit_save``, in this thread; a failure marks the store failed."""
+        pool = self._require_pool()
+        try:
+            store.clock.wrap(self._copy_fn("save"))(self.layers, pool.canonical, transfer, rows)
+        except Exception:  # noqa: BLE001 - a failed store is published as bad slots
+            logger.exception("HiCache: save copy failed")
+            store.copy_failed = True
 
     def _submit_save(self, store: PendingStore, transfer: BlockTransfer,
                      rows: list[int]) -> None:

@@ -11,6 +11,8 @@ Contract (both modes):
 - ``submit(kind, fn)`` queues any other copy (saves) behind what is queued.
 - ``drain()`` waits for everything queued and returns the failures as
   ``(kind, exception)``; nothing stays in flight across a ``drain``.
+- ``idle()`` (CPU mode): whether everything queued has run, so the caller may
+  copy in its own thread without overtaking the queue.
 - ``checkpoint()`` marks the end of what is queued so far: its ``done()``
   answers without blocking whether all of that has run, ``wait()`` blocks
   until it has. Stores that complete across steps (connector/worker.py) are
@@ -154,6 +156,14 @@ class LayerPipeline:
         if self._cuda is not None:
             return Checkpoint(event=self._cuda.checkpoint())
         return Checkpoint(future=self._submit(lambda: None))
+
+    def idle(self) -> bool:
+        """CPU mode: nothing queued is still running (so a copy made now in the caller's
+        thread keeps the queue's order). Always False in CUDA mode, whose copies are
+        ordered by the side stream, not by the host."""
+        if self._cuda is not None:
+            return False
+        return all(f.done() for f in self._futures)
 
     def take_failures(self) -> list[tuple[str, BaseException]]:
         """The failures recorded since the last take (or drain), without waiting."""
