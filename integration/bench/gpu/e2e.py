@@ -470,29 +470,11 @@ def _add_shared(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="every case, then the report")
-    r.add_argument("--preset", default="gpu8b")
-    r.add_argument("--cases", type=lambda s: s.split(","), default=list(DEFAULT_CASES))
-    r.add_argument("--out", default="bench_results/gpu-e2e")
-    r.add_argument("--deadline", type=float, default=3600.0, help="seconds for all cases")
-    r.add_argument("--case-timeout", type=float, default=600.0)
-    _add_shared(r)
-    c = sub.add_parser("case", help="one case (a child of run)")
-    c.add_argument("name", choices=sorted(CASES))
-    c.add_argument("--model", required=True)
-    c.add_argument("--result", required=True)
-    _add_shared(c)
-    args = p.parse_args(argv)
-    if args.cmd == "run":
-        unknown = [n for n in args.cases if n not in CASES]
-        if unknown:
-            p.error(f"unknown cases {unknown}; allowed: {sorted(CASES)}")
-        run(args)
-    else:
-        data = run_case(args.name, args)
-        Path(args.result).write_text(json.dumps(data))
+    from hicache.integration.bench.gpu.case_cli import main_for
+
+    main_for(argv, description=__doc__.split("\n\n")[0], cases=CASES,
+             default_cases=DEFAULT_CASES, out_default="bench_results/gpu-e2e",
+             add_shared=_add_shared, run=run, run_case=run_case)
 
 
 if __name__ == "__main__":

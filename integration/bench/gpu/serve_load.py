@@ -635,37 +635,29 @@ def _add_shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-timeout", type=float, default=900.0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="every case, then the report")
-    r.add_argument("--preset", default="gpu8b")
-    r.add_argument("--cases", type=lambda s: s.split(","), default=list(DEFAULT_CASES))
-    r.add_argument("--out", default="bench_results/gpu-serve")
-    r.add_argument("--parallel", action="store_true",
+def _add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", action="store_true",
                    help="start the engines of one L1 size together, measure one at a time")
-    r.add_argument("--deadline", type=float, default=3600.0, help="seconds for all cases")
-    r.add_argument("--case-timeout", type=float, default=600.0)
-    _add_shared(r)
-    c = sub.add_parser("case", help="one case (a child of run)")
-    c.add_argument("name", choices=sorted(CASES))
-    c.add_argument("--model", required=True)
-    c.add_argument("--result", required=True)
-    c.add_argument("--ready", default="")
-    c.add_argument("--gate", default="")
-    _add_shared(c)
-    args = p.parse_args(argv)
+
+
+def _add_case(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ready", default="")
+    p.add_argument("--gate", default="")
+
+
+def _check(args: argparse.Namespace, error: Any) -> None:
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad:
-        p.error(f"unknown workloads {bad}; allowed: {', '.join(WORKLOADS)}")
-    if args.cmd == "run":
-        unknown = [n for n in args.cases if n not in CASES]
-        if unknown:
-            p.error(f"unknown cases {unknown}; allowed: {sorted(CASES)}")
-        run(args)
-    else:
-        data = run_case(args.name, args)
-        Path(args.result).write_text(json.dumps(data))
+        error(f"unknown workloads {bad}; allowed: {', '.join(WORKLOADS)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from hicache.integration.bench.gpu.case_cli import main_for
+
+    main_for(argv, description=__doc__.split("\n\n")[0], cases=CASES,
+             default_cases=DEFAULT_CASES, out_default="bench_results/gpu-serve",
+             add_shared=_add_shared, run=run, run_case=run_case, add_run=_add_run,
+             add_case=_add_case, check=_check)
 
 
 if __name__ == "__main__":

@@ -76,30 +76,6 @@ def test_failed_case_reports_its_log_tail(tmp_path):
     assert result["status"].startswith("failed") and result["log_tail"]
 
 
-@pytest.mark.engine
-def test_cpu_run_is_token_identical_and_reads_l2_and_l3(tmp_path):
-    out = tmp_path / "out"
-    note_engine_start("LLM (e2e child)")
-    note_engine_start("LLM (e2e child)")
-    e2e.main(["run", "--preset", "test", "--device", "cpu", "--histories", "512",
-              "--conversations", "1", "--warmup", "0", "--gen", "16",
-              "--cases", "null-eager,hicache-eager", "--block-size", "32",
-              "--max-model-len", "2048", "--host-gb", "0.5", "--out", str(out),
-              "--l3-dir", str(tmp_path / "l3")])
-    results = json.loads((out / "results.json").read_text())
-    cases = results["cases"]
-    assert {c["status"] for c in cases.values()} == {"ok"}, cases
-    (identity,) = results["identity"]
-    assert identity["compared"] == 3 and identity["identical"] == 3, identity
-    rows = {r["branch"]: r for r in cases["hicache-eager"]["rows"]}
-    assert rows["turn1"]["cached"] == 0
-    assert rows["l2"]["cached"] >= 512  # the whole history, from L2
-    assert rows["l3"]["cached"] >= 512  # and again from L3 after L1 and L2 were emptied
-    counters = cases["hicache-eager"]["hicache_counters"]
-    assert counters["l3_fetched_pages"] > 0 and counters["load_errors"] == 0
-    assert (out / "report.md").read_text().count("| eager | 512 |") == 1
-
-
 def _cpu_fp8_kv() -> bool:
     import torch
 
@@ -107,26 +83,35 @@ def _cpu_fp8_kv() -> bool:
 
 
 @pytest.mark.engine
-@pytest.mark.skipif(not _cpu_fp8_kv(), reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX")
-def test_cpu_fp8_kv_cache_run_is_token_identical_from_l2_and_l3(tmp_path):
-    """--kv-cache-dtype fp8 (1-byte KV): pages move as bytes, the oracle is the null
-    connector with the same fp8 cache whose L1 kept the history."""
+@pytest.mark.parametrize("kv", [
+    pytest.param("", id="model-dtype"),
+    # --kv-cache-dtype fp8 (1-byte KV): pages move as bytes; the oracle is the null
+    # connector with the same fp8 cache whose L1 kept the history.
+    pytest.param("fp8", id="fp8", marks=pytest.mark.skipif(
+        not _cpu_fp8_kv(), reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX")),
+])
+def test_cpu_run_is_token_identical_and_reads_l2_and_l3(tmp_path, kv):
+    null, hicache = ("null-fp8", "hicache-fp8") if kv else ("null-eager", "hicache-eager")
     out = tmp_path / "out"
     note_engine_start("LLM (e2e child)")
     note_engine_start("LLM (e2e child)")
     e2e.main(["run", "--preset", "test", "--device", "cpu", "--histories", "512",
               "--conversations", "1", "--warmup", "0", "--gen", "16",
-              "--cases", "null-fp8,hicache-fp8", "--block-size", "32",
+              "--cases", f"{null},{hicache}", "--block-size", "32",
               "--max-model-len", "2048", "--host-gb", "0.5", "--out", str(out),
               "--l3-dir", str(tmp_path / "l3")])
     results = json.loads((out / "results.json").read_text())
     cases = results["cases"]
     assert {c["status"] for c in cases.values()} == {"ok"}, cases
-    assert cases["hicache-fp8"]["mode"] == "eager-fp8"
     (identity,) = results["identity"]
     assert (identity["oracle"], identity["compared"], identity["identical"]) == (
-        "null-fp8", 3, 3), identity
-    rows = {r["branch"]: r for r in cases["hicache-fp8"]["rows"]}
-    assert rows["l2"]["cached"] >= 512 and rows["l3"]["cached"] >= 512
-    counters = cases["hicache-fp8"]["hicache_counters"]
+        null, 3, 3), identity
+    rows = {r["branch"]: r for r in cases[hicache]["rows"]}
+    assert rows["turn1"]["cached"] == 0
+    assert rows["l2"]["cached"] >= 512  # the whole history, from L2
+    assert rows["l3"]["cached"] >= 512  # and again from L3 after L1 and L2 were emptied
+    counters = cases[hicache]["hicache_counters"]
     assert counters["l3_fetched_pages"] > 0 and counters["load_errors"] == 0
+    mode = "eager-fp8" if kv else "eager"
+    assert cases[hicache]["mode"] == mode
+    assert (out / "report.md").read_text().count(f"| {mode} | 512 |") == 1
