@@ -105,6 +105,16 @@ def greedy_params(max_tokens: int) -> Any:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def streaming_greedy_params(max_tokens: int) -> Any:
+    """``greedy_params`` whose outputs carry only each step's new tokens (for clients
+    that drive ``LLMEngine.step`` themselves)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = greedy_params(max_tokens)
+    params.output_kind = RequestOutputKind.DELTA
+    return params
+
+
 def close_llm(llm: Any) -> None:
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if engine_core is not None and hasattr(engine_core, "shutdown"):

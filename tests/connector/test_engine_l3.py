@@ -302,10 +302,13 @@ class TestSlowStorePrefetchUnderTimeout:
         _, sched, connector = run
         io = connector.hicache_worker.storage_io.stats
         assert sched.stats.prefetches == 3 and sched.stats.prefetch_waits > 0
-        assert io.fetches == 3 and io.fetch_deadline_misses == 3
+        # Every prefetch that reached the store stopped at its deadline. How many
+        # reached it depends on the machine's speed: a later one may be cancelled
+        # while queued behind the one before (its request went on without it).
+        assert 1 <= io.fetches <= 3 and io.fetch_deadline_misses == io.fetches
         # The first read its batch in flight; a later one may have been queued
         # behind the one before past its own deadline (then it read nothing).
-        assert BATCH_PAGES <= io.fetched_pages <= 3 * BATCH_PAGES
+        assert BATCH_PAGES <= io.fetched_pages <= io.fetches * BATCH_PAGES
 
 
 class TestSlowLookups:

@@ -42,7 +42,11 @@ def _engine(model: str, hicache: dict | None = None):
     return open_llm(EngineSpec(
         model=model, hicache=hicache, prefix_caching=hicache is None, block_size=BLOCK,
         num_blocks=L1_BLOCKS, max_model_len=(L1_BLOCKS - 1) * BLOCK,
-        extra_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}))
+        # vLLM prefers its AMX MLA backend where the CPU has AMX tiles, and that
+        # backend refuses fp32 weights at load ("expect weight to be bfloat16, ...").
+        # The reference CPU MLA backend runs everywhere, as on CI machines without AMX.
+        extra_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+                    "attention_backend": "CPU_MLA"}))
 
 
 def _l3(path: Path, **more) -> dict:

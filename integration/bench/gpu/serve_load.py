@@ -353,10 +353,12 @@ def _wait_gate(gate: Path, timeout: float) -> bool:
 
 
 def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    from hicache.integration.vllm.engine import close_llm, greedy_params, open_llm
+    from hicache.integration.vllm.engine import (
+        close_llm,
+        greedy_params,
+        open_llm,
+        streaming_greedy_params,
+    )
 
     case = CASES[name]
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
@@ -374,8 +376,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
             if not _wait_gate(Path(args.gate), args.gate_timeout):
                 out["status"] = "gate never opened"
                 return out
-        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+        params = streaming_greedy_params(args.output_len)
         engine = llm.llm_engine
         for workload in args.workloads:
             _reset(llm, case.kind, greedy_params)
