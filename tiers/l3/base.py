@@ -146,6 +146,21 @@ class StorageBackend(ABC):
     # (tiers/l3/io_thread.py ``FETCH_THREADS``). False: one at a time.
     concurrent_io: ClassVar[bool] = False
 
+    @property
+    def timed_batches(self) -> bool:
+        """True when the backend has ``batch_get_until(keys, host_slots, deadline)``:
+        ``batch_get_v1`` that starts no page once ``deadline`` (``time.monotonic()``
+        seconds) has passed (those pages are False, not misses). The worker then hands
+        over large batches, one GIL hand-off each, without losing the fetch's deadline
+        (tiers/l3/io_thread.py). Backends whose batches run without the GIL offer it
+        (file: tiers/l3/native_io.py)."""
+        return False
+
+    def batch_get_until(self, keys: list[str], host_slots: list[int],
+                        deadline: float | None) -> list[bool]:
+        """See ``timed_batches``; only called where that is True."""
+        raise NotImplementedError
+
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
         self.pool: HostPagePool | None = None

@@ -77,11 +77,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import Field, NonNegativeFloat
 
 from hicache.tiers.l2.host_pool import HostPagePool
-from hicache.tiers.l3 import integrity
+from hicache.tiers.l3 import integrity, native_io
 from hicache.tiers.l3.base import (
     StorageBackend,
     StorageConfig,
@@ -109,6 +110,7 @@ DirectIO = Literal["off", "auto", "on"]
 
 _PADDING = bytes(FILE_HEADER_BYTES - integrity.HEADER_BYTES)
 _MISSING = "missing"
+_NOT_READ = "not read: past the deadline"  # neither a hit nor a miss
 
 
 class FileExtraConfig(Settings):
@@ -169,6 +171,8 @@ class FileBackend(StorageBackend):
         self._buffers = _Buffers()
         self._pool_view: memoryview | None = None  # flat bytes of the pool, slot-major
         self._pool_addr = 0
+        # The same bytes for the GIL-free batch path (native_io.py), when it runs here.
+        self._pool_np: np.ndarray | None = None
         self.direct_io = self._probe_direct(extra.direct_io)
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, LRU order
         self._index_bytes = 0
@@ -313,6 +317,10 @@ class FileBackend(StorageBackend):
             self._pool_addr = buf.data_ptr()
         else:
             self._pool_view = None
+        self._pool_np = None
+        if self._pool_view is not None and not self.direct_io and native_io.available():
+            native_io.warm_up()  # compile now, not in the first fetch
+            self._pool_np = np.frombuffer(self._pool_view, np.uint8)
 
     # ---- SGLang interface ------------------------------------------------------
 
@@ -335,14 +343,33 @@ class FileBackend(StorageBackend):
         payload = value.numpy().data.cast("B")
         return self._write_pages([key], [(payload, value.data_ptr())])[0]
 
+    @property
+    def timed_batches(self) -> bool:
+        # The GIL-free path reads up to a deadline; a subclass with its own
+        # batch_get_v1 is asked the SGLang way.
+        return self._pool_np is not None and type(self).batch_get_v1 is FileBackend.batch_get_v1
+
+    def batch_get_until(self, keys: list[str], host_slots: list[int],
+                        deadline: float | None) -> list[bool]:
+        """``batch_get_v1`` that starts no page after ``deadline``
+        (``time.monotonic()`` seconds): those are False, not misses. Only while
+        ``timed_batches``."""
+        self._require_pool()
+        assert self._pool_np is not None, "batch_get_until needs timed_batches"
+        return self._read_slots_native(keys, host_slots, deadline)
+
     def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
         self._require_pool()
+        if self._pool_np is not None:  # the whole batch without the GIL
+            return self._read_slots_native(keys, host_slots)
         if self._pool_view is None:  # layer_first: through a staging page each
             return super().batch_get_v1(keys, host_slots)
         return self._read_pages(keys, self._slot_views(host_slots))
 
     def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
         self._require_pool()
+        if self._pool_np is not None:
+            return self._write_slots_native(keys, host_slots)
         if self._pool_view is None:
             return super().batch_set_v1(keys, host_slots)
         return self._write_pages(keys, self._slot_views(host_slots))
@@ -358,17 +385,64 @@ class FileBackend(StorageBackend):
         """Read and verify each page into its (view, address); counters and index once."""
         start = time.perf_counter()
         buffers = self._buffers
+        problems = [self._read_one(self._name(key), key, payload, addr, buffers)
+                    for key, (payload, addr) in zip(keys, targets, strict=True)]
+        return self._settle_reads(keys, problems, start)
+
+    def _read_slots_native(self, keys: list[str], slots: list[int],
+                           deadline: float | None = None) -> list[bool]:
+        """``_read_pages`` into pool slots: reads and every check in one GIL-free call."""
+        assert self._pool_np is not None
+        start = time.perf_counter()
+        names = [self._name(key) for key in keys]
+        page_keys = [self.page_key_bytes(k) for k in keys]
+        headers = np.empty((len(keys), FILE_HEADER_BYTES), np.uint8)
+        expect = integrity.header_rows(page_keys, self._fingerprint, self._page_bytes,
+                                       layout=FILE_LAYOUT, width=integrity.CHECKSUM_AT)
+        status, sizes = native_io.read_pages(
+            native_io.path_rows([self._pages + n for n in names]), self._pool_np,
+            [s * self._page_bytes for s in slots], FILE_HEADER_BYTES, self._page_bytes,
+            headers, expect, integrity.HEADER_BYTES, deadline)
+        problems: list[str | None] = []
+        for i, code in enumerate(status.tolist()):
+            if code == native_io.OK:
+                problems.append(None)
+            elif code == native_io.NOT_READ:
+                problems.append(_NOT_READ)
+            elif code == native_io.MISSING:
+                # Rare: tell a missing file from one that cannot be opened.
+                exists = os.path.exists(self._pages + names[i])
+                problems.append("unreadable: open failed" if exists else _MISSING)
+            elif code == native_io.UNREADABLE:
+                problems.append("unreadable: read failed")
+            elif code == native_io.WRONG_SIZE:
+                problems.append(f"wrong size ({int(sizes[i])} bytes read)")
+            elif code == native_io.BAD_PADDING:
+                problems.append("header padding is not zero")
+            elif code == native_io.BAD_CHECKSUM:
+                problems.append("checksum mismatch")
+            else:  # the header's own words for which field differs
+                problems.append(integrity.verify(
+                    bytes(headers[i, :integrity.HEADER_BYTES]), page_keys[i],
+                    self._fingerprint, b"", layout=FILE_LAYOUT) or "header mismatch")
+        return self._settle_reads(keys, problems, start, names)
+
+    def _settle_reads(self, keys: list[str], problems: list[str | None], start: float,
+                      names: list[str] | None = None) -> list[bool]:
+        """Counters, index and quarantine for a batch of reads (None: verified)."""
         results: list[bool] = []
         hits: list[str] = []
-        misses = corrupt = 0
-        for key, (payload, addr) in zip(keys, targets, strict=True):
-            name = self._name(key)
-            problem = self._read_one(name, key, payload, addr, buffers)
+        misses = corrupt = not_read = 0
+        for i, (key, problem) in enumerate(zip(keys, problems, strict=True)):
+            name = names[i] if names is not None else self._name(key)
             if problem is None:
                 hits.append(name)
                 results.append(True)
                 continue
             results.append(False)
+            if problem == _NOT_READ:
+                not_read += 1
+                continue
             misses += 1
             if problem == _MISSING:
                 self._forget(name)
@@ -376,7 +450,7 @@ class FileBackend(StorageBackend):
                 corrupt += 1
                 self._quarantine(name, problem)
         self._touch_all(hits)
-        self._count(get_pages=len(keys), get_hits=len(hits), get_misses=misses,
+        self._count(get_pages=len(keys) - not_read, get_hits=len(hits), get_misses=misses,
                     corrupt_pages=corrupt, bytes_read=len(hits) * self._page_bytes,
                     read_seconds=time.perf_counter() - start)
         return results
@@ -473,6 +547,56 @@ class FileBackend(StorageBackend):
                 failed += 1
                 results.append(False)
         self._touch_all(stored)
+        written = len(stored) - skipped
+        self._count(set_pages=written, set_skipped_existing=skipped, set_failures=failed,
+                    errors=failed, bytes_written=written * self._page_bytes,
+                    write_seconds=time.perf_counter() - start if written else 0.0)
+        return results
+
+    def _write_slots_native(self, keys: list[str], slots: list[int]) -> list[bool]:
+        """``_write_pages`` from pool slots: every page not stored yet checksummed,
+        written and renamed in, in one GIL-free call. Room is made after the batch (the
+        pages just written are the most recent): a capacity may be exceeded by one
+        batch while it is written."""
+        assert self._pool_np is not None
+        start = time.perf_counter()
+        names = [self._name(key) for key in keys]
+        suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
+        headers = integrity.header_rows([self.page_key_bytes(k) for k in keys],
+                                        self._fingerprint, self._page_bytes,
+                                        layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
+        status = native_io.write_pages(
+            native_io.path_rows([f"{self._tmp}{n.rpartition('/')[2]}{suffix}" for n in names]),
+            native_io.path_rows([self._pages + n for n in names]), self._pool_np,
+            [s * self._page_bytes for s in slots], self._page_bytes, headers,
+            integrity.CHECKSUM_AT, self.fsync, skip_existing=True)
+        results: list[bool] = []
+        stored: list[str] = []
+        skipped = failed = 0
+        for i, code in enumerate(status.tolist()):
+            error = None
+            if code == native_io.RENAME_FAILED:  # first page of its sub-directory
+                offset = slots[i] * self._page_bytes
+                view = self._pool_view
+                assert view is not None
+                error = self._write_one(names[i], self._pages + names[i],
+                                        bytes(headers[i, :integrity.HEADER_BYTES]),
+                                        view[offset:offset + self._page_bytes],
+                                        self._pool_addr + offset, self._buffers)
+            elif code == native_io.SKIPPED:
+                skipped += 1
+            elif code != native_io.OK:
+                error = "write failed" if code == native_io.WRITE_FAILED \
+                    else "could not create the temp file"
+            if error is None:
+                stored.append(names[i])
+            else:
+                logger.warning("HiCache file L3: writing page %s failed: %s", keys[i][:16],
+                               error)
+                failed += 1
+            results.append(error is None)
+        self._touch_all(stored)
+        self._make_room(0)
         written = len(stored) - skipped
         self._count(set_pages=written, set_skipped_existing=skipped, set_failures=failed,
                     errors=failed, bytes_written=written * self._page_bytes,

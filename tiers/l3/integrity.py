@@ -18,6 +18,12 @@ Contract:
 - ``verify`` returns None when everything matches, else a short reason; the
   caller counts the page as a corrupt miss and never copies it into a slot
   that is then used.
+- Batches (native_io.py checksums and checks them without the GIL):
+  ``header_rows(keys, fingerprint, length, layout, width)`` packs one header per
+  page into a zeroed ``(n, width)`` uint8 array with the checksum field (the 8
+  little-endian bytes at ``CHECKSUM_AT``) left zero: with ``width=HEADER_BYTES`` or
+  more, headers for a writer to complete; with ``width=CHECKSUM_AT``, what a page
+  read back must start with.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ VERSION = 2
 HEADER_BYTES = 128
 LAYOUT_SHIFT = 16  # the version field's high 16 bits: the container layout
 _LAYOUT = struct.Struct("<8sIIQ32s16sQ")  # magic, version, reserved, len, key, fingerprint, xxh3
+_PREFIX = struct.Struct("<8sIIQ32s16s")  # everything before the checksum
+CHECKSUM_AT = _PREFIX.size  # byte offset of the little-endian xxh3 in the header
 
 
 def _bytes_of(payload: Any) -> memoryview:
@@ -88,3 +96,17 @@ def verify(header: Any, page_key: bytes, fingerprint: bytes, payload: Any, *,
     if checksum(data) != digest:
         return "checksum mismatch"
     return None
+
+
+def header_rows(keys: list[bytes], fingerprint: bytes, length: int, *, layout: int = 0,
+                width: int = HEADER_BYTES) -> np.ndarray:
+    """One header per key, zero-padded to ``width`` bytes, checksum field zero."""
+    if len(fingerprint) != 16 or any(len(k) != 32 for k in keys):
+        raise ValueError("page keys must be 32 bytes and the fingerprint 16 bytes")
+    rows = np.zeros((len(keys), width), np.uint8)
+    if keys:
+        version = version_of(layout)
+        packed = b"".join(_PREFIX.pack(MAGIC, version, 0, length, k, fingerprint) for k in keys)
+        rows[:, :CHECKSUM_AT] = np.frombuffer(packed, np.uint8).reshape(len(keys), CHECKSUM_AT)
+    return rows
+

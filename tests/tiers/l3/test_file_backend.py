@@ -1,5 +1,8 @@
 """File L3 backend: round trips, crash-safe writes, corruption as counted misses, sharing,
-the fan-out / 4 KiB-aligned layout, and O_DIRECT with its buffered fallbacks."""
+the fan-out / 4 KiB-aligned layout, and O_DIRECT with its buffered fallbacks.
+
+Every test runs twice: with the GIL-free batch path (tiers/l3/native_io.py, what
+pool-slot batches use where numba runs) and with the per-page Python path."""
 
 from __future__ import annotations
 
@@ -16,10 +19,21 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2 import host_pool as host_pool_module
 from hicache.tiers.l2.host_memory import allocate
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3 import integrity
+from hicache.tiers.l3 import integrity, native_io
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES, FILE_LAYOUT, FileBackend
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def io_path(request, monkeypatch):
+    if request.param == "native":
+        if not native_io.available():
+            pytest.skip("the GIL-free batch path does not run here (numba or libc missing)")
+    else:
+        monkeypatch.setattr(native_io, "available", lambda: False)
+    return request.param
+
 
 GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=256)
 NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 1)
@@ -42,11 +56,13 @@ def filled_pool(layout: str, seed: int) -> HostPagePool:
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_round_trip_through_host_slots(tmp_path, layout):
+def test_round_trip_through_host_slots(tmp_path, layout, io_path):
     src, dst = filled_pool(layout, 1), filled_pool(layout, 2)
     a, b = FileBackend(config(tmp_path, layout=layout)), FileBackend(config(tmp_path, layout=layout))
     a.register_host_pool(src)
     b.register_host_pool(dst)
+    # Contiguous slots take the batch path where it runs; layer_first stages a page.
+    assert (b._pool_np is not None) == (io_path == "native" and layout != "layer_first")
     ks = keys(4)
     assert a.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
     assert b.batch_exists(ks) == 4
@@ -488,3 +504,32 @@ def test_pages_fall_back_to_buffered_when_o_direct_is_refused_later(tmp_path, mo
     assert len(refused) == 6  # each write and each read tried O_DIRECT first
     assert torch.equal(dst.buffer[3:6], src.buffer[0:3])
     assert backend.stats().corrupt_pages == 0
+
+
+def test_timed_batches_start_no_page_after_the_deadline(tmp_path, io_path):
+    import time
+
+    src, dst = filled_pool("page_first", 1), filled_pool("page_first", 2)
+    a, b = FileBackend(config(tmp_path)), FileBackend(config(tmp_path))
+    a.register_host_pool(src)
+    b.register_host_pool(dst)
+    ks = keys(3)
+    assert a.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert b.timed_batches == (io_path == "native")
+    if io_path != "native":
+        return  # the per-page Python path has no deadline inside a batch
+    before = b.stats()
+    assert b.batch_get_until(ks, [5, 6, 7], time.monotonic() - 1) == [False] * 3
+    after = b.stats()
+    # Not started is neither a hit nor a miss: nothing counted, nothing quarantined.
+    assert (after.get_misses, after.corrupt_pages) == (before.get_misses, before.corrupt_pages)
+    assert not list((tmp_path / "quarantine").iterdir())
+    assert b.batch_get_until(ks, [5, 6, 7], time.monotonic() + 3600) == [True] * 3
+    assert torch.equal(src.canonical[0], dst.canonical[5])
+    # A subclass with its own batch_get_v1 (fault injection, say) is asked that way.
+    class Wrapped(FileBackend):
+        def batch_get_v1(self, keys, host_slots):
+            return super().batch_get_v1(keys, host_slots)
+    w = Wrapped(config(tmp_path))
+    w.register_host_pool(dst)
+    assert not w.timed_batches

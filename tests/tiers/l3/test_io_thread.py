@@ -251,3 +251,27 @@ def test_a_helper_never_reads_into_a_slot_a_running_backup_reads(tmp_path):
     assert result.fetched_pages == 1
     assert GatedBackups.read_during_backup == [False]
     io.shutdown()
+
+
+def test_a_timed_backend_gets_byte_sized_batches_and_keeps_the_prefix_rule(tmp_path):
+    """The plain file backend reads GIL-free batches that stop at the deadline by
+    themselves (where numba runs): batches of TIMED_BATCH_BYTES, one call for these
+    40 small pages; a missing page still ends the fetched prefix."""
+    from hicache.tiers.l3 import io_thread, native_io
+    from hicache.tiers.l3.file_backend import FileBackend
+
+    stored = seed_l3(tmp_path, 40)
+    io, pool, backend, loaded = make(tmp_path, backend_class=FileBackend)
+    timed = native_io.available()
+    assert backend.timed_batches == timed
+    assert io._batch_pages() == (io_thread.TIMED_BATCH_BYTES // GEOM.page_bytes if timed
+                                 else io_thread.BATCH_PAGES)
+    backend.page_path(KEYS[30].hex()).unlink()
+    io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), None))
+    (result,) = wait_result(io)
+    assert result.fetched_pages == 30
+    assert result.error_block_ids == {100 + i for i in range(30, 40)}
+    assert torch.equal(pool.buffer[40:70], stored[:30])
+    assert [p.slot for p in loaded[0]] == list(range(40, 70))
+    assert backend.stats().get_misses == 1  # the one missing page, nothing else
+    io.shutdown()

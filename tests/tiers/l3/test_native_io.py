@@ -1,0 +1,178 @@
+"""GIL-free batch page I/O (tiers/l3/native_io.py): the xxhash package's checksums,
+files read into and written from a flat buffer with every check done per page and
+every failure reported per page, and the GIL released for the whole batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from hicache.tiers.l3 import native_io
+
+pytestmark = pytest.mark.skipif(not native_io.available(),
+                                reason="numba, libc's functions or xxHash's C API missing")
+
+HEAD, PREFIX, PAD_FROM, LENGTH = 64, 8, 16, 4096  # header: prefix, checksum, padding
+
+
+def test_checksums_are_xxh3_64_of_each_slice():
+    rng = np.random.default_rng(0)
+    buf = rng.integers(0, 256, 70_000, dtype=np.uint8)
+    for length in (0, 1, 17, 240, 241, 4096, 65_536):
+        offsets = np.array([0, 3, 999])
+        got = native_io.checksums(buf, offsets, length)
+        assert [int(x) for x in got] == [
+            xxhash.xxh3_64_intdigest(buf[o:o + length].tobytes()) for o in offsets], length
+
+
+def _headers(n: int) -> np.ndarray:
+    """Header rows: a per-page prefix, the checksum field (zero), zero padding."""
+    rows = np.zeros((n, HEAD), np.uint8)
+    rows[:, :PREFIX] = np.arange(1, n + 1, dtype=np.uint8)[:, None]
+    return rows
+
+
+def _write(tmp_path, n, rng, **kw):
+    src = rng.integers(0, 256, n * LENGTH, dtype=np.uint8)
+    headers = _headers(n)
+    paths = native_io.path_rows([str(tmp_path / f"p{i}") for i in range(n)])
+    tmp = native_io.path_rows([str(tmp_path / f"p{i}.tmp") for i in range(n)])
+    status = native_io.write_pages(tmp, paths, src, np.arange(n) * LENGTH, LENGTH, headers,
+                                   PREFIX, **kw)
+    return src, headers, paths, tmp, status
+
+
+def test_written_files_hold_the_header_with_its_checksum_then_the_payload(tmp_path):
+    src, headers, paths, tmp, status = _write(tmp_path, 3, np.random.default_rng(1))
+    assert status.tolist() == [native_io.OK] * 3
+    for i in range(3):
+        raw = (tmp_path / f"p{i}").read_bytes()
+        payload = src[i * LENGTH:(i + 1) * LENGTH].tobytes()
+        assert raw[HEAD:] == payload and raw[:PREFIX] == bytes([i + 1]) * PREFIX
+        assert int.from_bytes(raw[PREFIX:PREFIX + 8], "little") == \
+            xxhash.xxh3_64_intdigest(payload)
+        assert bytes(headers[i]) == raw[:HEAD]  # the row now holds the checksum too
+    assert not list(tmp_path.glob("*.tmp"))
+    # Written again with skip_existing: nothing is touched.
+    (tmp_path / "p1").unlink()
+    again = native_io.write_pages(tmp, paths, src, np.arange(3) * LENGTH, LENGTH,
+                                  _headers(3), PREFIX, skip_existing=True)
+    assert again.tolist() == [native_io.SKIPPED, native_io.OK, native_io.SKIPPED]
+
+
+def test_a_write_into_a_missing_folder_fails_that_page_only_and_leaves_no_temp(tmp_path):
+    src = np.random.default_rng(2).integers(0, 256, 2 * LENGTH, dtype=np.uint8)
+    paths = native_io.path_rows([str(tmp_path / "p0"), str(tmp_path / "gone" / "p1")])
+    tmp = native_io.path_rows([str(tmp_path / "t0"), str(tmp_path / "t1")])
+    status = native_io.write_pages(tmp, paths, src, np.array([0, LENGTH]), LENGTH,
+                                   _headers(2), PREFIX)
+    assert status.tolist() == [native_io.OK, native_io.RENAME_FAILED]
+    assert (tmp_path / "p0").exists() and not (tmp_path / "t1").exists()
+    no_tmp_dir = native_io.path_rows([str(tmp_path / "nodir" / "t")])
+    status = native_io.write_pages(no_tmp_dir, paths[:1], src, np.array([0]), LENGTH,
+                                   _headers(1), PREFIX)
+    assert status.tolist() == [native_io.OPEN_FAILED]
+
+
+def test_reads_check_every_page_and_report_the_first_failed_check(tmp_path):
+    n = 8
+    src, headers, paths, _, _ = _write(tmp_path, n, np.random.default_rng(3))
+    (tmp_path / "p1").unlink()
+    with open(tmp_path / "p2", "ab") as f:
+        f.write(b"x")  # one byte too long
+    os.truncate(tmp_path / "p3", HEAD + 10)  # short
+    with open(tmp_path / "p4", "r+b") as f:  # a payload bit flipped
+        f.seek(HEAD + 1000)
+        byte = f.read(1)[0]
+        f.seek(HEAD + 1000)
+        f.write(bytes([byte ^ 0x10]))
+    with open(tmp_path / "p5", "r+b") as f:  # another page's prefix
+        f.write(bytes([99]) * PREFIX)
+    with open(tmp_path / "p6", "r+b") as f:  # padding not zero
+        f.seek(HEAD - 1)
+        f.write(b"\x01")
+    dest = np.zeros((n + 1) * LENGTH, np.uint8)
+    got = np.zeros((n, HEAD), np.uint8)
+    expect = np.ascontiguousarray(_headers(n)[:, :PREFIX])
+    offsets = np.arange(n, 0, -1) * LENGTH
+    status, sizes = native_io.read_pages(paths, dest, offsets, HEAD, LENGTH, got, expect,
+                                         PAD_FROM)
+    assert status.tolist() == [
+        native_io.OK, native_io.MISSING, native_io.WRONG_SIZE, native_io.WRONG_SIZE,
+        native_io.BAD_CHECKSUM, native_io.BAD_HEADER, native_io.BAD_PADDING, native_io.OK]
+    assert sizes[2] == HEAD + LENGTH + 1 and sizes[3] == HEAD + 10
+    for i in (0, 7):
+        assert np.array_equal(dest[offsets[i]:offsets[i] + LENGTH],
+                              src[i * LENGTH:(i + 1) * LENGTH])
+        assert np.array_equal(got[i], headers[i])
+    # The same bytes against another page's expected prefix: a header mismatch.
+    status, _ = native_io.read_pages(paths[:1], dest, offsets[:1], HEAD, LENGTH, got[:1],
+                                     np.ascontiguousarray(expect[1:2]), PAD_FROM)
+    assert status.tolist() == [native_io.BAD_HEADER]
+
+
+GIL_CHILD = """
+import os, sys, threading
+import numpy as np
+from hicache.tiers.l3 import native_io
+
+native_io.warm_up()
+fifo, head, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.mkfifo(fifo)
+sys.setswitchinterval(1000)  # a thread gets the GIL only when its holder blocks
+go = threading.Event()
+
+def writer():
+    go.wait()
+    with open(fifo, "wb") as f:  # meets the batch's open() of the FIFO
+        try:
+            f.write(bytes(head + length))
+        except BrokenPipeError:
+            pass  # the batch may have closed it already
+
+dest = np.zeros(length, np.uint8)
+headers = np.zeros((1, head), np.uint8)
+w = threading.Thread(target=writer)
+w.start()  # returns once the writer waits on go, the GIL free
+go.set()  # the writer may run now, but only once this thread lets go of the GIL
+status, sizes = native_io.read_pages(native_io.path_rows([fifo]), dest, np.array([0]),
+                                     head, length, headers, np.zeros((1, 8), np.uint8), 16)
+w.join()
+print("ran", status.tolist())
+"""
+
+
+def test_a_batch_runs_without_the_gil(tmp_path):
+    """The batch blocks in open() on a FIFO until a writer opens it, and the writer is
+    a Python thread of the same process that can only get the GIL when the batch's
+    thread lets go of it (switch interval 1000 s). Held through the batch, both wait
+    forever: the child runs under a timeout, so that is a failure here, not a hang.
+    (Nothing depends on how fast the machine is.)"""
+    proc = subprocess.run([sys.executable, "-c", GIL_CHILD, str(tmp_path / "fifo"),
+                           str(HEAD), str(LENGTH)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # A pipe cannot be read at an offset: an unreadable file, reported, not raised.
+    assert proc.stdout.split("\n")[-2] == f"ran [{native_io.UNREADABLE}]"
+
+
+def test_no_page_is_started_after_the_deadline(tmp_path):
+    import time
+
+    _, _, paths, _, _ = _write(tmp_path, 3, np.random.default_rng(4))
+    expect = np.ascontiguousarray(_headers(3)[:, :PREFIX])
+    dest = np.zeros(3 * LENGTH, np.uint8)
+    got = np.zeros((3, HEAD), np.uint8)
+    offsets = np.arange(3) * LENGTH
+    past, future = time.monotonic() - 1, time.monotonic() + 3600
+    status, _ = native_io.read_pages(paths, dest, offsets, HEAD, LENGTH, got, expect,
+                                     PAD_FROM, past)
+    assert status.tolist() == [native_io.NOT_READ] * 3 and not dest.any()
+    status, _ = native_io.read_pages(paths, dest, offsets, HEAD, LENGTH, got, expect,
+                                     PAD_FROM, future)
+    assert status.tolist() == [native_io.OK] * 3
