@@ -133,9 +133,10 @@ def _xxh3_stream() -> tuple[Any, Any, Any, Any, Any]:
             getattr(lib, "XXH3_64bits_update", None)
         if update is None or not hasattr(lib, "XXH3_createState"):
             continue
-        sig = ((lib.XXH3_createState, [], u64), (lib.XXH3_64bits_reset, [u64], cint),
-               (update, [u64, u64, ctypes.c_size_t], cint),
-               (lib.XXH3_64bits_digest, [u64], u64), (lib.XXH3_freeState, [u64], cint))
+        sig: tuple[tuple[Any, list[Any], Any], ...] = (
+            (lib.XXH3_createState, [], u64), (lib.XXH3_64bits_reset, [u64], cint),
+            (update, [u64, u64, ctypes.c_size_t], cint),
+            (lib.XXH3_64bits_digest, [u64], u64), (lib.XXH3_freeState, [u64], cint))
         for fn, args, res in sig:
             fn.argtypes = args
             fn.restype = res

@@ -5,7 +5,9 @@
   pages, against a raw sequential write / read of the same bytes in the
   same run: one file written with ``os.write`` and read with ``readinto``
   (``raw-1file``) and one file per page (``raw-per-page``, what any
-  page-addressed store must at least do). Files live in ``--dir`` (default
+  page-addressed store must at least do); for ``file`` also a native read
+  (``native-per-page``: a C program opening, reading and closing files of the
+  backend's size with one thread, as our batch does; its write side is Python). Files live in ``--dir`` (default
   a temp dir); reads come from the OS page cache for both sides, which is
   what makes the checksum cost visible rather than hidden behind a disk.
 - ``mooncake``: put / get through ``MooncakeBackend`` against raw
@@ -66,7 +68,8 @@ class _Case:
 
     name: str
     write: Callable[[], None]
-    read: Callable[[], None]
+    # May return the seconds it measured itself (a native reader timing its own loop).
+    read: Callable[[], float | None]
     before_write: Callable[[], None]
     before_read: Callable[[], None]
     after_read: Callable[[], None] = lambda: None
@@ -88,8 +91,8 @@ def _interleaved(cases: list[_Case], repeats: int) -> dict[str, tuple[float, flo
         for case in cases[rep % len(cases):] + cases[:rep % len(cases)]:
             case.before_read()
             t = time.perf_counter()
-            case.read()
-            reads[case.name].append(time.perf_counter() - t)
+            own = case.read()
+            reads[case.name].append(time.perf_counter() - t if own is None else own)
             case.after_read()
     for case in cases:
         case.finish()
@@ -162,6 +165,37 @@ def _raw_case(directory: Path, pool: HostPagePool, pages: int, per_page: bool,
                  finish=lambda: shutil.rmtree(target, ignore_errors=True))
 
 
+def _native_case(directory: Path, pool: HostPagePool, pages: int, cold: bool,
+                 reader: Path) -> _Case:
+    """Files of the file backend's size (4 KiB header + page), written from Python,
+    read by a small C program (l3_fetch.py) with one thread: open, pread, close per
+    file into one preallocated buffer, timed by the program itself."""
+    from hicache.integration.bench.micro.l3_fetch import native_seconds
+    from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES
+
+    src = [pool.buffer[i].view(-1).numpy() for i in range(pages)]
+    target = directory / "native-per-page"
+    files = [target / f"{i}.page" for i in range(pages)]
+    head = bytes(FILE_HEADER_BYTES)
+
+    def clean() -> None:
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir()
+
+    def write() -> None:
+        for f, page in zip(files, src, strict=True):
+            with open(f, "wb", buffering=0) as out:
+                out.write(head)
+                out.write(page.data)
+
+    def read() -> float:
+        return native_seconds(reader, files, FILE_HEADER_BYTES + pool.geometry.page_bytes, 1)
+
+    return _Case("native-per-page", write, read, before_write=clean,
+                 before_read=lambda: _before_read(pool, pages, target, cold),
+                 finish=lambda: shutil.rmtree(target, ignore_errors=True))
+
+
 def _before_read(pool: HostPagePool, pages: int, target: Path, cold: bool) -> None:
     pool.buffer[pages:].zero_()  # every side starts from the same slots, nothing to find there
     if cold:
@@ -197,6 +231,7 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
 
     def read() -> None:
         assert all(state["b"].batch_get_v1(keys, list(range(pages, 2 * pages))))
+        return None
 
     def check() -> None:
         assert torch.equal(pool.buffer[:pages], pool.buffer[pages:]), "read back differs"
@@ -217,6 +252,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     work = [(b, m) for m in args.page_mib for b in args.backends]
     directory = Path(args.dir or tempfile.mkdtemp(prefix="hicache-bench-l3-"))
     directory.mkdir(parents=True, exist_ok=True)
+    from hicache.integration.bench.micro.l3_fetch import REPO, build_reader
+
+    reader = build_reader(REPO / ".cache" / "bench-bin") if "file" in args.backends else None
     for backend, mib in tqdm(work, desc="L3 benchmark", unit="case"):
         page_bytes = int(mib * 2**20)
         pages = max(1, int(args.total_mib // mib))
@@ -249,9 +287,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         cases = [_ours_case(backend, directory, pool, pages, extra, args.cold)]
         cases += [_raw_case(directory, pool, pages, per_page, args.cold)
                   for per_page in (False, True)]
+        if backend == "file" and reader is not None:
+            cases.append(_native_case(directory, pool, pages, args.cold, reader))
         times = _interleaved(cases, args.repeats)
         ow, orr = times["ours"]
-        for raw_name in ("raw-1file", "raw-per-page"):
+        for raw_name in [c.name for c in cases[1:]]:
             rw, rr = times[raw_name]
             rows.append({
                 "backend": backend, "page_mib": mib, "pages": pages, **extra,
