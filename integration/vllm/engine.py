@@ -13,10 +13,12 @@ kind, ``open_llm``'s and the ``vllm serve`` processes launched through
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,14 +88,41 @@ def open_llm(spec: EngineSpec) -> Any:
     # vLLM 0.32's worker start scans every module in sys.modules to rebind
     # Triton kernels and crashes on llvmlite's ffi.lib (its __getattr__ answers
     # even __dict__). A fresh worker process has not imported numba yet; an
-    # in-process engine may have (our CPU batch copy uses it), so those modules
-    # sit out the scan. They hold no vLLM kernels to rebind.
+    # in-process engine may have (our CPU batch copy and L3 batch I/O use it), so
+    # those modules sit out the scan, and only the scan: they hold no vLLM kernels
+    # to rebind, and numba must stay importable while the engine starts (the L3
+    # backend compiles its batch functions when the KV caches are registered; a
+    # second import of numba meanwhile breaks its type registry).
+    try:
+        import vllm.triton_utils.dispatcher as dispatcher_module
+    except ImportError:
+        dispatcher_module = None  # type: ignore[assignment]
+    dispatcher: Any = dispatcher_module
+    scan = getattr(dispatcher, "_rebind_kernels", None)
+    if scan is None:  # another vLLM: keep them out of the whole start
+        with _numba_hidden():
+            return LLM(**kwargs)
+
+    def scan_without_numba(*args: Any, **kw: Any) -> Any:
+        with _numba_hidden():
+            return scan(*args, **kw)
+
+    dispatcher._rebind_kernels = scan_without_numba
+    try:
+        return LLM(**kwargs)
+    finally:
+        dispatcher._rebind_kernels = scan
+
+
+@contextlib.contextmanager
+def _numba_hidden() -> Iterator[None]:
+    """numba's and llvmlite's modules out of sys.modules for the block."""
     hidden = {name: mod for name, mod in sys.modules.items()
               if name.split(".")[0] in ("numba", "llvmlite")}
     for name in hidden:
         del sys.modules[name]
     try:
-        return LLM(**kwargs)
+        yield
     finally:
         sys.modules.update(hidden)
 

@@ -309,8 +309,11 @@ def check(surface: dict[str, Any]) -> list[str]:
         if mod.get("missing"):
             problems.append(f"{module}: gone in vLLM {version}")
             continue
+        asked = set(surface.get("imports", {}).get(module, names))
         for name in names:
-            if name not in mod["names"]:
+            if name not in asked:
+                problems.append(f"{module}.{name}: not in the snapshot (re-take it)")
+            elif name not in mod["names"]:
                 problems.append(f"{module}.{name}: gone in vLLM {version}")
     for cls in our_classes():
         theirs: dict[str, Any] = {}

@@ -87,6 +87,10 @@ def test_the_check_finds_each_kind_of_break(vllm_033):
     assert "new_hook()" in text and "HiCacheConnector" in text and "NullConnector" in text
     assert f"{BASE}.KVConnectorRole: gone" in text
     assert "CacheHitSource.HOST: gone" in text
+    # A name the connector imports now but did not when the snapshot was taken.
+    stale = copy.deepcopy(vllm_033)
+    stale["imports"][BASE].remove("SupportsHMA")
+    assert f"{BASE}.SupportsHMA: not in the snapshot (re-take it)" in surface.check(stale)
 
 
 def test_a_parameter_vllm_passes_that_the_override_lacks_is_a_problem():
