@@ -110,3 +110,34 @@ def header_rows(keys: list[bytes], fingerprint: bytes, length: int, *, layout: i
         rows[:, :CHECKSUM_AT] = np.frombuffer(packed, np.uint8).reshape(len(keys), CHECKSUM_AT)
     return rows
 
+
+
+def checksums_at(addresses: list[int], payloads: list[Any], length: int) -> list[int]:
+    """``checksum`` of each payload (``length`` bytes at ``addresses[i]``, the same
+    memory as ``payloads[i]``): one GIL-free call for the batch where native_io runs,
+    else one xxhash call per page."""
+    from hicache.tiers.l3 import native_io
+
+    if addresses and native_io.available():
+        return [int(x) for x in native_io.checksums_at(addresses, length).tolist()]
+    return [checksum(p) for p in payloads]
+
+
+def check_headers(headers: Any, keys: list[bytes], fingerprint: bytes, length: int,
+                  digests: list[int], *, layout: int = 0) -> list[str | None]:
+    """``verify`` for a batch: ``headers`` holds one ``HEADER_BYTES`` header per page
+    (flat or as rows), ``digests`` the checksum of each payload as read."""
+    rows = np.asarray(headers, np.uint8).reshape(len(keys), -1)[:, :HEADER_BYTES]
+    want = header_rows(keys, fingerprint, length, layout=layout, width=CHECKSUM_AT)
+    stored = np.ascontiguousarray(rows[:, CHECKSUM_AT:CHECKSUM_AT + 8]).view("<u8")[:, 0]
+    out: list[str | None] = []
+    for i, (same, got) in enumerate(zip((rows[:, :CHECKSUM_AT] == want).all(axis=1).tolist(),
+                                        stored.tolist(), strict=True)):
+        if not same:
+            out.append(verify(bytes(rows[i]), keys[i], fingerprint, b"", layout=layout)
+                       or "header mismatch")
+        elif got != digests[i]:
+            out.append("checksum mismatch")
+        else:
+            out.append(None)
+    return out

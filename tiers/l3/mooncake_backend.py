@@ -456,11 +456,17 @@ class MooncakeBackend(StorageBackend):
         except Exception as exc:
             logger.warning("mooncake batch_get_into_multi_buffers raised: %s", exc)
             rcs = [-1] * n
+        whole = [i for i, rc in enumerate(rcs) if rc == HEADER + pb]
+        # Every page read whole, checked in one batch (checksums without the GIL).
+        checked = dict(zip(whole, integrity.check_headers(
+            headers[:n * HEADER].reshape(n, HEADER)[whole],
+            [self.page_key_bytes(keys[i]) for i in whole], self._fp, pb,
+            integrity.checksums_at([ptrs[i] for i in whole], [payloads[i] for i in whole],
+                                   pb)), strict=True)) if whole else {}
         results, corrupt = [], []
         for i, rc in enumerate(rcs):
             if rc == HEADER + pb:
-                why = integrity.verify(headers[i * HEADER:(i + 1) * HEADER],
-                                       self.page_key_bytes(keys[i]), self._fp, payloads[i])
+                why = checked[i]
                 if why is None:
                     results.append(True)
                     continue
@@ -512,9 +518,14 @@ class MooncakeBackend(StorageBackend):
                 first[okeys[i]] = i
                 todo.append(i)
         skipped = n - len(todo)
-        for j, i in enumerate(todo):
-            header = integrity.pack_header(self.page_key_bytes(keys[i]), self._fp, payloads[i])
-            headers[j * HEADER:(j + 1) * HEADER] = np.frombuffer(header, dtype=np.uint8)
+        if todo:  # every header of the batch, checksums in one call without the GIL
+            rows = integrity.header_rows([self.page_key_bytes(keys[i]) for i in todo],
+                                         self._fp, pb, width=HEADER)
+            digests = integrity.checksums_at([ptrs[i] for i in todo],
+                                             [payloads[i] for i in todo], pb)
+            at = integrity.CHECKSUM_AT
+            rows[:, at:at + 8] = np.asarray(digests, "<u8").view(np.uint8).reshape(-1, 8)
+            headers[:len(todo) * HEADER] = rows.reshape(-1)
         stored = 0
         if todo:
             try:

@@ -17,7 +17,7 @@ Contract:
 - ``available()``: numba imports, and libc's functions and ``XXH3_64bits`` were found
   (Linux). Without it callers use their Python paths; nothing here is required.
 - ``checksums(buf, offsets, length)``: ``xxh3_64`` of ``buf[o:o + length]`` for each
-  ``o``.
+  ``o``; ``checksums_at(addresses, length)`` the same at raw addresses.
 - ``read_pages(paths, dest, offsets, head, length, headers, expect, pad_from)``: for
   each row of ``paths`` (a NUL-terminated path in a uint8 row): the file's first
   ``head`` bytes go to ``headers[i, :head]``, the next ``length`` bytes to
@@ -199,6 +199,13 @@ def _kernels() -> dict[str, Any]:
         return out
 
     @jit
+    def checksums_at(addresses: Any, length: int) -> Any:
+        out = np.zeros(addresses.shape[0], np.uint64)
+        for i in range(addresses.shape[0]):
+            out[i] = c_xxh3(addresses[i], length)
+        return out
+
+    @jit
     def read_pages(paths: Any, dest: Any, offsets: Any, head: int, length: int,
                    headers: Any, expect: Any, pad_from: int, deadline_ns: int) -> Any:
         n = paths.shape[0]
@@ -296,7 +303,8 @@ def _kernels() -> dict[str, Any]:
                 status[i] = RENAME_FAILED
         return status
 
-    return {"checksums": checksums, "read_pages": read_pages, "write_pages": write_pages}
+    return {"checksums": checksums, "checksums_at": checksums_at, "read_pages": read_pages,
+            "write_pages": write_pages}
 
 
 def warm_up() -> None:
@@ -307,11 +315,20 @@ def warm_up() -> None:
     read_pages(empty, buf, none, 1, 1, empty, empty, 1)
     write_pages(empty, empty, buf, none, 1, empty, 0)
     checksums(buf, none, 1)
+    checksums_at(np.zeros(0, np.uint64), 1)
 
 
 def checksums(buf: Any, offsets: Any, length: int) -> np.ndarray:
     result: np.ndarray = _kernels()["checksums"](_flat(buf), np.asarray(offsets, np.int64),
                                                  int(length))
+    return result
+
+
+def checksums_at(addresses: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
+    """``xxh3_64`` of ``length`` bytes at each address (memory the caller owns and keeps
+    alive through the call: host pool slots, registered buffers)."""
+    result: np.ndarray = _kernels()["checksums_at"](np.asarray(addresses, np.uint64),
+                                                    int(length))
     return result
 
 
