@@ -90,58 +90,55 @@ def _libc() -> Any:
     return lib
 
 
-@functools.cache
-def _xxh3() -> Any:
-    """xxHash's one-shot ``XXH3_64bits(const void*, size_t)`` from the xxhash package's
-    extension (which exports xxHash's C API), else from a system libxxhash."""
+def _xxhash_libs() -> list[Any]:
+    """xxHash's C library: the xxhash package's extension (it exports xxHash's C API),
+    then a system libxxhash."""
     import xxhash._xxhash as ext
 
+    libs = []
     for path in (ext.__file__, ctypes.util.find_library("xxhash")):
-        if not path:
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        # The dispatching entry picks the widest SIMD the CPU has (AVX2 / AVX-512;
-        # 28 against 20 GB/s on 2 MiB here); same digest.
-        for symbol in ("XXH3_64bits_dispatch", "XXH3_64bits"):
-            fn = getattr(lib, symbol, None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
-                fn.restype = ctypes.c_uint64
-                return fn
+        if path:
+            try:
+                libs.append(ctypes.CDLL(path))
+            except OSError:
+                continue
+    return libs
+
+
+def _typed(fn: Any, args: list[Any], res: Any) -> Any:
+    fn.argtypes = args
+    fn.restype = res
+    return fn
+
+
+@functools.cache
+def _xxh3() -> Any:
+    """One-shot ``XXH3_64bits(const void*, size_t)``. The dispatching entry picks the
+    widest SIMD the CPU has (AVX2 / AVX-512; 28 against 20 GB/s on 2 MiB here); same
+    digest."""
+    for lib in _xxhash_libs():
+        fn = getattr(lib, "XXH3_64bits_dispatch", None) or getattr(lib, "XXH3_64bits", None)
+        if fn is not None:
+            return _typed(fn, [ctypes.c_uint64, ctypes.c_size_t], ctypes.c_uint64)
     raise OSError("no XXH3_64bits symbol in the xxhash package or a system libxxhash")
 
 
 @functools.cache
 def _xxh3_stream() -> tuple[Any, Any, Any, Any, Any]:
-    """xxHash's streaming XXH3-64 (createState, reset, update, digest, freeState) from
-    the same library: a page is hashed chunk by chunk as it is read, while each chunk
-    is still in the CPU cache (8 MiB pages: 4.2 -> 4.8 GB/s here)."""
-    import xxhash._xxhash as ext
-
+    """Streaming XXH3-64 (createState, reset, update, digest, freeState): a page is
+    hashed chunk by chunk as it is read, while each chunk is still in the CPU cache
+    (8 MiB pages: 4.2 -> 4.8 GB/s here)."""
     u64, cint = ctypes.c_uint64, ctypes.c_int
-    for path in (ext.__file__, ctypes.util.find_library("xxhash")):
-        if not path:
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in _xxhash_libs():
         update = getattr(lib, "XXH3_64bits_update_dispatch", None) or \
             getattr(lib, "XXH3_64bits_update", None)
         if update is None or not hasattr(lib, "XXH3_createState"):
             continue
-        sig: tuple[tuple[Any, list[Any], Any], ...] = (
-            (lib.XXH3_createState, [], u64), (lib.XXH3_64bits_reset, [u64], cint),
-            (update, [u64, u64, ctypes.c_size_t], cint),
-            (lib.XXH3_64bits_digest, [u64], u64), (lib.XXH3_freeState, [u64], cint))
-        for fn, args, res in sig:
-            fn.argtypes = args
-            fn.restype = res
-        return (lib.XXH3_createState, lib.XXH3_64bits_reset, update,
-                lib.XXH3_64bits_digest, lib.XXH3_freeState)
+        return (_typed(lib.XXH3_createState, [], u64),
+                _typed(lib.XXH3_64bits_reset, [u64], cint),
+                _typed(update, [u64, u64, ctypes.c_size_t], cint),
+                _typed(lib.XXH3_64bits_digest, [u64], u64),
+                _typed(lib.XXH3_freeState, [u64], cint))
     raise OSError("no streaming XXH3 in the xxhash package or a system libxxhash")
 
 

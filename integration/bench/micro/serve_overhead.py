@@ -11,8 +11,8 @@ vLLM's CPU path computes differently as soon as any connector is configured, so
 - ``--l1-blocks`` large enough for every prefix (default 640; the 8 prefixes take
   384 blocks of 32 tokens): L1 serves every
   hit, HiCache has nothing to add, and its cost is what is left. Cases: null
-  connector; HiCache with stores across steps (``hicache_async_stores``, the
-  default); HiCache with each step waiting for its stores.
+  connector; HiCache with its defaults (each step waits for its stores); HiCache
+  with ``hicache_async_stores`` false spelled out (``hicache-sync-stores``).
 - ``--small-l1-blocks`` (default 136): the prefixes do not fit L1; the null
   connector recomputes what L1 lost, HiCache loads it from L2.
 
