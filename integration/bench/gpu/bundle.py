@@ -11,6 +11,9 @@ parts small enough to travel one per device call.
 
 ``build`` (here, Python >= 3.11, may use tqdm lazily):
 
+* ``--profile`` picks the bundle (:data:`PROFILES`): ``vllm`` (vLLM 0.32.0) or
+  ``sglang`` (SGLang 0.5.17, for the side-by-side run), each with its wheels,
+  lock file, wheel cache, trims and output folder.
 * The wheel set is :data:`DEFAULT_WHEELS` (``name``, ``version``) for cp312 /
   manylinux x86_64. Every wheel is pinned by version and sha256 in
   ``wheels.lock`` next to this file, one ``name==version sha256`` a line.
@@ -182,6 +185,66 @@ OPTIONAL_TRIM_RULES: tuple[TrimRule, ...] = (
         "MoE kernels; a dense Llama never loads them",
     ),
 )
+
+# SGLang 0.5.17 for the side-by-side run (../shared/reference/sglang_gpu.md): the
+# newest release pinning the device's torch 2.11.0 exactly (sglang-kernel 0.4.5
+# links torch's regular ABI, and 0.4.6+ needs symbols torch 2.11 lacks), plus
+# what the device lacks of its import path (found by an import probe of 30
+# modules); transformers 5.12.1 and tokenizers 0.22.2 replace the device's
+# (5.17.0 clashes with SGLang's own qwen3_asr config).
+SGLANG_WHEELS: tuple[WheelSpec, ...] = tuple(WheelSpec(n, v) for n, v in (
+    ("sglang", "0.5.17"), ("sglang-kernel", "0.4.5"), ("transformers", "5.12.1"),
+    ("tokenizers", "0.22.2"), ("xgrammar", "0.2.1"), ("apache-tvm-ffi", "0.1.11"),
+    ("pydantic-core", "2.50.5"), ("pyzmq", "27.3.0"), ("msgspec", "0.22.0"),
+    ("orjson", "3.13.0"), ("pybase64", "1.5.1"), ("setproctitle", "1.3.8"),
+    ("rpds-py", "2026.9.1"), ("cffi", "2.1.1"), ("flashinfer-python", "0.6.15.post1"),
+    ("openai", "2.6.1"), ("pydantic", "2.14.4"), ("fastapi", "0.165.0"),
+    ("opentelemetry-api", "1.45.2"), ("starlette", "1.10.0"), ("uvicorn", "0.54.0"),
+    ("python-multipart", "0.0.34"), ("ipython", "9.18.1"), ("traitlets", "5.16.1"),
+    ("soundfile", "0.13.1"), ("pycparser", "3.12"), ("jsonschema", "4.26.0"),
+    ("referencing", "0.37.0"), ("jsonschema-specifications", "2025.9.1"),
+    ("partial-json-parser", "0.2.1.1.post7"), ("compressed-tensors", "0.20.0"),
+    ("gguf", "0.19.0"), ("dill", "0.4.1"), ("loguru", "0.7.3"), ("distro", "1.9.0"),
+    ("sniffio", "1.3.1"), ("annotated-types", "0.8.0"), ("typing-inspection", "0.4.5"),
+))
+
+SGLANG_TRIM_RULES: tuple[TrimRule, ...] = (
+    TrimRule("sgl_kernel/flash_ops*.so", "FA3 attention (~1 GiB of fatbin): the run uses "
+             "--attention-backend triton"),
+    TrimRule("sgl_kernel/sm100", "Blackwell (sm100) kernels only"),
+    TrimRule("sgl_kernel/*infllm_ops*.so", "InfLLM sparse attention only"),
+    TrimRule("sgl_kernel/*flashmla_ops*.so", "FlashMLA: MLA models only"),
+    TrimRule("xgrammar/lib/libxgrammar.a", "static library, never loaded"),
+    TrimRule("flashinfer/data/cccl", "JIT sources: the run samples with pytorch"),
+    TrimRule("flashinfer/data/cutlass", "JIT sources: the run samples with pytorch"),
+    TrimRule("flashinfer/data/csrc", "JIT sources: the run samples with pytorch"),
+    TrimRule("flashinfer/data/include", "JIT sources: the run samples with pytorch"),
+    TrimRule("flashinfer/data/spdlog", "JIT sources: the run samples with pytorch"),
+    TrimRule("sglang/srt/*_core*.so", "optional Rust server / gRPC / multimodal cores"),
+    TrimRule("sglang/multimodal_gen", "diffusion serving, not used"),
+    TrimRule("sglang/test", "SGLang's own test helpers"),
+)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one bundle holds: its wheels, their lock file, and what is trimmed."""
+
+    wheels: tuple[WheelSpec, ...]
+    lock: Path
+    rules: tuple[TrimRule, ...]
+    wheel_cache: str
+    work: str
+    out: str
+
+
+PROFILES: dict[str, Profile] = {
+    "vllm": Profile(DEFAULT_WHEELS, LOCK_PATH, TRIM_RULES, ".cache/gpu-wheels",
+                    ".cache/gpu-build", ".gpu"),
+    "sglang": Profile(SGLANG_WHEELS, LOCK_PATH.with_name("wheels-sglang.lock"),
+                      SGLANG_TRIM_RULES, ".cache/gpu-wheels-sglang", ".cache/gpu-build-sglang",
+                      ".gpu-sglang"),
+}
 
 PIP_PLATFORMS: tuple[str, ...] = (
     "manylinux_2_28_x86_64",
@@ -711,13 +774,16 @@ def unpack_bundle(part_dirs: Sequence[Path], dest: Path, force: bool = False) ->
 
 
 def _specs_and_wheels(args: argparse.Namespace) -> dict[WheelSpec, Path]:
-    return ensure_wheels(
-        DEFAULT_WHEELS, Path(args.wheel_cache), [Path(s) for s in args.seed], args.python
-    )
+    profile = PROFILES[args.profile]
+    return ensure_wheels(profile.wheels, Path(args.wheel_cache or profile.wheel_cache),
+                         [Path(s) for s in args.seed], args.python)
 
 
 def _add_fetch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wheel-cache", default=".cache/gpu-wheels", help="wheel cache folder")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="vllm",
+                   help="vllm (two parts) or sglang (one part): which bundle")
+    p.add_argument("--wheel-cache", default=None,
+                   help="wheel cache folder (default: the profile's)")
     p.add_argument(
         "--seed",
         action="append",
@@ -725,7 +791,7 @@ def _add_fetch_args(p: argparse.ArgumentParser) -> None:
         help="wheel file to copy into the cache instead of downloading (repeatable)",
     )
     p.add_argument("--python", default="python3", help="interpreter whose pip downloads")
-    p.add_argument("--lock-file", default=str(LOCK_PATH), help="wheels.lock path")
+    p.add_argument("--lock-file", default=None, help="lock file (default: the profile's)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -736,8 +802,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_fetch_args(p_lock)
     p_build = sub.add_parser("build", help="fetch, verify, unpack, trim, pack, split")
     _add_fetch_args(p_build)
-    p_build.add_argument("--out", default=".gpu", help="output folder (gets p0/, p1/, ...)")
-    p_build.add_argument("--work", default=".cache/gpu-build", help="staging folder")
+    p_build.add_argument("--out", default=None,
+                         help="output folder (gets p0/, p1/, ...; default: the profile's)")
+    p_build.add_argument("--work", default=None, help="staging folder (default: the profile's)")
     p_build.add_argument("--part-mib", type=float, default=DEFAULT_PART_MIB)
     p_build.add_argument("--update-lock", action="store_true", help="write the lock first")
     p_build.add_argument("--trim-moe", action="store_true", help="also drop _moe_C")
@@ -752,7 +819,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             unpack_bundle([Path(d) for d in args.parts], Path(args.dest), force=args.force)
             return 0
         wheels = _specs_and_wheels(args)
-        lock_path = Path(args.lock_file)
+        profile = PROFILES[args.profile]
+        lock_path = Path(args.lock_file or profile.lock)
         if args.cmd == "lock" or args.update_lock:
             write_lock(lock_path, wheels)
             print(f"wrote {lock_path} ({len(wheels)} wheels)")
@@ -760,12 +828,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
         if not lock_path.is_file():
             raise BundleError(f"{lock_path} missing; run with --update-lock")
-        rules = TRIM_RULES + (OPTIONAL_TRIM_RULES if args.trim_moe else ())
+        rules = profile.rules + (OPTIONAL_TRIM_RULES if args.trim_moe else ())
         build_bundle(
             wheels,
             read_lock(lock_path),
-            Path(args.work),
-            Path(args.out),
+            Path(args.work or profile.work),
+            Path(args.out or profile.out),
             part_bytes=int(args.part_mib * MIB),
             rules=rules,
             use_xz_binary=not args.no_xz_binary,

@@ -9,6 +9,10 @@
 #   stage1 [SECONDS]  keep part 1, unpack vLLM, register our plugin, start `runs` in its
 #                     own session, collect for up to SECONDS (carry .gpu/p1)
 #   collect [SECONDS] wait for `runs` up to SECONDS, copy what it wrote to $OUT
+#   sglang [SECONDS]  one call on its own (carry .gpu-sglang/p0, built by
+#                     `bundle.py build --profile sglang`): unpack SGLang 0.5.17, run
+#                     sglang_e2e.py (arguments $SGLANG_ARGS) for up to SECONDS, return
+#                     its report and the JIT cache (carry it back next time)
 #   runs              (started by stage1) the serving-under-load run (serve_load.py,
 #                     arguments $SERVE_ARGS; skipped when SERVE_ARGS=skip), then the
 #                     end-to-end run (e2e.py, arguments $E2E_ARGS; skipped when
@@ -95,8 +99,26 @@ runs)
 collect)
   collect "${2:-500}"
   ;;
+sglang)
+  SG=/tmp/hicache-sglang
+  mkdir -p "$SG/parts" && cp .gpu-sglang/p0/* "$SG/parts"/ \
+    && python3 integration/bench/gpu/bundle.py unpack --parts "$SG/parts" --dest "$SG/site" \
+    || exit 1
+  # The bundle first: its transformers / tokenizers shadow the device's for SGLang's
+  # processes (it spawns its scheduler, so the environment, not sys.path).
+  export PYTHONPATH=$SG/site:$PWD HF_HUB_OFFLINE=1 TVM_FFI_CACHE_DIR=$SG/tvm-ffi
+  [ -d .gpu-sglang/tvm-ffi ] && cp -r .gpu-sglang/tvm-ffi "$SG"/
+  python3 -c "import sglang, sgl_kernel, transformers; print('sglang', sglang.__version__, \
+'transformers', transformers.__version__)" || exit 1
+  # shellcheck disable=SC2086
+  timeout "${2:-480}" python3 -m hicache.integration.bench.gpu.sglang_e2e run \
+    --out "$SG/out" ${SGLANG_ARGS:-} 2>&1 | tail -c 2000000 >"$OUT/sglang.log"
+  cp "$SG/out"/* "$OUT"/ 2>/dev/null
+  (cd "$SG" && [ -d tvm-ffi ] && tar czf "$OUT/tvm-ffi-cache.tgz" tvm-ffi)
+  cat "$OUT/report.md" 2>/dev/null || tail -60 "$OUT/sglang.log"
+  ;;
 *)
-  echo "usage: $0 stage0 | stage1 [SECONDS] | collect [SECONDS] | runs" >&2
+  echo "usage: $0 stage0 | stage1 [SECONDS] | collect [SECONDS] | runs | sglang [SECONDS]" >&2
   exit 2
   ;;
 esac
