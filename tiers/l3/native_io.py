@@ -30,7 +30,12 @@ Contract:
   ``BAD_HEADER``, ``BAD_CHECKSUM``, ``BAD_PADDING``. Failed pages' slots hold
   whatever was read: the caller must not use them. With ``deadline``
   (``time.monotonic()`` seconds), no page is started once it has passed: those are
-  ``NOT_READ``.
+  ``NOT_READ``. With ``helper`` (an executor), the payloads are hashed on one of its
+  threads while this one reads: the reader publishes each page's bytes chunk by chunk
+  (``progress``, release stores), the helper hashes right behind it (acquire loads),
+  and whichever side claims the batch first (a compare-and-swap) hashes it: a helper
+  that has not started when the reads are done finds its job claimed and leaves it,
+  so a read never waits for a thread that is busy elsewhere. Same results either way.
 - ``write_pages(tmp_paths, paths, src, offsets, length, headers, sum_at, fsync,
   skip_existing)``: for each row: ``SKIPPED`` when ``skip_existing`` and ``paths[i]``
   exists; else the ``xxh3_64`` of ``src[offsets[i]:][:length]`` goes little-endian
@@ -53,6 +58,7 @@ import functools
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -83,7 +89,8 @@ def _libc() -> Any:
     sig = {"open": ([u64, cint, cint], cint), "close": ([cint], cint),
            "pread": ([cint, u64, u64, i64], i64), "pwrite": ([cint, u64, u64, i64], i64),
            "fsync": ([cint], cint), "rename": ([u64, u64], cint), "unlink": ([u64], cint),
-           "access": ([u64, cint], cint), "clock_gettime": ([cint, u64], cint)}
+           "access": ([u64, cint], cint), "clock_gettime": ([cint, u64], cint),
+           "usleep": ([ctypes.c_uint], cint)}
     for fn, (args, res) in sig.items():
         getattr(lib, fn).argtypes = args
         getattr(lib, fn).restype = res
@@ -147,6 +154,63 @@ def _xxh3_stream() -> tuple[Any, Any, Any, Any, Any]:
 READ_CHUNK = 256 << 10
 
 
+# How long a thread waiting for the other side of a split read sleeps between looks.
+POLL_US = 20
+
+
+def _atomics() -> tuple[Any, Any, Any]:
+    """Acquire loads, release stores and compare-and-swap on cells of 1-D int64 arrays:
+    how the reading and the hashing thread of a split read hand pages over, lock-free."""
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    def cell(context: Any, builder: Any, arr_t: Any, idx_t: Any, arr: Any, idx: Any) -> Any:
+        ary = context.make_array(arr_t)(context, builder, arr)
+        index = context.cast(builder, idx, idx_t, types.intp)
+        return cgutils.get_item_pointer(context, builder, arr_t, ary, [index],
+                                        wraparound=False)
+
+    def cells(arr: Any) -> bool:
+        return isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+
+    @intrinsic
+    def load_acquire(typingctx: Any, arr: Any, idx: Any) -> Any:
+        if not cells(arr):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.load_atomic(cell(context, builder, arr, idx, *args), "acquire", 8)
+        return types.int64(arr, idx), codegen
+
+    @intrinsic
+    def store_release(typingctx: Any, arr: Any, idx: Any, value: Any) -> Any:
+        if not cells(arr):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ptr = cell(context, builder, arr, idx, args[0], args[1])
+            builder.store_atomic(context.cast(builder, args[2], value, types.int64), ptr,
+                                 "release", 8)
+            return context.get_dummy_value()
+        return types.void(arr, idx, value), codegen
+
+    @intrinsic
+    def compare_swap(typingctx: Any, arr: Any, idx: Any, expected: Any, new: Any) -> Any:
+        if not cells(arr):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ptr = cell(context, builder, arr, idx, args[0], args[1])
+            old = context.cast(builder, args[2], expected, types.int64)
+            value = context.cast(builder, args[3], new, types.int64)
+            return builder.extract_value(
+                builder.cmpxchg(ptr, old, value, "acq_rel", "acquire"), 1)
+        return types.boolean(arr, idx, expected, new), codegen
+
+    return load_acquire, store_release, compare_swap
+
+
 @functools.cache
 def available() -> bool:
     """Whether the compiled batch paths can run here."""
@@ -180,10 +244,10 @@ def _kernels() -> dict[str, Any]:
     lib = _libc()
     c_xxh3 = _xxh3()
     s_create, s_reset, s_update, s_digest, s_free = _xxh3_stream()
-    chunk = READ_CHUNK
     c_open, c_close, c_pread, c_pwrite = lib.open, lib.close, lib.pread, lib.pwrite
     c_fsync, c_rename, c_unlink, c_access = lib.fsync, lib.rename, lib.unlink, lib.access
-    c_clock = lib.clock_gettime
+    c_clock, c_usleep = lib.clock_gettime, lib.usleep
+    load_acquire, store_release, compare_swap = _atomics()
     monotonic = time.CLOCK_MONOTONIC  # the clock of time.monotonic() on Linux
     o_rdonly, o_write = os.O_RDONLY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     jit = functools.partial(numba.njit, nogil=True)
@@ -204,8 +268,12 @@ def _kernels() -> dict[str, Any]:
 
     @jit
     def read_pages(paths: Any, dest: Any, offsets: Any, head: int, length: int,
-                   headers: Any, expect: Any, pad_from: int, deadline_ns: int) -> Any:
+                   headers: Any, expect: Any, pad_from: int, deadline_ns: int,
+                   progress: Any, digests: Any, ctl: Any, chunk: int) -> Any:
         n = paths.shape[0]
+        # Split: another thread hashes the payloads (follow_hashes) as this one
+        # publishes them in progress[i]; else they are hashed here, chunk by chunk.
+        split = n > 0 and progress.shape[0] == n
         status = np.zeros(n, np.int64)
         sizes = np.zeros(n, np.int64)
         probe = np.zeros(1, np.uint8)
@@ -217,35 +285,57 @@ def _kernels() -> dict[str, Any]:
                 c_clock(monotonic, now.ctypes.data)
                 if now[0] * 1_000_000_000 + now[1] > deadline_ns:
                     status[i:] = NOT_READ
+                    if split:
+                        for j in range(i, n):
+                            store_release(progress, j, -1)
                     break
+            done = 0
             fd = c_open(paths[i].ctypes.data, o_rdonly, 0)
             if fd < 0:
                 status[i] = MISSING
+            else:
+                got = c_pread(fd, headers[i].ctypes.data, head, 0)
+                total = got
+                if got == head:
+                    # The payload chunk by chunk, each hashed (here or by the helper)
+                    # while it is in the CPU cache.
+                    s_reset(state)
+                    while done < length:
+                        want = min(chunk, length - done)
+                        at = dest.ctypes.data + offsets[i] + done
+                        got = c_pread(fd, at, want, head + done)
+                        if got <= 0:
+                            break
+                        if split:
+                            store_release(progress, i, done + got)
+                        else:
+                            s_update(state, at, got)
+                        done += got
+                    total = head + done if got >= 0 else got
+                    if done == length:
+                        if not split:
+                            digests[i] = s_digest(state)
+                        total += max(c_pread(fd, probe.ctypes.data, 1, head + length), 0)
+                c_close(fd)
+                sizes[i] = total
+            if split and done != length:
+                store_release(progress, i, -1)  # nothing (more) to hash in this page
+        s_free(state)
+        if split:
+            if compare_swap(ctl, 0, 0, 2):  # the helper has not started: hash here
+                for i in range(n):
+                    if load_acquire(progress, i) == length:
+                        digests[i] = c_xxh3(dest.ctypes.data + offsets[i], length)
+            else:
+                while load_acquire(ctl, 1) == 0:
+                    c_usleep(POLL_US)
+        for i in range(n):
+            if status[i] != OK:  # MISSING, NOT_READ
                 continue
-            got = c_pread(fd, headers[i].ctypes.data, head, 0)
-            total = got
-            digest = np.uint64(0)
-            if got == head:
-                # The payload chunk by chunk, each hashed while in the CPU cache.
-                s_reset(state)
-                done = 0
-                while done < length:
-                    want = min(chunk, length - done)
-                    got = c_pread(fd, dest.ctypes.data + offsets[i] + done, want, head + done)
-                    if got <= 0:
-                        break
-                    s_update(state, dest.ctypes.data + offsets[i] + done, got)
-                    done += got
-                total = head + done if got >= 0 else got
-                if done == length:
-                    digest = s_digest(state)
-                    total += max(c_pread(fd, probe.ctypes.data, 1, head + length), 0)
-            c_close(fd)
-            sizes[i] = total
-            if total < 0:
+            if sizes[i] < 0:
                 status[i] = UNREADABLE
                 continue
-            if total != head + length:
+            if sizes[i] != head + length:
                 status[i] = WRONG_SIZE
                 continue
             row = headers[i]
@@ -260,15 +350,41 @@ def _kernels() -> dict[str, Any]:
             stored = np.uint64(0)
             for b in range(8):
                 stored |= np.uint64(row[prefix + b]) << np.uint64(8 * b)
-            if stored != digest:
+            if stored != digests[i]:
                 status[i] = BAD_CHECKSUM
                 continue
             for b in range(pad_from, head):
                 if row[b] != 0:
                     status[i] = BAD_PADDING
                     break
-        s_free(state)
         return status, sizes
+
+    @jit
+    def follow_hashes(dest: Any, offsets: Any, length: int, progress: Any, digests: Any,
+                      ctl: Any) -> bool:
+        """The helper's side of a split read: hash each page's bytes as the reader
+        publishes them. Unless the reader has finished and hashed them itself."""
+        if not compare_swap(ctl, 0, 0, 1):
+            return False
+        state = s_create()
+        for i in range(progress.shape[0]):
+            s_reset(state)
+            done = 0
+            while True:
+                ready = load_acquire(progress, i)
+                if ready < 0:
+                    break
+                if ready > done:
+                    s_update(state, dest.ctypes.data + offsets[i] + done, ready - done)
+                    done = ready
+                    if done == length:
+                        digests[i] = s_digest(state)
+                        break
+                else:
+                    c_usleep(POLL_US)
+        s_free(state)
+        store_release(ctl, 1, 1)
+        return True
 
     @jit
     def write_pages(tmp_paths: Any, paths: Any, src: Any, offsets: Any, length: int,
@@ -301,7 +417,7 @@ def _kernels() -> dict[str, Any]:
         return status
 
     return {"checksums": checksums, "checksums_at": checksums_at, "read_pages": read_pages,
-            "write_pages": write_pages}
+            "follow_hashes": follow_hashes, "write_pages": write_pages}
 
 
 def warm_up() -> None:
@@ -310,6 +426,8 @@ def warm_up() -> None:
     buf = np.zeros(8, np.uint8)
     none = np.zeros(0, np.int64)
     read_pages(empty, buf, none, 1, 1, empty, empty, 1)
+    _kernels()["follow_hashes"](buf, none, 1, none, np.zeros(0, np.uint64),
+                                np.zeros(2, np.int64))
     write_pages(empty, empty, buf, none, 1, empty, 0)
     checksums(buf, none, 1)
     checksums_at(np.zeros(0, np.uint64), 1)
@@ -331,11 +449,30 @@ def checksums_at(addresses: Sequence[int] | np.ndarray, length: int) -> np.ndarr
 
 def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: int,
                headers: np.ndarray, expect: np.ndarray, pad_from: int,
-               deadline: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+               deadline: float | None = None,
+               helper: Executor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """See the module docstring. ``helper``: hash the payloads on one of its threads,
+    chunk by chunk right behind the reads (the bytes are still in the shared cache), so
+    this thread only moves bytes; if the helper has not started when the reads are
+    done, they are hashed here."""
+    kernels = _kernels()
+    n = paths.shape[0]
+    flat, offs = _flat(dest), np.asarray(offsets, np.int64)
+    digests = np.zeros(n, np.uint64)
+    ctl = np.zeros(2, np.int64)  # [claimed by: 0 nobody, 1 helper, 2 reader; helper done]
+    progress = np.zeros(0, np.int64)
+    if helper is not None and n > 0:
+        split = np.zeros(n, np.int64)
+        try:  # the job keeps its arrays alive until it has run
+            helper.submit(kernels["follow_hashes"], flat, offs, int(length), split,
+                          digests, ctl)
+            progress = split
+        except RuntimeError:  # shut down: hash here
+            pass
     deadline_ns = 0 if deadline is None else max(1, int(deadline * 1e9))
-    status, sizes = _kernels()["read_pages"](paths, _flat(dest), np.asarray(offsets, np.int64),
-                                             int(head), int(length), headers, expect,
-                                             int(pad_from), deadline_ns)
+    status, sizes = kernels["read_pages"](paths, flat, offs, int(head), int(length), headers,
+                                          expect, int(pad_from), deadline_ns, progress,
+                                          digests, ctl, READ_CHUNK)
     return status, sizes
 
 

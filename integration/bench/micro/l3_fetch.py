@@ -11,6 +11,8 @@ What it measures, in one run on this machine:
   from submission to its result, as the engine's L3 thread runs it.
 - ``ours+busy``: the same with a pure-Python thread spinning in this process, as
   vLLM's engine loop does while a request waits for its pages.
+- ``helper`` and ``helper+busy``: ``ours`` with the file backend's ``verify: helper``
+  (checksums on a helper thread right behind the reads; auto picks it on GPU hosts).
 - ``python``: ``ours`` with the file backend's GIL-free batch path turned off (one
   ``open``/``preadv``/``close`` and one xxh3 call per page from Python), and
   ``python+busy``: the path before this benchmark's issue.
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 from hicache.tiers.l3.io_thread import StorageIO
+from hicache.tiers.l3.verify import THREADS as VERIFY_THREADS
 
 KIB_PER_TOKEN = 128  # Llama-3-8B, TP=1, bf16: 32 layers x 8 heads x 128 dims x 2 x 2 B
 REPO = Path(__file__).resolve().parents[3]
@@ -235,9 +239,21 @@ def _measure(reader: Path | None, directory: Path, tokens: int, page_bytes: int,
                 backend._pool_np = native_path
         return run_python
 
+    helpers = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="bench-verify")
+
+    def on_helper(fn: Callable[[], float]) -> Callable[[], float]:
+        def run_helper() -> float:
+            backend._verify_helper = helpers
+            try:
+                return fn()
+            finally:
+                backend._verify_helper = None
+        return run_helper
+
     sides: dict[str, Callable[[], float]] = {"ours": ours, "ours+busy": busy(ours)}
     if native_path is not None:
-        sides.update({"python": python_path(ours), "python+busy": python_path(busy(ours))})
+        sides.update({"helper": on_helper(ours), "helper+busy": on_helper(busy(ours)),
+                      "python": python_path(ours), "python+busy": python_path(busy(ours))})
     if reader is not None:
         # One fetch runs on one L3 thread: the native reader gets one thread too.
         file_bytes = files[0].stat().st_size
@@ -252,6 +268,7 @@ def _measure(reader: Path | None, directory: Path, tokens: int, page_bytes: int,
             times[name].append(sides[name]())
     io.shutdown()
     backend.close()
+    helpers.shutdown()
     payload = pages * page_bytes
     row: dict[str, Any] = {"page_tokens": tokens, "page_mib": page_bytes / 2**20,
                            "pages": pages, "gib": payload / 2**30}
@@ -264,7 +281,7 @@ def _measure(reader: Path | None, directory: Path, tokens: int, page_bytes: int,
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    sides = ["native", "ours", "ours+busy", "python", "python+busy"]
+    sides = ["native", "ours", "ours+busy", "helper", "helper+busy", "python", "python+busy"]
     print(f"{'page':>10} {'GiB':>5} " + " ".join(f"{s:>17}" for s in sides))
     for r in rows:
         cells = []

@@ -203,11 +203,11 @@ def _before_read(pool: HostPagePool, pages: int, target: Path, cold: bool) -> No
 
 
 def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: int,
-               extra: dict[str, Any], cold: bool) -> _Case:
+               extra: dict[str, Any], cold: bool, name: str = "ours") -> _Case:
     page_bytes = pool.geometry.page_bytes
     ns = KeyNamespace("bench", "uint8", "bench", 64, 1)
     keys = [k.hex() for k in page_keys(ns.seed(), list(range(64 * pages)), 64)]
-    target = directory / backend_name
+    target = directory / name
     shutil.rmtree(target, ignore_errors=True)
 
     def fresh() -> StorageBackend:
@@ -242,9 +242,13 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
 
     before_write()
     write()  # untimed: the store's directories come into being
-    return _Case("ours", write, read, before_write=before_write,
+    return _Case(name, write, read, before_write=before_write,
                  before_read=lambda: _before_read(pool, pages, target, cold),
                  after_read=check, finish=finish)
+
+
+def _ours_name(verify: str | None) -> str:
+    return "ours" if verify in (None, "inline") else f"ours-{verify}"
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -283,23 +287,28 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             })
             continue
         pool = _pool(page_bytes, pages)
-        extra = {"direct_io": args.direct_io} if backend == "file" else {}
-        cases = [_ours_case(backend, directory, pool, pages, extra, args.cold)]
+        # The file backend once per verify mode, each against every baseline.
+        modes: list[str | None] = list(args.verify) if backend == "file" else [None]
+        ours = {_ours_name(mode): {"direct_io": args.direct_io, "verify": mode}
+                if mode else {} for mode in modes}
+        cases = [_ours_case(backend, directory, pool, pages, extra, args.cold, name)
+                 for name, extra in ours.items()]
         cases += [_raw_case(directory, pool, pages, per_page, args.cold)
                   for per_page in (False, True)]
         if backend == "file" and reader is not None:
             cases.append(_native_case(directory, pool, pages, args.cold, reader))
         times = _interleaved(cases, args.repeats)
-        ow, orr = times["ours"]
-        for raw_name in [c.name for c in cases[1:]]:
-            rw, rr = times[raw_name]
-            rows.append({
-                "backend": backend, "page_mib": mib, "pages": pages, **extra,
-                "cold": args.cold,
-                "ours_write_gbs": payload / ow / GB, "ours_read_gbs": payload / orr / GB,
-                "raw": raw_name, "raw_write_gbs": payload / rw / GB,
-                "raw_read_gbs": payload / rr / GB,
-            })
+        for name, extra in ours.items():
+            ow, orr = times[name]
+            for raw_name in [c.name for c in cases[len(ours):]]:
+                rw, rr = times[raw_name]
+                rows.append({
+                    "backend": backend, "page_mib": mib, "pages": pages, **extra,
+                    "cold": args.cold,
+                    "ours_write_gbs": payload / ow / GB, "ours_read_gbs": payload / orr / GB,
+                    "raw": raw_name, "raw_write_gbs": payload / rw / GB,
+                    "raw_read_gbs": payload / rr / GB,
+                })
     for row in rows:
         row["write_ratio"] = row["ours_write_gbs"] / row["raw_write_gbs"]
         row["read_ratio"] = row["ours_read_gbs"] / row["raw_read_gbs"]
@@ -309,12 +318,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'backend':<9} {'page':>6} {'pages':>5} {'baseline':<25} {'write GB/s':>10} "
+    head = (f"{'backend':<15} {'page':>6} {'pages':>5} {'baseline':<25} {'write GB/s':>10} "
             f"{'raw':>6} {'ratio':>6} {'read GB/s':>9} {'raw':>6} {'ratio':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['backend']:<9} {r['page_mib']:>4g}Mi {r['pages']:>5} {r['raw']:<25} "
+        backend = r["backend"] + (f"/{r['verify']}" if r.get("verify") else "")
+        print(f"{backend:<15} {r['page_mib']:>4g}Mi {r['pages']:>5} {r['raw']:<25} "
               f"{r['ours_write_gbs']:>10.2f} {r['raw_write_gbs']:>6.2f} {r['write_ratio']:>5.2f}x "
               f"{r['ours_read_gbs']:>9.2f} {r['raw_read_gbs']:>6.2f} {r['read_ratio']:>5.2f}x")
 
@@ -325,7 +335,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['backend']}\n{r['page_mib']:g} MiB\nvs {r['raw']}" for r in rows]
+    labels = [f"{r['backend']}{'/' + r['verify'] if r.get('verify') else ''}\n"
+              f"{r['page_mib']:g} MiB\nvs {r['raw']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
     ax.bar([i - 0.2 for i in x], [r["write_ratio"] for r in rows], 0.4, label="write")
@@ -351,6 +362,10 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where file/nixl pages go (default: temp)")
     parser.add_argument("--direct-io", choices=["off", "auto", "on"], default="off",
                         help="the file backend's direct_io (O_DIRECT)")
+    parser.add_argument("--verify", type=lambda s: s.split(","), default=["inline", "helper"],
+                        help="the file backend's verify modes to time (each its own row): "
+                        "inline (checksums on the reading thread), helper (on a helper "
+                        "thread behind it), auto")
     parser.add_argument("--cold", action="store_true",
                         help="drop the files from the page cache before every timed read")
     parser.add_argument("--out", default="bench_results")

@@ -1,8 +1,9 @@
 """File L3 backend: round trips, crash-safe writes, corruption as counted misses, sharing,
 the fan-out / 4 KiB-aligned layout, and O_DIRECT with its buffered fallbacks.
 
-Every test runs twice: with the GIL-free batch path (tiers/l3/native_io.py, what
-pool-slot batches use where numba runs) and with the per-page Python path."""
+Every test runs three times: with the GIL-free batch path (tiers/l3/native_io.py, what
+pool-slot batches use where numba runs), the same with every read's checksum on a helper
+thread (``verify: helper``), and with the per-page Python path."""
 
 from __future__ import annotations
 
@@ -19,22 +20,27 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2 import host_pool as host_pool_module
 from hicache.tiers.l2.host_memory import allocate
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3 import integrity, native_io
+from hicache.tiers.l3 import integrity, native_io, verify
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES, FILE_LAYOUT, FileBackend
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+@pytest.fixture(autouse=True, params=["native", "native-helper", "python"])
 def io_path(request, monkeypatch):
-    if request.param == "native":
+    if request.param.startswith("native"):
         if not native_io.available():
             pytest.skip("the GIL-free batch path does not run here (numba or libc missing)")
+        # verify: helper wherever the batch path runs (auto picks inline on this host)
+        helper = request.param == "native-helper"
+        monkeypatch.setattr(verify, "wants_helpers", lambda mode, pool: helper)
     else:
         monkeypatch.setattr(native_io, "available", lambda: False)
-    return request.param
+    return request.param.partition("-")[0]
 
 
+# Before the fixture above patches it (it picks the path by itself).
+WANTS_HELPERS = verify.wants_helpers
 GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=256)
 NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 1)
 
@@ -207,7 +213,10 @@ def test_bad_config_names_the_key(tmp_path):
         ({"path": 7}, "hicache_storage_backend_extra_config.path must be a string or null"),
         ({"bogus": 1, "other": 2}, "unknown hicache_storage_backend_extra_config key(s) for the "
                                    "file backend: ['bogus', 'other']; allowed keys: "
-                                   "['capacity_gb', 'direct_io', 'fsync', 'path']"),
+                                   "['capacity_gb', 'direct_io', 'fsync', 'path', "
+                                   "'verify']"),
+        ({"verify": "later"}, "hicache_storage_backend_extra_config.verify='later' is not "
+                              "supported; allowed values: ['auto', 'inline', 'helper']"),
     ],
 )
 def test_bad_extra_config_message(tmp_path, extra, expect):
@@ -252,6 +261,30 @@ def test_delete_removes_one_page(tmp_path):
     backend.batch_set_v1(ks, [0, 1, 2])
     assert backend.batch_delete([ks[1], ks[1]]) == 1
     assert [backend.exists(k) for k in ks] == [True, False, True]
+
+
+@pytest.mark.parametrize(("mode", "pinned", "cpus", "helper"), [
+    ("inline", True, 64, False), ("helper", False, 1, True),
+    ("auto", True, 64, True),  # a GPU host: pinned pool, cores to spare
+    ("auto", False, 64, False),  # a CPU engine: its cores compute the model
+    ("auto", True, 2, False)])
+def test_verify_picks_where_read_checksums_run(tmp_path, monkeypatch, io_path, mode, pinned,
+                                               cpus, helper):
+    monkeypatch.setattr(verify, "wants_helpers", WANTS_HELPERS)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    pool = filled_pool("page_first", 1)
+    pool.memory.pinned = pinned  # what the choice reads; nothing here is pinned for real
+    b = FileBackend(config(tmp_path, verify=mode))
+    b.register_host_pool(pool)
+    pool.memory.pinned = False
+    assert (b._verify_helper is not None) == (helper and io_path == "native")
+    ks = keys(3)
+    assert b.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert b.batch_get_v1(ks, [5, 6, 7]) == [True] * 3
+    assert torch.equal(pool.buffer[5:8], pool.buffer[0:3])
+    b.close()  # the helper stops; reads after it checksum on their own thread
+    assert b._verify_helper is None
+    assert b.batch_get_v1(ks, [5, 6, 7]) == [True] * 3
 
 
 # ---- layout: fan-out, aligned payload, format version ------------------------------------

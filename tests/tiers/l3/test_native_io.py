@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -79,7 +81,40 @@ def test_a_write_into_a_missing_folder_fails_that_page_only_and_leaves_no_temp(t
     assert status.tolist() == [native_io.OPEN_FAILED]
 
 
-def test_reads_check_every_page_and_report_the_first_failed_check(tmp_path):
+class _Recording(ThreadPoolExecutor):
+    """A helper that keeps the futures of the jobs it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.jobs: list[Future] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        job = super().submit(fn, *args, **kwargs)
+        self.jobs.append(job)
+        return job
+
+
+@pytest.fixture(params=["inline", "helper", "late-helper"])
+def helper(request):
+    """Where reads are checksummed: on the reading thread; on a helper thread behind
+    the reads (whichever side claims the job first hashes: both must give the same
+    answer); on a helper whose only thread is busy until the read is over, so the
+    reader claims the job and hashes itself."""
+    if request.param == "inline":
+        yield None
+        return
+    pool = _Recording()
+    gate = threading.Event()
+    if request.param == "late-helper":
+        pool.submit(gate.wait)
+    yield pool
+    gate.set()
+    pool.shutdown(wait=True)
+    if request.param == "late-helper":  # it found the job claimed and did nothing
+        assert [job.result() for job in pool.jobs[1:]] == [False] * (len(pool.jobs) - 1)
+
+
+def test_reads_check_every_page_and_report_the_first_failed_check(tmp_path, helper):
     n = 8
     src, headers, paths, _, _ = _write(tmp_path, n, np.random.default_rng(3))
     (tmp_path / "p1").unlink()
@@ -101,7 +136,7 @@ def test_reads_check_every_page_and_report_the_first_failed_check(tmp_path):
     expect = np.ascontiguousarray(_headers(n)[:, :PREFIX])
     offsets = np.arange(n, 0, -1) * LENGTH
     status, sizes = native_io.read_pages(paths, dest, offsets, HEAD, LENGTH, got, expect,
-                                         PAD_FROM)
+                                         PAD_FROM, helper=helper)
     assert status.tolist() == [
         native_io.OK, native_io.MISSING, native_io.WRONG_SIZE, native_io.WRONG_SIZE,
         native_io.BAD_CHECKSUM, native_io.BAD_HEADER, native_io.BAD_PADDING, native_io.OK]
@@ -112,8 +147,37 @@ def test_reads_check_every_page_and_report_the_first_failed_check(tmp_path):
         assert np.array_equal(got[i], headers[i])
     # The same bytes against another page's expected prefix: a header mismatch.
     status, _ = native_io.read_pages(paths[:1], dest, offsets[:1], HEAD, LENGTH, got[:1],
-                                     np.ascontiguousarray(expect[1:2]), PAD_FROM)
+                                     np.ascontiguousarray(expect[1:2]), PAD_FROM,
+                                     helper=helper)
     assert status.tolist() == [native_io.BAD_HEADER]
+
+
+def test_the_helper_hashes_what_the_reader_publishes_as_it_does():
+    """follow_hashes on its own thread, driven step by step from here as the reading
+    thread would (progress[i]: bytes of page i read so far, -1: nothing more to hash):
+    each page's digest is that of all its bytes, a page given up gets none, and the
+    helper says it is done only after the last page."""
+    follow = native_io._kernels()["follow_hashes"]
+    rng = np.random.default_rng(7)
+    dest = rng.integers(0, 256, 3 * LENGTH, dtype=np.uint8)
+    offsets = np.arange(3, dtype=np.int64) * LENGTH
+    progress = np.zeros(3, np.int64)
+    digests = np.zeros(3, np.uint64)
+    ctl = np.zeros(2, np.int64)
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(follow, dest, offsets, LENGTH, progress, digests, ctl)
+        progress[0] = LENGTH // 3  # a first chunk of page 0
+        progress[0] = LENGTH
+        progress[1] = -1  # page 1: unreadable, nothing to hash
+        assert ctl[1] == 0 or not job.result(timeout=0)  # page 2 not read yet
+        progress[2] = LENGTH
+        assert job.result(timeout=60) is True
+    assert ctl.tolist() == [1, 1]  # claimed by the helper, done
+    assert int(digests[0]) == xxhash.xxh3_64_intdigest(dest[:LENGTH].tobytes())
+    assert digests[1] == 0
+    assert int(digests[2]) == xxhash.xxh3_64_intdigest(dest[2 * LENGTH:].tobytes())
+    # A job the reader claimed first is left alone.
+    assert follow(dest, offsets, LENGTH, progress, digests, np.array([2, 0])) is False
 
 
 GIL_CHILD = """
@@ -161,7 +225,7 @@ def test_a_batch_runs_without_the_gil(tmp_path):
     assert proc.stdout.split("\n")[-2] == f"ran [{native_io.UNREADABLE}]"
 
 
-def test_no_page_is_started_after_the_deadline(tmp_path):
+def test_no_page_is_started_after_the_deadline(tmp_path, helper):
     import time
 
     _, _, paths, _, _ = _write(tmp_path, 3, np.random.default_rng(4))
@@ -171,8 +235,8 @@ def test_no_page_is_started_after_the_deadline(tmp_path):
     offsets = np.arange(3) * LENGTH
     past, future = time.monotonic() - 1, time.monotonic() + 3600
     status, _ = native_io.read_pages(paths, dest, offsets, HEAD, LENGTH, got, expect,
-                                     PAD_FROM, past)
+                                     PAD_FROM, past, helper)
     assert status.tolist() == [native_io.NOT_READ] * 3 and not dest.any()
     status, _ = native_io.read_pages(paths, dest, offsets, HEAD, LENGTH, got, expect,
-                                     PAD_FROM, future)
+                                     PAD_FROM, future, helper)
     assert status.tolist() == [native_io.OK] * 3
