@@ -24,8 +24,10 @@ Contract:
   marked ``engine``, ``{<key>: counter increment | [histogram observations]}``.
 - The worker counts and times (connector/worker_stats.py) and sends the
   increments once per step in its ``WorkerReport``; the scheduler-side
-  connector hands that one report to both exporters. Engine rows are
-  therefore only ``worker`` counters and ``latency`` histograms, with no
+  connector hands that one report to both exporters, and adds its own
+  per-request observations (``request_cached_tokens_<tier>``) to both the
+  same way. Engine rows are therefore only ``worker`` counters and
+  ``latency`` histograms (every histogram row: seconds or tokens), with no
   labels of their own.
 - Keys of a stats section that no row names still reach the admin
   ``/metrics`` as untyped samples named by ``fallback_name``.
@@ -52,6 +54,9 @@ COPY_SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 # An L3 fetch waits for a remote or disk store: milliseconds to tens of seconds.
 FETCH_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                          10.0, 30.0)
+
+# Prompt tokens of one request from one tier: none to a long context.
+TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,11 @@ METRICS: tuple[MetricSpec, ...] = (
              "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),
     _latency("l3_fetch_seconds", "Time from an L3 fetch's start to its pages being in vLLM's "
              "KV cache on one rank, seconds", FETCH_SECONDS_BUCKETS),
+    # Per finished request, from the scheduler (also in vLLM's /metrics).
+    *(_latency(f"request_cached_tokens_{tier}", f"Prompt tokens of a finished request served "
+               f"by {where} at its first admission", TOKEN_BUCKETS)
+      for tier, where in (("l1", "vLLM's own prefix cache (L1)"),
+                          ("l2", "the HiCache L2 host pool"), ("l3", "the HiCache L3 store"))),
 )
 
 ENGINE_METRICS: dict[str, MetricSpec] = {m.key: m for m in METRICS if m.engine}

@@ -49,6 +49,8 @@ class TurnResult:
     num_cached_tokens: list[int]
     seconds: float
     ttft_seconds: list[float] = field(default_factory=list)
+    # Each request's kv_transfer_params as vLLM returned them (HiCache's tier split).
+    kv_transfer_params: list[dict[str, Any] | None] = field(default_factory=list)
 
 
 def first_turn_prompts(spec: MultiTurnSpec) -> list[list[int]]:
@@ -79,6 +81,7 @@ def run_turns(
     batches = [[p] for p in prompts] if one_by_one else [list(prompts)]
     outputs: list[list[int]] = []
     cached: list[int] = []
+    params_out: list[dict[str, Any] | None] = []
     ttfts: list[float] = []
     start = time.perf_counter()
     for batch in batches:
@@ -90,10 +93,12 @@ def run_turns(
         for r in results:
             outputs.append(list(r.outputs[0].token_ids))
             cached.append(int(r.num_cached_tokens or 0))
+            params_out.append(getattr(r, "kv_transfer_params", None))
     return TurnResult(
         prompts=[list(p) for p in prompts],
         outputs=outputs,
         num_cached_tokens=cached,
         seconds=time.perf_counter() - start,
         ttft_seconds=ttfts if one_by_one else [],
+        kv_transfer_params=params_out,
     )

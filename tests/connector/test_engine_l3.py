@@ -95,8 +95,11 @@ def test_restarted_engine_serves_returning_turns_from_l3(tiny_model, baseline, w
         close_llm(llm)
     assert got.outputs == baseline.turns[1].outputs
     assert third.outputs == baseline.turns[2].outputs
-    # Empty L2, no vLLM prefix cache: every cached token came from L3.
+    # Empty L2, no vLLM prefix cache: every cached token came from L3, and each
+    # response says so.
     assert got.num_cached_tokens == history_pages(baseline, 1)
+    assert [p["hicache"]["cached_tokens"] for p in got.kv_transfer_params] == [
+        {"l1": 0, "l2": 0, "l3": n} for n in got.num_cached_tokens]
     assert not list((path / "quarantine").iterdir())
 
 

@@ -106,6 +106,13 @@ class SchedulerAdmin:
             while len(self._samples) > 2 and now - self._samples[1][0] > RATE_WINDOW_S:
                 self._samples.popleft()
 
+    def record_observations(self, observations: dict[str, list[float]]) -> None:
+        """Histogram observations of the scheduler's own (per finished request)."""
+        with self._lock:
+            for name, values in observations.items():
+                if name in self.worker_latency:
+                    self.worker_latency[name].observe(values)
+
     def take_commands(self) -> list[StorageCommand]:
         with self._lock:
             commands, self.pending_commands = self.pending_commands, []

@@ -47,6 +47,20 @@ class SchedulerRequest(Protocol):
     def block_hashes(self) -> Sequence[bytes]: ...
 
 
+@dataclass(frozen=True)
+class CachedTokens:
+    """Prompt tokens of one request served from each tier at its first admission
+    (a preempted request admitted again keeps the first count, as vLLM's
+    ``cached_tokens`` does); they add up to what vLLM reports."""
+
+    l1: int
+    l2: int
+    l3: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"l1": self.l1, "l2": self.l2, "l3": self.l3}
+
+
 @dataclass
 class RequestState:
     """What the scheduler half remembers about one live request."""
@@ -76,6 +90,11 @@ class RequestState:
     prefetched_tokens: int = 0
     # The plan (StepPlan.seq) of its last store while running (stores.py).
     store_seq: int = 0
+    # vLLM's own prefix-cache hit (tokens) the last lookup was asked about.
+    local_tokens_seen: int = 0
+    # Prompt tokens served at its first admission by L1 (vLLM's prefix cache), L2
+    # and L3: what vLLM reports as the request's cached tokens, split by tier.
+    cached_tokens: CachedTokens | None = None
 
     def page_keys(self) -> list[PageKey]:
         """Keys of the request's full pages so far (keys the newly completed ones)."""

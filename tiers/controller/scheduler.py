@@ -60,7 +60,7 @@ from hicache.tiers.controller.policies import (
 )
 from hicache.tiers.controller.prefetches import ArrivalPrefetches
 from hicache.tiers.controller.probes import L3Probes
-from hicache.tiers.controller.requests import RequestTable, SchedulerRequest
+from hicache.tiers.controller.requests import CachedTokens, RequestTable, SchedulerRequest
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
 from hicache.tiers.index.commands import L3Removal
@@ -198,6 +198,7 @@ class HiCacheScheduler:
         if gate == "wait":
             return None, False  # its prefetch runs: vLLM asks again next step
         state = self.requests.state_of(request)
+        state.local_tokens_seen = num_computed_tokens
         keys = state.page_keys()
         # At least one token must be left for the forward pass to produce logits.
         max_pages = (request.num_tokens - 1) // self.page_size
@@ -248,6 +249,17 @@ class HiCacheScheduler:
         finally:
             # Its load (or fetch) now locks what it needs: release the prefetch's hold.
             self.prefetches.admitted(request.request_id)
+        state = self.requests.get(request.request_id)
+        if state is not None and state.cached_tokens is None:  # its first admission
+            l3 = min(state.l3_tokens, num_external_tokens)
+            state.cached_tokens = CachedTokens(state.local_tokens_seen,
+                                               num_external_tokens - l3, l3)
+
+    def cached_tokens_of(self, req_id: str) -> CachedTokens | None:
+        """Prompt tokens each tier served the live request ``req_id`` at its first
+        admission (None before it, or for a request the scheduler never saw)."""
+        state = self.requests.get(req_id)
+        return state.cached_tokens if state is not None else None
 
     def _plan_admission(self, request: SchedulerRequest, block_ids: GroupBlockIds,
                         num_external_tokens: int) -> None:

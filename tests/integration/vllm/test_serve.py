@@ -17,7 +17,8 @@ from hicache.integration.bench.compare import free_port, stop_server, wait_ready
 
 pytestmark = pytest.mark.engine
 
-SMALL_ENGINE = "--block-size 32 --num-gpu-blocks-override 80 --dtype float32 --enforce-eager"
+SMALL_ENGINE = ("--block-size 32 --num-gpu-blocks-override 80 --dtype float32 --enforce-eager "
+                "--enable-prompt-tokens-details")
 
 
 def launch(tiny_model: str, log: Path, **env: str) -> subprocess.Popen:
@@ -34,8 +35,11 @@ def server(tiny_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # Dev mode adds vLLM's /reset_prefix_cache endpoint.
+    l3 = tmp_path_factory.mktemp("serve-l3")
     proc = launch(tiny_model, log, PORT=str(port), VLLM_SERVER_DEV_MODE="1",
-                  EXTRA_CONFIG=json.dumps({"hicache_admin_port": ADMIN_PORT}))
+                  EXTRA_CONFIG=json.dumps({
+                      "hicache_admin_port": ADMIN_PORT, "hicache_storage_backend": "file",
+                      "hicache_storage_backend_extra_config": {"path": str(l3)}}))
     base = f"http://127.0.0.1:{port}"
     try:
         why = wait_ready(proc, base, 240)
@@ -110,3 +114,58 @@ def test_vllm_reset_prefix_cache_empties_l2(server, tiny_model):
     r = httpx.post(f"{base}/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)
     assert r.status_code == 200, r.text
     assert httpx.get(f"{admin}/stats").json()["tiers"]["l2"]["used_pages"] == 0
+
+
+def test_each_response_says_which_tier_served_its_cached_tokens(server, tiny_model):
+    """kv_transfer_params["hicache"]["cached_tokens"] as an OpenAI client sees it: the
+    same prompt served from nothing, then vLLM's prefix cache (L1), then L2 (L1 reset),
+    then L3 (L1 and L2 reset), each split adding up to usage's cached_tokens."""
+    base, _ = server
+    admin = f"http://127.0.0.1:{ADMIN_PORT}"
+    prompt = list(range(1000, 1300))
+    full = (len(prompt) - 1) // 32 * 32  # tokens in complete pages (block 32)
+    body = {"model": tiny_model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def saved() -> int:
+        return httpx.get(f"{admin}/stats", timeout=10).json()["tiers"]["l3"]["pages_saved"]
+
+    def ask() -> dict[str, int]:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        tiers = reply["kv_transfer_params"]["hicache"]["cached_tokens"]
+        assert sum(tiers.values()) == reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return tiers
+
+    before = saved()
+    assert ask() == {"l1": 0, "l2": 0, "l3": 0}
+    assert ask() == {"l1": full, "l2": 0, "l3": 0}
+    reset = f"{base}/reset_prefix_cache"
+    assert httpx.post(reset, timeout=30).status_code == 200  # L1 only
+    assert ask() == {"l1": 0, "l2": full, "l3": 0}
+    # The pages' L3 backups land in the background: wait for them (not a timing check).
+    deadline = time.monotonic() + 120
+    while saved() < before + full // 32:
+        assert time.monotonic() < deadline, "the L3 backups never landed"
+        time.sleep(0.5)
+    r = httpx.post(reset, params={"reset_external": "true"}, timeout=30)  # L1 and L2
+    assert r.status_code == 200, r.text
+    assert ask() == {"l1": 0, "l2": 0, "l3": full}
+    # One histogram per tier, in vLLM's /metrics and the admin's (every finished request
+    # observed; vLLM publishes its stats a few times a second).
+    deadline = time.monotonic() + 60
+    while True:
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        l3 = [line for line in metrics.splitlines()
+              if line.startswith("vllm:hicache_request_cached_tokens_l3_sum{")]
+        if l3 and float(l3[0].rsplit(" ", 1)[1]) >= full:
+            break
+        assert time.monotonic() < deadline, "no L3 request in vLLM's /metrics:\n" + metrics[-2000:]
+        time.sleep(0.5)
+    assert "vllm:hicache_request_cached_tokens_l1_bucket{" in metrics
+    own = httpx.get(f"{admin}/metrics", timeout=10).text
+    sums = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in own.splitlines()
+            if line.startswith("hicache_request_cached_tokens_l")
+            and line.split(" ")[0].endswith("_sum")}
+    assert sums["hicache_request_cached_tokens_l3_sum"] >= full, sums
+    assert sums["hicache_request_cached_tokens_l2_sum"] >= full, sums

@@ -161,3 +161,35 @@ def test_failing_l3_lookup_is_a_miss(tmp_path):
     sched.storage = DownStore()
     assert sched.get_num_new_matched_tokens(request("r", list(range(600, 633))), 0) == (0, False)
     assert sched.stats.l3_lookups == 1 and sched.stats.l3_lookup_errors == 1
+
+
+def test_cached_tokens_split_by_tier_at_the_first_admission(tmp_path):
+    """What a finished request reports per tier (kv_transfer_params["hicache"]): vLLM's
+    own hit, the L2 pages and the L3 pages of its first admission, adding up to the
+    tokens vLLM counts as cached; a second admission (preemption) changes nothing."""
+    tokens = list(range(200, 233))  # 4 full pages + 1 token
+    store_pages(tmp_path, tokens)
+    sched = scheduler(tmp_path)
+    first = request("a", tokens[:17])  # 2 pages: L3 -> L2
+    sched.get_num_new_matched_tokens(first, 0)
+    sched.update_state_after_alloc(first, [[1, 2, 3, 4]], 2 * PAGE)
+    assert sched.cached_tokens_of("a").as_dict() == {"l1": 0, "l2": 0, "l3": 2 * PAGE}
+    sched.build_connector_meta({})
+    sched.on_worker_report(WorkerReport(fetched={"a": [2]}))
+    assert sched.cached_tokens_of("nobody") is None
+    # vLLM's prefix cache holds page 1; L2 holds page 2; L3 pages 3 and 4.
+    second = request("b", tokens)
+    assert sched.cached_tokens_of("b") is None  # not admitted yet
+    assert sched.get_num_new_matched_tokens(second, PAGE) == (3 * PAGE, True)
+    sched.update_state_after_alloc(second, [list(range(20, 28))], 3 * PAGE)
+    want = {"l1": PAGE, "l2": PAGE, "l3": 2 * PAGE}
+    assert sched.cached_tokens_of("b").as_dict() == want
+    # Admitted again without a hit (as after a preemption): the first count stays.
+    sched.get_num_new_matched_tokens(second, 0)
+    sched.update_state_after_alloc(second, [[]], 0)
+    assert sched.cached_tokens_of("b").as_dict() == want
+    # A request without any hit reports zeros.
+    fresh = request("c", list(range(900, 940)))
+    assert sched.get_num_new_matched_tokens(fresh, 0) == (0, False)
+    sched.update_state_after_alloc(fresh, [[]], 0)
+    assert sched.cached_tokens_of("c").as_dict() == {"l1": 0, "l2": 0, "l3": 0}
