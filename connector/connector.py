@@ -22,9 +22,11 @@ state checkpoint in pages that end where a step ended; L3 holds every
 page's body and the checkpointed pages whole (tiers/controller/fetches.py).
 Pipeline parallelism is not supported.
 
-Every finished request's ``kv_transfer_params`` carry ``{"hicache": {"cached_tokens":
-{"l1", "l2", "l3"}}}``: the prompt tokens vLLM's prefix cache, L2 and L3 served at its
-first admission, which add up to the ``cached_tokens`` vLLM reports in ``usage``.
+A request's ``kv_transfer_params["hicache"]`` carry its cache controls
+(tiers/controller/hints.py). Every finished request's ``kv_transfer_params`` carry
+``{"hicache": {"cached_tokens": {"l1", "l2", "l3"}}}``: the prompt tokens vLLM's prefix
+cache, L2 and L3 served at its first admission, which add up to the ``cached_tokens``
+vLLM reports in ``usage``, and ``"error"`` when its controls were bad (then ignored).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from hicache.connector.vllm_keys import (
 from hicache.connector.vllm_metrics import HiCacheKVStats, HiCachePromMetrics, l3_source
 from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.controller.admin import SchedulerAdmin
+from hicache.tiers.controller.hints import HINTS_KEY
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroup, KVGroups
 from hicache.tiers.l2.host_pool import PoolGeometry
@@ -84,9 +87,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-# The key of HiCache's block in a finished request's kv_transfer_params:
-# {"hicache": {"cached_tokens": {"l1": n, "l2": n, "l3": n}}}.
-RESPONSE_KEY = "hicache"
 
 
 class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -356,19 +356,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         with self.hicache_scheduler.lock:
             cached = self.hicache_scheduler.cached_tokens_of(request.request_id)
+            error = self.hicache_scheduler.hint_error_of(request.request_id)
             done = self.hicache_scheduler.request_finished(self._keyed(request), block_ids)
         if self._page_hashes is not None:
             self._page_hashes.forget(request.request_id)
-        if cached is None:
-            return done, None
-        tiers = cached.as_dict()
-        observations = {f"request_cached_tokens_{tier}": [float(n)] for tier, n in tiers.items()}
-        self._kv_stats.record({}, observations)
-        if self._admin is not None:
-            self._admin.record_observations(observations)
-        # Where the request's cached tokens came from, in its response's
-        # kv_transfer_params (MultiConnector merges ours with other connectors').
-        return done, {RESPONSE_KEY: {"cached_tokens": tiers}}
+        reply: dict[str, Any] = {}
+        if cached is not None:
+            reply["cached_tokens"] = tiers = cached.as_dict()
+            observations = {f"request_cached_tokens_{tier}": [float(n)]
+                            for tier, n in tiers.items()}
+            self._kv_stats.record({}, observations)
+            if self._admin is not None:
+                self._admin.record_observations(observations)
+        if error is not None:
+            reply["error"] = error
+        # Where the request's cached tokens came from, and why its hints were
+        # ignored, in its response's kv_transfer_params (MultiConnector merges ours
+        # with other connectors').
+        return done, ({HINTS_KEY: reply} if reply else None)
 
     def _keyed(self, request: Request) -> Any:
         """The request as the scheduler keys it: vLLM's own, or with per-page hashes."""

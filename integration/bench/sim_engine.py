@@ -226,6 +226,8 @@ class SimRequest:
     cache_salt: str | None = None
     lora_request: Any = None
     block_size: int = 16
+    # vLLM's per-request channel (HiCache's hints under "hicache").
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_tokens(self) -> int:

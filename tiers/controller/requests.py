@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from hicache.tiers.controller.hints import DEFAULT_HINTS, RequestHints, parse_hints
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey, PageKeyChain
 from hicache.tiers.index.radix_tree import MatchResult
@@ -95,11 +96,26 @@ class RequestState:
     # Prompt tokens served at its first admission by L1 (vLLM's prefix cache), L2
     # and L3: what vLLM reports as the request's cached tokens, split by tier.
     cached_tokens: CachedTokens | None = None
+    # What the client asked of the cache (hints.py); when that was bad, why (the
+    # request is then served with every hint at its default).
+    hints: RequestHints = DEFAULT_HINTS
+    hint_error: str | None = None
 
     def page_keys(self) -> list[PageKey]:
         """Keys of the request's full pages so far (keys the newly completed ones)."""
         self.chain.extend(self.request.block_hashes)
         return self.chain.keys
+
+
+def _params(request: SchedulerRequest) -> Any:
+    """vLLM's per-request ``kv_transfer_params`` (None for other request types)."""
+    return getattr(request, "kv_transfer_params", None)
+
+
+def request_hints(request: SchedulerRequest) -> RequestHints:
+    """The request's cache hints (defaults where it has none or bad ones)."""
+    state_hints, _ = parse_hints(_params(request))
+    return state_hints
 
 
 class RequestTable:
@@ -123,7 +139,9 @@ class RequestTable:
         state = self._states.get(request.request_id)
         if state is None:
             chain = PageKeyChain(self._seed, self._hashes_per_page)
-            state = self._states[request.request_id] = RequestState(request, chain)
+            hints, error = parse_hints(_params(request))
+            state = self._states[request.request_id] = RequestState(
+                request, chain, hints=hints, hint_error=error)
         return state
 
     def pop(self, req_id: str) -> RequestState | None:

@@ -60,7 +60,12 @@ from hicache.tiers.controller.policies import (
 )
 from hicache.tiers.controller.prefetches import ArrivalPrefetches
 from hicache.tiers.controller.probes import L3Probes
-from hicache.tiers.controller.requests import CachedTokens, RequestTable, SchedulerRequest
+from hicache.tiers.controller.requests import (
+    CachedTokens,
+    RequestTable,
+    SchedulerRequest,
+    request_hints,
+)
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
 from hicache.tiers.index.commands import L3Removal
@@ -186,7 +191,7 @@ class HiCacheScheduler:
 
     def on_new_request(self, request: SchedulerRequest) -> None:
         """vLLM queued a new request: prefetch its L3 pages into L2 (prefetches.py)."""
-        if self.prefetch_at_arrival:
+        if self.prefetch_at_arrival and request_hints(request).reads_l3:
             self.prefetches.on_arrival(request)
 
     def get_num_new_matched_tokens(
@@ -199,13 +204,21 @@ class HiCacheScheduler:
             return None, False  # its prefetch runs: vLLM asks again next step
         state = self.requests.state_of(request)
         state.local_tokens_seen = num_computed_tokens
+        hints = state.hints
+        if not hints.loads:  # the client asked for no HiCache loads
+            state.pending_match, state.pending_l3_pages, state.lookup = None, 0, None
+            return 0, False
         keys = state.page_keys()
         # At least one token must be left for the forward pass to produce logits.
         max_pages = (request.num_tokens - 1) // self.page_size
+        if hints.max_load_tokens is not None:
+            max_pages = min(max_pages,
+                            (num_computed_tokens + hints.max_load_tokens) // self.page_size)
         match = self.tree.match_prefix(keys[:max_pages])
         self.stats.lookups += 1
         l3_pages = 0
-        if gate == "open" and request.request_id not in self.fetches.came_short:
+        if (gate == "open" and hints.reads_l3
+                and request.request_id not in self.fetches.came_short):
             found = self.fetches.lookup(keys, match.num_pages, max_pages, request.request_id,
                                         known=match.l3_pages, source=request)
             if found is None:
@@ -254,6 +267,11 @@ class HiCacheScheduler:
             l3 = min(state.l3_tokens, num_external_tokens)
             state.cached_tokens = CachedTokens(state.local_tokens_seen,
                                                num_external_tokens - l3, l3)
+
+    def hint_error_of(self, req_id: str) -> str | None:
+        """Why the live request's cache hints were ignored (hints.py), or None."""
+        state = self.requests.get(req_id)
+        return state.hint_error if state is not None else None
 
     def cached_tokens_of(self, req_id: str) -> CachedTokens | None:
         """Prompt tokens each tier served the live request ``req_id`` at its first

@@ -135,6 +135,9 @@ class StorePlanner:
     def _store(self, state: RequestState, ready_pages: int, block_ids: GroupBlockIds,
                state_at: int | None = None) -> list[PagePlan]:
         """Copies of the request's pages in [in-L2 prefix, ready_pages) worth storing."""
+        if not state.hints.store:  # the client asked for no stores (hints.py)
+            state.stored_pages = ready_pages
+            return []
         keys = state.page_keys()[:ready_pages]
         worth = self.policy.pages_worth_storing(keys, state.counted_pages)
         state.counted_pages = max(state.counted_pages, len(keys))

@@ -169,3 +169,43 @@ def test_each_response_says_which_tier_served_its_cached_tokens(server, tiny_mod
             and line.split(" ")[0].endswith("_sum")}
     assert sums["hicache_request_cached_tokens_l3_sum"] >= full, sums
     assert sums["hicache_request_cached_tokens_l2_sum"] >= full, sums
+
+
+def test_request_controls_in_the_openai_body(server, tiny_model):
+    """kv_transfer_params["hicache"] in a completions body: store=false leaves nothing
+    in L2 or L3 for the next request to find, load_tiers=["l2"] never reads L3, and a
+    bad value is named in the response while the request and the server carry on."""
+    base, _ = server
+    admin = f"http://127.0.0.1:{ADMIN_PORT}"
+    prompt = list(range(1400, 1700))
+    full = (len(prompt) - 1) // 32 * 32
+    reset = f"{base}/reset_prefix_cache"
+
+    def ask(hints: object = None) -> dict:
+        body = {"model": tiny_model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        if hints is not None:
+            body["kv_transfer_params"] = {"hicache": hints}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["kv_transfer_params"]["hicache"]
+
+    def saved() -> int:
+        return httpx.get(f"{admin}/stats", timeout=10).json()["tiers"]["l3"]["pages_saved"]
+
+    assert ask({"store": False})["cached_tokens"] == {"l1": 0, "l2": 0, "l3": 0}
+    assert httpx.post(reset, timeout=30).status_code == 200  # L1 only
+    before = saved()
+    # Nothing was stored: L2 and L3 have none of it (this request stores it).
+    assert ask()["cached_tokens"] == {"l1": 0, "l2": 0, "l3": 0}
+    deadline = time.monotonic() + 120
+    while saved() < before + full // 32:
+        assert time.monotonic() < deadline, "the L3 backups never landed"
+        time.sleep(0.5)
+    assert httpx.post(reset, params={"reset_external": "true"}, timeout=30).status_code == 200
+    assert ask({"load_tiers": ["l2"], "store": False})["cached_tokens"] == {
+        "l1": 0, "l2": 0, "l3": 0}  # L3 holds it, but this request may not read it
+    assert httpx.post(reset, timeout=30).status_code == 200  # what vLLM's L1 kept of it
+    bad = ask({"load_tiers": ["l3"], "store": False})  # served as with no hints: from L3
+    assert "kv_transfer_params.hicache.load_tiers=['l3']" in bad["error"]
+    assert bad["cached_tokens"] == {"l1": 0, "l2": 0, "l3": full}
+    assert "error" not in ask()

@@ -1,0 +1,86 @@
+"""Per-request cache controls: what a client asks of HiCache for one request.
+
+Contract:
+- A request carries them in vLLM's per-request channel, ``kv_transfer_params``
+  (the OpenAI body's ``kv_transfer_params``, offline ``SamplingParams.extra_args
+  ["kv_transfer_params"]``), under ``HINTS_KEY``::
+
+      {"hicache": {"store": false, "load_tiers": ["l2"], "max_load_tokens": 4096}}
+
+  ``store`` (default true): false writes none of the request's pages to L2 (hence
+  L3); pages another request stores are unaffected. ``load_tiers`` (default
+  ``["l2", "l3"]``): the tiers that may serve the request; ``[]`` loads nothing,
+  ``["l2"]`` never reads L3; L3 pages come through L2, so ``["l3"]`` alone is refused.
+  ``max_load_tokens`` (default unlimited): at most that many prompt tokens from
+  HiCache (vLLM's own prefix cache is not counted).
+- ``parse_hints(params)`` returns (hints, error). Bad hints never fail a request:
+  the request is served with every hint at its default, and ``error`` names the key
+  and what it allows (the connector returns it in the response's
+  ``kv_transfer_params["hicache"]["error"]``). Keys HiCache writes into a response
+  (``RESPONSE_KEYS``) are ignored, so a response's parameters passed on to the next
+  engine (PD disaggregation proxies do) are no error.
+- Engine-free: no vLLM import; pydantic validates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, NonNegativeInt, ValidationError, field_validator
+
+from hicache.tiers.settings import Settings, explain
+
+HINTS_KEY = "hicache"
+RESPONSE_KEYS = frozenset({"cached_tokens", "error"})
+TIERS = ("l2", "l3")
+
+
+class RequestHints(Settings):
+    """``kv_transfer_params["hicache"]`` of one request."""
+
+    store: bool = Field(True, description="write this request's pages to L2 (and L3)")
+    load_tiers: list[str] = Field(
+        default_factory=lambda: ["l2", "l3"],
+        description="tiers that may serve this request's prompt: [] = none, "
+        "['l2'] = never read L3; L3 pages come through L2, so 'l3' needs 'l2'")
+    max_load_tokens: NonNegativeInt | None = Field(
+        None, description="at most this many prompt tokens from HiCache (null = no limit)")
+
+    @field_validator("load_tiers")
+    @classmethod
+    def _tiers(cls, tiers: list[str]) -> list[str]:
+        allowed = "allowed: [], ['l2'], ['l2', 'l3']"
+        if not set(tiers) <= set(TIERS):
+            raise ValueError(f"unknown tier(s) {sorted(set(tiers) - set(TIERS))}; {allowed}")
+        if "l3" in tiers and "l2" not in tiers:
+            raise ValueError(f"L3 pages are loaded through L2; {allowed}")
+        return tiers
+
+    @property
+    def loads(self) -> bool:
+        return bool(self.load_tiers) and self.max_load_tokens != 0
+
+    @property
+    def reads_l3(self) -> bool:
+        return "l3" in self.load_tiers
+
+
+DEFAULT_HINTS = RequestHints()
+
+
+def parse_hints(params: Mapping[str, Any] | None) -> tuple[RequestHints, str | None]:
+    """The request's hints and, when they are bad, why (hints then all default)."""
+    raw = (params or {}).get(HINTS_KEY) if isinstance(params, Mapping) else None
+    if raw is None:
+        return DEFAULT_HINTS, None
+    if not isinstance(raw, Mapping):
+        return DEFAULT_HINTS, (f"kv_transfer_params.{HINTS_KEY} must be an object with keys "
+                               f"{sorted(RequestHints.model_fields)}")
+    asked = {k: v for k, v in raw.items() if k not in RESPONSE_KEYS}
+    try:
+        return RequestHints.model_validate(asked), None
+    except ValidationError as exc:
+        return DEFAULT_HINTS, explain(exc, RequestHints,
+                                      prefix=f"kv_transfer_params.{HINTS_KEY}.",
+                                      unknown=f"kv_transfer_params.{HINTS_KEY} key(s):")
