@@ -74,7 +74,10 @@ from hicache.integration.admin.models import (
     DetachResponse,
     FlushRequest,
     FlushResponse,
+    ForgetRequest,
+    ForgetResponse,
     HealthResponse,
+    LookupResponse,
     MetricsText,
     StatsResponse,
     TreeResponse,
@@ -163,6 +166,7 @@ def create_app(
         return JSONResponse(status_code=500, content={"detail": INTERNAL_ERROR})
 
     read_auth = Depends(guard.read)
+    prefix_auth = Depends(guard.prefix_read)
     write_auth = Depends(guard.write)
 
     # ---- reads --------------------------------------------------------------------
@@ -220,7 +224,7 @@ def create_app(
         "/tree",
         response_model=TreeResponse,
         responses=_GUARDED,
-        dependencies=[read_auth, Depends(_only_query("prefix", "depth"))],
+        dependencies=[prefix_auth, Depends(_only_query("prefix", "depth"))],
         tags=["read"],
     )
     def get_tree(
@@ -241,7 +245,53 @@ def create_app(
         ids = parse_prefix(prefix)
         return scrub(calls.json_object("tree()", lambda: target.tree(ids, depth)), secret)
 
+    @app.get(
+        "/lookup",
+        response_model=LookupResponse,
+        responses=_GUARDED,
+        dependencies=[prefix_auth, Depends(_only_query("prefix", "cache_salt"))],
+        tags=["read"],
+    )
+    def get_lookup(
+        prefix: Annotated[
+            str,
+            Query(
+                min_length=1,
+                max_length=PREFIX_QUERY_MAX_LENGTH,
+                pattern=PREFIX_QUERY_PATTERN,
+                description="Comma-separated token ids of the prompt, e.g. 1,2,3",
+            ),
+        ],
+        cache_salt: Annotated[str | None, Query(max_length=4096)] = None,
+    ) -> Any:
+        """Leading tokens of a prompt each tier holds, and the expected load time per
+        tier from the bandwidth measured so far (what a router needs to cost a hit)."""
+        ids = parse_prefix(prefix)
+        if not ids:
+            raise RequestValidationError([{
+                "type": "value_error", "loc": ("query", "prefix"),
+                "msg": "a prompt of at least one token id is needed", "input": prefix}])
+        value = calls.json_object("lookup()", lambda: target.lookup(ids, cache_salt))
+        return calls.validated("lookup()", LookupResponse, value)
+
     # ---- writes -------------------------------------------------------------------
+
+    @app.post(
+        "/forget",
+        response_model=ForgetResponse,
+        responses=_GUARDED,
+        dependencies=[write_auth],
+        tags=["write"],
+    )
+    def post_forget(body: ForgetRequest) -> Any:
+        """Remove a conversation from every tier: its own pages and its later turns, not
+        the pages other cached prefixes share with it (e.g. a system prompt)."""
+        counts = calls.json_object("forget()", lambda: target.forget(
+            list(body.prefix), body.cache_salt, body.keep_tokens))
+        if not all(isinstance(v, int) for v in counts.values()):
+            logger.error("HiCache admin: forget() returned non-integer counts")
+            raise internal_error()
+        return counts
 
     @app.post(
         "/flush",

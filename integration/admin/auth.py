@@ -11,7 +11,7 @@ into a ``SecretStr`` or ``None`` (an empty token is no token). Clients send
 :func:`secrets.compare_digest` (constant time), which is the only place
 (with ``redact.py``'s scrubbing) where the token's value is read.
 
-:class:`TokenGuard` provides two FastAPI dependencies:
+:class:`TokenGuard` provides three FastAPI dependencies:
 
 * :meth:`TokenGuard.write` (POST endpoints) always needs the token. With no
   token configured it answers 403 telling the operator to set
@@ -20,6 +20,10 @@ into a ``SecretStr`` or ``None`` (an empty token is no token). Clients send
   (the server sets this when it binds anything but a loopback address);
   then, with no token configured, reads answer the same 403. Otherwise a
   read passes whatever ``Authorization`` header it carries.
+* :meth:`TokenGuard.prefix_read` (``GET /lookup``, ``GET /tree?prefix=``):
+  like ``read``, and also needs the token whenever one is configured and
+  the request names a prompt: whether a prompt is cached tells something
+  about other users' prompts.
 * A missing token (no header, or a scheme other than ``Bearer``): 401
   ``missing bearer token ...``; a wrong one: 401 ``invalid bearer token``;
   both with ``WWW-Authenticate: Bearer realm="hicache-admin"``.
@@ -34,7 +38,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any
 
-from fastapi import Depends, HTTPException
+from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
@@ -105,6 +109,13 @@ class TokenGuard:
     def read(self, creds: Credentials) -> None:
         """Dependency of the GET endpoints (all but ``/healthz``)."""
         self.check(creds, needed=self.require_token_for_reads)
+
+    def prefix_read(self, creds: Credentials, request: Request) -> None:
+        """Dependency of the GET endpoints that take a prompt (``prefix``): whether a
+        prompt is cached is the prompt's secret, so they need the token whenever one
+        is configured, on loopback too."""
+        asks = bool(request.query_params.get("prefix", "").strip())
+        self.check(creds, needed=self.require_token_for_reads or (asks and self.configured))
 
     def write(self, creds: Credentials) -> None:
         """Dependency of the POST endpoints."""

@@ -25,6 +25,8 @@ the OpenAPI schema; the JSON is exactly the model's dump):
 ``GET /metrics``       :class:`MetricsText` (Prometheus text, not JSON)
 ``GET /tree``          :class:`TreeResponse` (the target's view, any object)
 ``POST /flush``        :class:`FlushResponse` (page counts: string -> int)
+``POST /forget``       :class:`ForgetResponse` (page counts: string -> int)
+``GET /lookup``        :class:`LookupResponse` (tokens per tier, expected load time)
 ``POST /storage/...``  :class:`AttachResponse` (``attached`` + more) /
                        :class:`DetachResponse` (``detached`` + more)
 errors                 :class:`ErrorResponse` ``{"detail": str}`` (401, 403,
@@ -73,6 +75,23 @@ class FlushRequest(BaseModel):
     cache_salt: str | None = Field(
         None, max_length=4096, description="Only pages of requests with this cache_salt"
     )
+
+
+class ForgetRequest(BaseModel):
+    """Which conversation ``POST /forget`` removes from every tier."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix: list[TokenId] = Field(
+        ..., min_length=1, max_length=MAX_PREFIX_TOKENS,
+        description="The conversation's token ids (any turn of it: its later turns go too)")
+    cache_salt: str | None = Field(
+        None, max_length=4096, description="The cache_salt its requests carried")
+    keep_tokens: int = Field(
+        0, ge=0, le=MAX_PREFIX_TOKENS, strict=True,
+        description="Leading tokens never removed (a system prompt other engines' "
+        "conversations share); pages another cached prefix on this engine shares are "
+        "kept anyway")
 
 
 class AttachRequest(BaseModel):
@@ -166,6 +185,24 @@ class TreeResponse(RootModel[dict[str, Any]]):
 
 class FlushResponse(RootModel[dict[str, int]]):
     """``POST /flush``: pages dropped per tier, e.g. ``{"l2_pages": 3, "l3_pages": 3}``."""
+
+
+class ForgetResponse(RootModel[dict[str, int]]):
+    """``POST /forget``: ``{"l2_pages", "l3_pages", "skipped_locked", "kept_shared_pages"}``."""
+
+
+class LookupResponse(BaseModel):
+    """``GET /lookup``: what each tier holds of a prompt and what loading it should take."""
+
+    prefix_tokens: int
+    page_size: int
+    tokens: dict[str, int] = Field(
+        description='Leading tokens of the prefix each tier holds: {"l2": n, "l3": n}')
+    load_gbps: dict[str, float | None] = Field(
+        description="Bandwidth measured so far per tier, GB/s (null: nothing loaded yet)")
+    expected_load_s: dict[str, float | None] = Field(
+        description="Seconds to load what L2 holds from L2, and what L2 lacks from L3, "
+        "per rank at that bandwidth (null: not measured yet)")
 
 
 class AttachResponse(BaseModel):

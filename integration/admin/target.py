@@ -87,6 +87,17 @@ class AdminTarget(Protocol):
         """
         ...
 
+    def forget(self, prefix: list[int], cache_salt: str | None,
+               keep_tokens: int) -> dict[str, int]:
+        """Remove a conversation's own pages from every tier (not what other cached
+        prefixes share with it); counts like ``flush``'s plus ``kept_shared_pages``."""
+        ...
+
+    def lookup(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        """Tokens of ``prefix`` each tier holds and the expected load time per tier
+        (``LookupResponse``)."""
+        ...
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
         """Attach an L3 backend at run time: ``{"attached": backend, ...}``.
 

@@ -17,6 +17,9 @@ Contract:
   per-tier fields are in pages and bytes per TP rank, ``recent_*_gbps``
   over the last ~10 s. Its sections are the sources named in
   tiers/metrics.py, from which the admin ``/metrics`` is rendered.
+- ``forget`` removes a conversation's own pages from L2 and L3 (flush.py) the
+  way ``flush`` removes a prefix's; ``lookup`` says how many leading tokens
+  of a prompt L2 and L3 hold and how long loading them should take.
 - ``flush`` and ``detach_storage`` / ``attach_storage`` change the
   scheduler (and its own L3 instance) at once; the matching commands reach
   every worker with the next engine step, where queued backups of flushed
@@ -35,10 +38,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from hicache.tiers.controller.fetches import L3Store
 from hicache.tiers.index.commands import (
     AttachStore,
     ClearStore,
     DetachStore,
+    L3Removal,
     StorageCommand,
 )
 from hicache.tiers.l3.base import StorageBackend, StorageConfigError
@@ -203,6 +208,62 @@ class SchedulerAdmin:
                 storage = s.storage
         except ValueError as exc:  # token ids out of range
             raise AdminError(400, f"prefix: {exc}") from exc
+        return self._remove_from_l3(counts, l3_op, storage)
+
+    def forget(self, prefix: list[int], cache_salt: str | None,
+               keep_tokens: int) -> dict[str, int]:
+        """A conversation's own pages out of L2 and L3 (tiers/controller/flush.py)."""
+        s = self.scheduler
+        try:
+            with s.lock:
+                counts, l3_op = s.forget(prefix, cache_salt, keep_tokens=keep_tokens)
+                storage = s.storage
+        except ValueError as exc:  # token ids out of range
+            raise AdminError(400, f"prefix: {exc}") from exc
+        return self._remove_from_l3(counts, l3_op, storage)
+
+    def lookup(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        """How many leading tokens of ``prefix`` L2 and L3 hold, and what loading
+        them should take at the bandwidths measured so far (None: not measured yet).
+        L2 is read from the tree without touching it; L3 is asked (outside the
+        scheduler lock), so pages other engines wrote count too."""
+        s = self.scheduler
+        try:
+            with s.lock:
+                keys = s.prefix_keys(prefix, cache_salt)
+                l2_pages = s.tree.peek(keys)
+                storage = s.storage
+                page, page_bytes = s.page_size, s.geometry.page_bytes
+        except ValueError as exc:  # token ids out of range
+            raise AdminError(400, f"prefix: {exc}") from exc
+        l3_pages = 0
+        if storage is not None and keys:
+            try:
+                l3_pages = storage.batch_exists([k.hex() for k in keys])
+            except Exception:  # noqa: BLE001 - a failing store holds nothing we can load
+                l3_pages = 0
+        with self._lock:
+            l2_gbps = self._rates()[0] or None
+            fetch = self.worker_latency.get("l3_fetch_seconds")
+            read = self.worker_counters.get("l3_bytes_read", 0)
+            l3_gbps = read / fetch.total / 1e9 if fetch is not None and fetch.total else None
+        # A load reads L2's pages from L2 and what L2 lacks from L3.
+        from_l3 = max(0, l3_pages - l2_pages)
+        return {
+            "prefix_tokens": len(prefix), "page_size": page,
+            "tokens": {"l2": l2_pages * page, "l3": l3_pages * page},
+            "load_gbps": {"l2": l2_gbps, "l3": l3_gbps},
+            "expected_load_s": {
+                "l2": l2_pages * page_bytes / (l2_gbps * 1e9) if l2_gbps else None,
+                "l3": from_l3 * page_bytes / (l3_gbps * 1e9) if l3_gbps else None,
+            },
+        }
+
+    def _remove_from_l3(self, counts: dict[str, int], l3_op: L3Removal | None,
+                        storage: L3Store | None) -> dict[str, int]:
+        """Apply a flush's or forget's L3 removal: the scheduler's store, then the
+        workers' shards (at the next engine step)."""
+        s = self.scheduler
         counts["l3_pages"] = 0
         if l3_op is not None and storage is not None:
             # The scheduler's own instance first (lookups miss from now on),

@@ -426,6 +426,12 @@ class HiCacheScheduler:
         see flush.py for which pages and what the caller does with the operation."""
         return self.flusher.flush(tiers, prefix, cache_salt, lora_name)
 
+    def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
+               lora_name: str | None = None, keep_tokens: int = 0,
+               ) -> tuple[dict[str, int], L3Removal | None]:
+        """A conversation's own pages out of L2, and their L3 removal (flush.py)."""
+        return self.flusher.forget(prefix, cache_salt, lora_name, keep_tokens)
+
     def prefix_keys(self, prefix: Sequence[int], cache_salt: str | None = None,
                     lora_name: str | None = None) -> list[PageKey]:
         """Keys of the full pages of a plain-token prompt, as its requests get them."""

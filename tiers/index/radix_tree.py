@@ -212,6 +212,23 @@ class HiRadixTree:
         return MatchResult(node=node, num_pages=i, host_slots=slots,
                            l3_pages=self._l3_run(node, keys, i))
 
+    def peek(self, keys: Sequence[PageKey]) -> int:
+        """Leading pages of ``keys`` resident in L2, without touching the tree (no
+        split, no access time: a lookup by a router must not refresh its LRU)."""
+        node, i = self.root, 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None or child.host_slots is None:
+                break
+            j = 0
+            while j < len(child.keys) and i + j < len(keys) and child.keys[j] == keys[i + j]:
+                j += 1
+            i += j
+            if j < len(child.keys):
+                break
+            node = child
+        return i
+
     def _l3_run(self, node: TreeNode, keys: Sequence[PageKey], i: int) -> int:
         """Pages of ``keys[i:]`` below ``node`` known in L3, consecutively (no splits)."""
         run = 0

@@ -150,6 +150,27 @@ class MemoryTarget:
                 self.pages[tier] = keep
             return out
 
+    def forget(self, prefix: list[int], cache_salt: str | None,
+               keep_tokens: int) -> dict[str, int]:
+        with self.lock:
+            self._enter("forget", (prefix, cache_salt, keep_tokens))
+            out = {"l2_pages": 0, "l3_pages": 0, "skipped_locked": 0, "kept_shared_pages": 0}
+            for tier in ("l2", "l3"):
+                gone = {k for k in self.pages[tier] if k[: len(prefix)] == tuple(prefix)}
+                out[f"{tier}_pages"] = len(gone)
+                self.pages[tier] -= gone
+            return out
+
+    def lookup(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        with self.lock:
+            self._enter("lookup", (prefix, cache_salt))
+            held = {tier: max((len(k) for k in self.pages[tier]
+                               if tuple(prefix[: len(k)]) == k), default=0)
+                    for tier in ("l2", "l3")}
+            return {"prefix_tokens": len(prefix), "page_size": 2, "tokens": held,
+                    "load_gbps": {"l2": 1.5, "l3": None},
+                    "expected_load_s": {"l2": held["l2"] * 1e-6, "l3": None}}
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             self._enter("attach", (backend, extra_config))
@@ -392,12 +413,13 @@ def test_attach_detach_cycle(live: Live) -> None:
 
 
 def test_tree(live: Live) -> None:
-    r = live.client.get("/tree", params={"prefix": "1, 2", "depth": 3})
+    # (a prefix needs the token once one is set: test_routes_naming_a_prompt_...)
+    r = live.client.get("/tree", headers=AUTH, params={"prefix": "1, 2", "depth": 3})
     assert r.status_code == 200, r.text
     assert r.json() == {"prefix": [1, 2], "depth": 3, "nodes": [[1, 2], [1, 2, 3, 4]]}
-    r = live.client.get("/tree")
+    r = live.client.get("/tree", headers=AUTH)
     assert r.json()["depth"] == 2 and r.json()["prefix"] == []
-    assert live.client.get("/tree", params={"prefix": ""}).json()["prefix"] == []
+    assert live.client.get("/tree", headers=AUTH, params={"prefix": ""}).json()["prefix"] == []
     for params, name in (
         ({"depth": 0}, "depth"),
         ({"depth": 9}, "depth"),
@@ -408,11 +430,11 @@ def test_tree(live: Live) -> None:
         ({"prefix": str(1 << 64)}, "prefix"),
         ({"dpeth": 4}, "dpeth"),  # a typo is refused, not ignored
     ):
-        r = live.client.get("/tree", params=params)
+        r = live.client.get("/tree", headers=AUTH, params=params)
         assert r.status_code == 422, (params, r.text)
         locs = [d["loc"] for d in r.json()["detail"]]
         assert ["query", name] in locs, (params, locs)
-    r = live.client.get("/tree", params={"depth": 2, "dpeth": 4})
+    r = live.client.get("/tree", headers=AUTH, params={"depth": 2, "dpeth": 4})
     assert "allowed: prefix, depth" in r.json()["detail"][0]["msg"]
 
 
@@ -422,7 +444,7 @@ def test_openapi_documents_every_endpoint(live: Live) -> None:
     for path, method in (
         ("/healthz", "get"), ("/config", "get"), ("/stats", "get"), ("/metrics", "get"),
         ("/tree", "get"), ("/flush", "post"), ("/storage/attach", "post"),
-        ("/storage/detach", "post"),
+        ("/storage/detach", "post"), ("/lookup", "get"), ("/forget", "post"),
     ):
         assert method in paths[path], path
     assert "FlushRequest" in spec["components"]["schemas"]
@@ -443,6 +465,8 @@ def test_openapi_names_the_request_and_response_models(live: Live) -> None:
         ("/stats", "get"): "StatsResponse",
         ("/tree", "get"): "TreeResponse",
         ("/flush", "post"): "FlushResponse",
+        ("/forget", "post"): "ForgetResponse",
+        ("/lookup", "get"): "LookupResponse",
         ("/storage/attach", "post"): "AttachResponse",
         ("/storage/detach", "post"): "DetachResponse",
     }
@@ -493,6 +517,7 @@ WRITES = [
     ("/flush", {"tiers": ["l2"]}),
     ("/storage/attach", {"backend": "nixl"}),
     ("/storage/detach", None),
+    ("/forget", {"prefix": [1, 2]}),
 ]
 READS = ["/config", "/stats", "/metrics", "/tree"]
 HEADERS = {
@@ -550,6 +575,43 @@ def test_reads_auth(servers: dict[str, Live], path: str, case: str) -> None:
         assert r.headers["www-authenticate"].startswith("Bearer")
     r = servers["notoken_closed"].client.get(path, headers=HEADERS[case])
     assert r.status_code == 403 and "HICACHE_ADMIN_TOKEN" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("path", ["/tree?prefix=1,2", "/lookup?prefix=1,2"])
+@pytest.mark.parametrize("case", sorted(HEADERS))
+def test_routes_naming_a_prompt_need_the_token_once_one_is_set(
+        servers: dict[str, Live], path: str, case: str) -> None:
+    """Whether a prompt is cached tells about other users' prompts: with a token
+    configured, asking about one needs it even on loopback; without one, loopback
+    reads stay open (and /tree without a prefix too)."""
+    for name in ("open", "closed"):
+        r = servers[name].client.get(path, headers=HEADERS[case])
+        assert_no_token(r)
+        assert r.status_code == (200 if case == "right" else 401), (name, case, r.text)
+    assert servers["notoken"].client.get(path, headers=HEADERS[case]).status_code == 200
+    assert servers["open"].client.get("/tree", headers=HEADERS[case]).status_code == 200
+
+
+def test_lookup_and_forget(live: Live) -> None:
+    c = live.client
+    r = c.get("/lookup", params={"prefix": "1,2,3,4,9", "cache_salt": "s"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == {"l2": 4, "l3": 4} and body["prefix_tokens"] == 5
+    assert body["expected_load_s"]["l3"] is None and body["load_gbps"]["l2"] == 1.5
+    assert live.target.calls[-1] == ("lookup", ([1, 2, 3, 4, 9], "s"))
+    r = c.post("/forget", json={"prefix": [1, 2, 3], "keep_tokens": 2}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["l2_pages"] == 1 and live.target.calls[-1] == ("forget", ([1, 2, 3], None, 2))
+    for bad in ({}, {"prefix": []}, {"prefix": [1], "keep_tokens": -1},
+                {"prefix": [1], "keep_tokens": "2"}, {"prefix": [1], "tiers": ["l2"]}):
+        r = c.post("/forget", json=bad, headers=AUTH)
+        assert r.status_code == 422, (bad, r.text)
+    for bad in ("", "1,x", "-1"):
+        assert c.get("/lookup", params={"prefix": bad}, headers=AUTH).status_code == 422, bad
+    assert c.get("/lookup", headers=AUTH).status_code == 422
+    assert c.get("/lookup", params={"prefix": "1", "depth": "2"},
+                 headers=AUTH).status_code == 422
 
 
 def test_secret_str_token_is_accepted(caplog: pytest.LogCaptureFixture) -> None:
@@ -694,7 +756,7 @@ def test_validation_errors_never_echo_the_token(live: Live) -> None:
     assert r.status_code == 422, r.text
     assert_no_token(r)
     assert [d["loc"] for d in r.json()["detail"]] == [["body", "oops"]]
-    r = live.client.get("/tree", params={"prefix": TOKEN})
+    r = live.client.get("/tree", headers=AUTH, params={"prefix": TOKEN})
     assert r.status_code == 422 and ["query", "prefix"] in [d["loc"] for d in r.json()["detail"]]
     assert_no_token(r)
     r = live.client.post("/storage/attach", json={"backend": "file", "x": 1}, headers=AUTH)
@@ -902,9 +964,10 @@ def test_fuzz_no_server_errors(servers: dict[str, Live], mode: str) -> None:
     api = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     generation_mode = schemathesis.GenerationMode(mode)
     operations = [r.ok() for r in api.get_all_operations()]
-    assert len(operations) == 8
+    assert len(operations) == 10
     if mode == "negative":  # only operations with inputs have invalid ones
-        operations = [op for op in operations if op.path in ("/tree", "/flush", "/storage/attach")]
+        operations = [op for op in operations if op.path in (
+            "/tree", "/lookup", "/flush", "/forget", "/storage/attach")]
     for op in operations:
 
         @given(case=op.as_strategy(generation_mode=generation_mode))
@@ -917,8 +980,7 @@ def test_fuzz_no_server_errors(servers: dict[str, Live], mode: str) -> None:
         )
         def run(case: Any) -> None:
             headers = dict(case.headers or {})
-            if case.method.upper() == "POST":
-                headers.update(AUTH)
+            headers.update(AUTH)  # writes and prompts need it (auth has its own tests)
             response = case.call(headers=headers, timeout=10)
             case.validate_response(response, checks=[not_a_server_error])
             assert TOKEN not in response.text

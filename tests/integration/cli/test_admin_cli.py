@@ -73,6 +73,17 @@ class Target:
             name, self.backend = self.backend, None
             return {"detached": name}
 
+    def forget(self, prefix: list[int], cache_salt: str | None,
+               keep_tokens: int) -> dict[str, int]:
+        self.calls.append(("forget", (prefix, cache_salt, keep_tokens)))
+        return {"l2_pages": 0, "l3_pages": 0, "skipped_locked": 0, "kept_shared_pages": 0}
+
+    def lookup(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        self.calls.append(("lookup", (prefix, cache_salt)))
+        return {"prefix_tokens": len(prefix), "page_size": 2, "tokens": {"l2": 0, "l3": 0},
+                "load_gbps": {"l2": None, "l3": None},
+                "expected_load_s": {"l2": None, "l3": None}}
+
     def tree(self, prefix: list[int] | None, depth: int) -> dict[str, Any]:
         self.calls.append(("tree", (prefix, depth)))
         return {"prefix": prefix or [], "depth": depth, "children": []}
@@ -201,7 +212,7 @@ def test_attach_detach(live: Live, tmp_path: Path) -> None:
 
 
 def test_tree(live: Live) -> None:
-    r = run(["admin", "tree", "--prefix", "4,5", "--depth", "3"], url=live.url)
+    r = run(["admin", "tree", "--prefix", "4,5", "--depth", "3"], url=live.url, token=TOKEN)
     assert r.exit_code == 0, r.output
     assert json.loads(r.output) == {"prefix": [4, 5], "depth": 3, "children": []}
     r = run(["admin", "tree", "--depth", "9"], url=live.url)
