@@ -359,6 +359,56 @@ def tree(
     _out().print_json(data=_json(request("GET", url, "/tree", token, timeout, params=params)))
 
 
+@admin_app.command()
+def lookup(
+    prefix: Annotated[str, typer.Option(help="The prompt's comma-separated token ids.")],
+    cache_salt: Annotated[
+        str | None, typer.Option("--cache-salt", help="The cache_salt its requests carry.")
+    ] = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """Tokens of a prompt each tier holds, and the expected load time per tier."""
+    ids = parse_prefix_option(prefix)
+    if not ids:
+        raise typer.BadParameter("give at least one token id", param_hint="--prefix")
+    params: dict[str, Any] = {"prefix": ",".join(str(i) for i in ids)}
+    if cache_salt is not None:
+        params["cache_salt"] = cache_salt
+    _out().print_json(data=_json(request("GET", url, "/lookup", token, timeout, params=params)))
+
+
+@admin_app.command()
+def forget(
+    prefix: Annotated[str, typer.Option(help="The conversation's comma-separated token ids.")],
+    cache_salt: Annotated[
+        str | None, typer.Option("--cache-salt", help="The cache_salt its requests carried.")
+    ] = None,
+    keep_tokens: Annotated[
+        int, typer.Option("--keep-tokens", min=0, help="Leading tokens never removed.")
+    ] = 0,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 60.0,
+) -> None:
+    """Remove a conversation from every tier (not what other cached prompts share)."""
+    ids = parse_prefix_option(prefix)
+    if not ids:
+        raise typer.BadParameter("give at least one token id", param_hint="--prefix")
+    if not yes:
+        typer.confirm(f"Forget the {len(ids)}-token conversation in L2 and L3?", abort=True)
+    body = {"prefix": ids, "cache_salt": cache_salt, "keep_tokens": keep_tokens}
+    counts = _json(request("POST", url, "/forget", token, timeout, body=body))
+    table = Table(title="forgotten")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    for k, v in (counts or {}).items():
+        table.add_row(str(k), _num(v))
+    _out().print(table)
+
+
 register_bench(app)
 
 

@@ -219,9 +219,25 @@ def test_tree(live: Live) -> None:
     assert r.exit_code == 2
 
 
+def test_lookup_and_forget(live: Live) -> None:
+    r = run(["admin", "lookup", "--prefix", "4,5,6", "--cache-salt", "s"], url=live.url,
+            token=TOKEN)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["prefix_tokens"] == 3
+    assert live.target.calls[-1] == ("lookup", ([4, 5, 6], "s"))
+    r = run(["admin", "forget", "--prefix", "4,5", "--keep-tokens", "1", "-y"], url=live.url,
+            token=TOKEN)
+    assert r.exit_code == 0, r.output
+    assert "kept_shared_pages" in r.output
+    assert live.target.calls[-1] == ("forget", ([4, 5], None, 1))
+    assert run(["admin", "forget", "--prefix", "", "-y"], url=live.url,
+               token=TOKEN).exit_code == 2
+
+
 @pytest.mark.parametrize(
     "args",
-    [["flush", "-y"], ["attach", "file"], ["detach"]],
+    [["flush", "-y"], ["attach", "file"], ["detach"], ["forget", "--prefix", "1", "-y"],
+     ["lookup", "--prefix", "1"]],
 )
 def test_missing_or_wrong_token(live: Live, args: list[str]) -> None:
     r = run(["admin", *args], url=live.url)
