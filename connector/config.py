@@ -109,6 +109,9 @@ class HiCacheConfig(Settings):
     # min(max, base + per_ki_token * tokens / 1024) seconds.
     hicache_storage_prefetch_policy: PrefetchPolicyName = Field(
         "timeout", description="how long a request waits for its L3 pages")
+    hicache_retain_max_share: float = Field(
+        0.5, gt=0, le=1, description="share of the L2 pool that pinned pages (a request's "
+        "retain_s, the admin's POST /pin) may hold")
     # A request's L3 pages are read into L2 while it waits in vLLM's queue
     # (tiers/controller/prefetches.py); off = only once vLLM admits it.
     hicache_prefetch_at_arrival: bool = Field(

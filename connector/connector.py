@@ -182,6 +182,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_events=kv_events_enabled(vllm_config),
                 async_stores=async_stores,
                 l3_writers=1 if is_mla else tp_size,
+                retain_max_share=self.config.hicache_retain_max_share,
             )
             logger.info(
                 "HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per rank), "
@@ -358,6 +359,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             cached = self.hicache_scheduler.cached_tokens_of(request.request_id)
             error = self.hicache_scheduler.hint_error_of(request.request_id)
             done = self.hicache_scheduler.request_finished(self._keyed(request), block_ids)
+            retained = self.hicache_scheduler.take_retained(request.request_id)
         if self._page_hashes is not None:
             self._page_hashes.forget(request.request_id)
         reply: dict[str, Any] = {}
@@ -368,6 +370,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_stats.record({}, observations)
             if self._admin is not None:
                 self._admin.record_observations(observations)
+        if isinstance(retained, int):
+            reply["retained_pages"] = retained
+        elif retained is not None:
+            error = retained if error is None else f"{error}; {retained}"
         if error is not None:
             reply["error"] = error
         # Where the request's cached tokens came from, and why its hints were

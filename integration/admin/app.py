@@ -79,8 +79,12 @@ from hicache.integration.admin.models import (
     HealthResponse,
     LookupResponse,
     MetricsText,
+    PinRequest,
+    PinResponse,
     StatsResponse,
     TreeResponse,
+    UnpinRequest,
+    UnpinResponse,
     parse_prefix,
 )
 from hicache.integration.admin.redact import redact, scrub
@@ -320,6 +324,33 @@ def create_app(
             logger.error("HiCache admin: flush() returned non-integer counts")
             raise internal_error()
         return counts
+
+    @app.post(
+        "/pin",
+        response_model=PinResponse,
+        responses=_GUARDED,
+        dependencies=[write_auth],
+        tags=["write"],
+    )
+    def post_pin(body: PinRequest) -> Any:
+        """Keep what L2 holds of a prompt ahead of LRU for ``ttl_s`` seconds (a session
+        that will come back), within hicache_retain_max_share of L2."""
+        value = calls.json_object("pin()", lambda: target.pin(
+            list(body.prefix), body.cache_salt, body.ttl_s))
+        return calls.validated("pin()", PinResponse, value)
+
+    @app.delete(
+        "/pin",
+        response_model=UnpinResponse,
+        responses=_GUARDED,
+        dependencies=[write_auth],
+        tags=["write"],
+    )
+    def delete_pin(body: UnpinRequest) -> Any:
+        """Release a prompt's pin now."""
+        value = calls.json_object("unpin()", lambda: target.unpin(
+            list(body.prefix), body.cache_salt))
+        return calls.validated("unpin()", UnpinResponse, value)
 
     @app.post(
         "/storage/attach",

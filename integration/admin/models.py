@@ -27,6 +27,7 @@ the OpenAPI schema; the JSON is exactly the model's dump):
 ``POST /flush``        :class:`FlushResponse` (page counts: string -> int)
 ``POST /forget``       :class:`ForgetResponse` (page counts: string -> int)
 ``GET /lookup``        :class:`LookupResponse` (tokens per tier, expected load time)
+``POST /pin``          :class:`PinResponse`; ``DELETE /pin``: :class:`UnpinResponse`
 ``POST /storage/...``  :class:`AttachResponse` (``attached`` + more) /
                        :class:`DetachResponse` (``detached`` + more)
 errors                 :class:`ErrorResponse` ``{"detail": str}`` (401, 403,
@@ -92,6 +93,27 @@ class ForgetRequest(BaseModel):
         description="Leading tokens never removed (a system prompt other engines' "
         "conversations share); pages another cached prefix on this engine shares are "
         "kept anyway")
+
+
+class PinRequest(BaseModel):
+    """Which prefix ``POST /pin`` keeps in L2, and for how long."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix: list[TokenId] = Field(
+        ..., min_length=1, max_length=MAX_PREFIX_TOKENS, description="The prompt's token ids")
+    ttl_s: float = Field(..., gt=0, le=30 * 24 * 3600,
+                         description="Seconds to keep its L2 pages ahead of LRU")
+    cache_salt: str | None = Field(None, max_length=4096)
+
+
+class UnpinRequest(BaseModel):
+    """Which prefix ``DELETE /pin`` releases now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix: list[TokenId] = Field(..., min_length=1, max_length=MAX_PREFIX_TOKENS)
+    cache_salt: str | None = Field(None, max_length=4096)
 
 
 class AttachRequest(BaseModel):
@@ -203,6 +225,19 @@ class LookupResponse(BaseModel):
     expected_load_s: dict[str, float | None] = Field(
         description="Seconds to load what L2 holds from L2, and what L2 lacks from L3, "
         "per rank at that bandwidth (null: not measured yet)")
+
+
+class PinResponse(BaseModel):
+    """``POST /pin``: pages of the prefix now kept in L2 (0: none of it is in L2)."""
+
+    pinned_pages: int
+    ttl_s: float
+
+
+class UnpinResponse(BaseModel):
+    """``DELETE /pin``: pages released (0: that prefix was not pinned)."""
+
+    unpinned_pages: int
 
 
 class AttachResponse(BaseModel):

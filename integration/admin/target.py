@@ -98,6 +98,15 @@ class AdminTarget(Protocol):
         (``LookupResponse``)."""
         ...
 
+    def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
+        """Keep the prefix's L2 pages ahead of LRU for ``ttl_s`` (``PinResponse``);
+        ``AdminError(409)`` when pins would pass their share of L2."""
+        ...
+
+    def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        """Release the prefix's pin now (``UnpinResponse``)."""
+        ...
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
         """Attach an L3 backend at run time: ``{"attached": backend, ...}``.
 

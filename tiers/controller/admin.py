@@ -17,7 +17,9 @@ Contract:
   per-tier fields are in pages and bytes per TP rank, ``recent_*_gbps``
   over the last ~10 s. Its sections are the sources named in
   tiers/metrics.py, from which the admin ``/metrics`` is rendered.
-- ``forget`` removes a conversation's own pages from L2 and L3 (flush.py) the
+- ``pin`` / ``unpin`` keep a prefix's L2 pages ahead of LRU until a deadline
+  (pins.py; ``stats()["pins"]`` shows them, expired ones never);
+  ``forget`` removes a conversation's own pages from L2 and L3 (flush.py) the
   way ``flush`` removes a prefix's; ``lookup`` says how many leading tokens
   of a prompt L2 and L3 hold and how long loading them should take.
 - ``flush`` and ``detach_storage`` / ``attach_storage`` change the
@@ -39,6 +41,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from hicache.tiers.controller.fetches import L3Store
+from hicache.tiers.controller.pins import PinRefused
 from hicache.tiers.index.commands import (
     AttachStore,
     ClearStore,
@@ -137,6 +140,7 @@ class SchedulerAdmin:
             l2_used, l2_cap = s.slots.num_used, s.slots.capacity
             inflight = len(s.fetches.in_flight)
             l3_indexed = s.tree.l3_pages()
+            pins = s.pins.stats()
             counters = st.as_dict()
         with self._lock:
             w, g = dict(self.worker_counters), dict(self.worker_gauges)
@@ -179,6 +183,7 @@ class SchedulerAdmin:
                 "storage_backend": self.storage_name or "none",
                 "write_through_threshold": self.hicache_config.hicache_write_through_threshold,
             },
+            "pins": pins,
             "scheduler": {k: v for k, v in counters.items() if isinstance(v, (int, float))},
             "worker": {k: v for k, v in w.items()},
             "latency": latency,
@@ -258,6 +263,29 @@ class SchedulerAdmin:
                 "l3": from_l3 * page_bytes / (l3_gbps * 1e9) if l3_gbps else None,
             },
         }
+
+    def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
+        """Keep what L2 holds of ``prefix`` ahead of LRU for ``ttl_s`` seconds (pins.py);
+        409 when pins would hold more than hicache_retain_max_share of L2."""
+        s = self.scheduler
+        try:
+            with s.lock:
+                pages = s.pins.pin(s.prefix_keys(prefix, cache_salt), ttl_s)
+        except PinRefused as exc:
+            raise AdminError(409, str(exc)) from exc
+        except ValueError as exc:  # token ids out of range
+            raise AdminError(400, f"prefix: {exc}") from exc
+        return {"pinned_pages": pages, "ttl_s": ttl_s}
+
+    def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        """End the pin of ``prefix`` now (its pages become evictable)."""
+        s = self.scheduler
+        try:
+            with s.lock:
+                pages = s.pins.unpin(s.prefix_keys(prefix, cache_salt))
+        except ValueError as exc:
+            raise AdminError(400, f"prefix: {exc}") from exc
+        return {"unpinned_pages": pages}
 
     def _remove_from_l3(self, counts: dict[str, int], l3_op: L3Removal | None,
                         storage: L3Store | None) -> dict[str, int]:

@@ -12,7 +12,9 @@ Contract:
   Those pages are found in the HiRadixTree, which indexes L2 and L3
   (radix_tree.py), so a page only L3 holds is flushed as exactly as one in
   L2.
-- Pages in use by a load or fetch stay in L2 (counted as skipped). A page
+- Pins (retain_s, admin pins) inside what is flushed from L2 or forgotten end
+  first (``release``), so pinned pages go too. Pages in use by a load or fetch
+  stay in L2 (counted as skipped). A page
   flushed from one tier stays in the other.
 - The L3 removal is ``ClearStore()`` or ``DeletePages(keys)`` (tiers/index/commands.py): the
   flushed pages the tree knows, in either tier, plus, for a page-aligned
@@ -50,6 +52,9 @@ from hicache.tiers.index.page_keys import (
 )
 from hicache.tiers.index.radix_tree import Dropped, TreeNode
 
+# Called with the subtrees a flush or forget is about to drop from L2 (pins.py
+# release_under: their pins end, so pinned pages go too).
+Release = Callable[[list[TreeNode]], object]
 # (token ids, cache salt, LoRA name) -> the engine's block hashes of that prompt.
 PrefixHasher = Callable[[Sequence[int], "str | None", "str | None"], list[bytes]]
 
@@ -88,21 +93,24 @@ class Flusher:
 
     def flush(self, tiers: set[str], prefix: Sequence[int] | None,
               cache_salt: str | None = None, lora_name: str | None = None,
-              ) -> tuple[dict[str, int], L3Removal | None]:
+              release: Release | None = None) -> tuple[dict[str, int], L3Removal | None]:
         """Flush ``tiers`` ("l2", "l3") of all pages or those below ``prefix``;
         (L2 counts, the L3 removal or None)."""
         l2, l3 = "l2" in tiers, "l3" in tiers
         tree = self.l2.tree
         l3_op: L3Removal | None = None
+        tops: list[TreeNode] = []
         if prefix is None:
-            dropped = self.l2.drop(list(tree.root.children.values()), l2=l2, l3=l3)
+            tops = list(tree.root.children.values())
+            if release is not None and l2:
+                release(tops)
+            dropped = self.l2.drop(tops, l2=l2, l3=l3)
             if l3:
                 l3_op = ClearStore()
                 self.l2.events.l3_removed(None)
         else:
             keys = self.prefix_keys(prefix, cache_salt, lora_name)
             aligned = bool(keys) and len(prefix) % self.page_size == 0
-            tops: list[TreeNode] = []
             if aligned:
                 parent = tree.find(keys[:-1])
                 top = parent.children.get(keys[-1]) if parent is not None else None
@@ -110,6 +118,8 @@ class Flusher:
             else:
                 node = tree.find(keys)
                 tops = list(node.children.values()) if node is not None else []
+            if release is not None and l2:
+                release(tops)
             dropped = self.l2.drop(tops, l2=l2, l3=l3)
             if l3:
                 doomed = dict.fromkeys(dropped.keys + ([keys[-1]] if aligned else []))
@@ -122,7 +132,7 @@ class Flusher:
 
     def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
                lora_name: str | None = None, keep_tokens: int = 0,
-               ) -> tuple[dict[str, int], DeletePages | None]:
+               release: Release | None = None) -> tuple[dict[str, int], DeletePages | None]:
         """Remove a conversation's own pages from L2 and plan their removal from L3
         (see ``shared_pages`` for which); (L2 counts, the L3 removal or None)."""
         keys = self.prefix_keys(prefix, cache_salt, lora_name)
@@ -137,6 +147,8 @@ class Flusher:
                 if k < len(top.keys) and start + k < len(keys):
                     top = None  # defensive: shared_pages stops at such a fork
                 tops = [top] if top is not None else []
+        if release is not None:
+            release(tops)
         dropped = self.l2.drop(tops, l2=True, l3=True)
         doomed = dict.fromkeys(list(keys[start:]) + dropped.keys)
         l3_op: DeletePages | None = None

@@ -12,7 +12,9 @@ Contract:
   ``["l2", "l3"]``): the tiers that may serve the request; ``[]`` loads nothing,
   ``["l2"]`` never reads L3; L3 pages come through L2, so ``["l3"]`` alone is refused.
   ``max_load_tokens`` (default unlimited): at most that many prompt tokens from
-  HiCache (vLLM's own prefix cache is not counted).
+  HiCache (vLLM's own prefix cache is not counted). ``retain_s``: when the request
+  finishes, what L2 holds of its pages (prompt and answer) is pinned for that long
+  (pins.py), within the operator's share of L2; the response says how many pages.
 - ``parse_hints(params)`` returns (hints, error). Bad hints never fail a request:
   the request is served with every hint at its default, and ``error`` names the key
   and what it allows (the connector returns it in the response's
@@ -27,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, NonNegativeInt, ValidationError, field_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, ValidationError, field_validator
 
 from hicache.tiers.settings import Settings, explain
 
 HINTS_KEY = "hicache"
-RESPONSE_KEYS = frozenset({"cached_tokens", "error"})
+RESPONSE_KEYS = frozenset({"cached_tokens", "error", "retained_pages"})
 TIERS = ("l2", "l3")
 
 
@@ -46,6 +48,9 @@ class RequestHints(Settings):
         "['l2'] = never read L3; L3 pages come through L2, so 'l3' needs 'l2'")
     max_load_tokens: NonNegativeInt | None = Field(
         None, description="at most this many prompt tokens from HiCache (null = no limit)")
+    retain_s: NonNegativeFloat | None = Field(
+        None, description="keep this request's pages (prompt and answer) in L2 ahead of "
+        "LRU for this many seconds after it finishes, within hicache_retain_max_share")
 
     @field_validator("load_tiers")
     @classmethod

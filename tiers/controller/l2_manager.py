@@ -10,7 +10,10 @@ Contract:
 - ``plan_store`` publishes pages in the tree as soon as their store is
   planned: the worker runs steps in order and finishes a step's stores
   before a later step's loads (see tiers/index/plans.py), so a hit on a page
-  never reads a slot before its bytes are there.
+  never reads a slot before its bytes are there. Until the plan that carries
+  their copies is built (``release_planned_stores``) those pages are locked:
+  a later allocation of the same plan (another request's store, a fetch)
+  must not evict them and give their slot out twice.
 - vLLM's null block (a sliding window's dropped blocks) is never stored. A
   page whose full-attention blocks are not all real ends the store (L2 stays
   prefix-closed). A page whose windowed groups lost blocks
@@ -65,6 +68,11 @@ class L2Manager:
         self.blocks_per_page = blocks_per_page
         self._stats = stats
         self._bad_slots: set[int] = set()
+        # Nodes of stores planned but not yet in a plan handed to the workers:
+        # locked, so no allocation before that (another store of the same plan, a
+        # fetch reserved meanwhile) evicts a page whose bytes are not copied yet
+        # and gives its slot out twice (release_planned_stores).
+        self._unsent: list[TreeNode] = []
 
     def room(self) -> int:
         """Pages that could be allocated now: free slots plus unlocked pages."""
@@ -125,6 +133,8 @@ class L2Manager:
             self._stats.store_skipped_pages += need
             return None
         inserted = self.tree.insert(keys, list(match.host_slots) + slots)
+        self.tree.lock(inserted.node)
+        self._unsent.append(inserted.node)
         leftover = set(inserted.unused_slots) & set(slots)
         if leftover:  # cannot happen single-threaded; keep the allocator exact anyway
             self.slots.free(sorted(leftover))
@@ -219,6 +229,13 @@ class L2Manager:
         self.slots.free(freed)
         self._stats.bad_slots_reported += len(bad - self._bad_slots)
         return True
+
+    def release_planned_stores(self) -> None:
+        """The plan carrying the stores planned so far is built: their pages may be
+        evicted from the next plan on (the workers copy them in plan order)."""
+        for node in self._unsent:
+            self.tree.unlock(node)
+        self._unsent = []
 
     def reset(self) -> bool:
         """Drop every page; False (nothing dropped) while any page is locked."""

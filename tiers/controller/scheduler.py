@@ -53,6 +53,8 @@ from hicache.tiers.controller.fetches import L3Fetches, L3Store
 from hicache.tiers.controller.flush import Flusher, PrefixHasher, StandInPrefixHasher
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.loads import StepLoads, hit_pages
+from hicache.tiers.controller.pins import MAX_SHARE as PIN_MAX_SHARE
+from hicache.tiers.controller.pins import PinRefused, Pins
 from hicache.tiers.controller.policies import (
     make_eviction_policy,
     make_prefetch_policy,
@@ -62,6 +64,7 @@ from hicache.tiers.controller.prefetches import ArrivalPrefetches
 from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.requests import (
     CachedTokens,
+    RequestState,
     RequestTable,
     SchedulerRequest,
     request_hints,
@@ -107,6 +110,7 @@ class HiCacheScheduler:
         kv_events: bool = False,
         async_stores: bool = False,
         l3_writers: int | None = None,
+        retain_max_share: float = PIN_MAX_SHARE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``background_lookups``: L3 lookups of stores that allow it run on
@@ -116,7 +120,9 @@ class HiCacheScheduler:
         timeout policy's wait. ``kv_events``: record L2's KV events (events.py).
         ``async_stores``: the workers finish stores across steps (stores.py).
         ``l3_writers``: ranks that back pages up to L3 (default ``tp_size``; 1 for
-        MLA, whose ranks share one shard): a page is in L3 once all reported it."""
+        MLA, whose ranks share one shard): a page is in L3 once all reported it.
+        ``retain_max_share``: share of L2 that pins (``retain_s``, admin pins) may
+        hold (pins.py)."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -166,6 +172,11 @@ class HiCacheScheduler:
             self.fetches, self.requests, self.stats, page_size=page_size,
             capacity_pages=geometry.num_slots, clock=clock)
         self.prefetch_at_arrival = prefetch_at_arrival
+        self.pins = Pins(self.tree, geometry.num_slots, max_share=retain_max_share,
+                         clock=clock)
+        # Finished requests' retain_s outcome (pages pinned, or why not), for the
+        # connector to put in their responses (take_retained).
+        self._retained: dict[str, int | str] = {}
         self.flusher = Flusher(
             self.l2, self.requests, self.stats, seed=seed, page_size=page_size,
             hashes_per_page=self.hashes_per_page,
@@ -347,6 +358,7 @@ class HiCacheScheduler:
         reused by its forward pass)."""
         if self.l2.drop_bad_slots():
             self.requests.forget_stored()
+        self.pins.expire()  # before this plan evicts anything
         self.prefetches.advance()
         self._seq += 1
         flush = any(state is not None and self.stores.store_in_flight(state)
@@ -354,8 +366,10 @@ class HiCacheScheduler:
         stores, release = self.stores.plan_step(self.requests, num_scheduled_tokens, self._seq)
         # Loads are taken (and their prefixes unlocked) after the stores are
         # planned: the eviction that makes room for a store must spare them.
-        return StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,
+        plan = StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,
                         fetches=self.fetches.take(), seq=self._seq, flush_stores=flush)
+        self.l2.release_planned_stores()  # their copies are in this plan
+        return plan
 
     def request_finished(self, request: SchedulerRequest, block_ids: GroupBlockIds) -> bool:
         """Plan the request's remaining stores (``block_ids``: per KV-cache group);
@@ -369,13 +383,29 @@ class HiCacheScheduler:
             # A request finished (aborted) while its L3 fetch runs: vLLM keeps its
             # blocks until the worker reports the fetch; nothing to store.
             return False
-        if self.stores.plan_finished(state, block_ids):
+        stored = self.stores.plan_finished(state, block_ids)
+        if state.hints.retain_s:
+            self._retain(state)
+        if stored:
             return True
         if self.stores.store_in_flight(state):
             # Its last store may still read its blocks on some rank.
             self.stores.hold_blocks(request.request_id)
             return True
         return False
+
+    def _retain(self, state: RequestState) -> None:
+        """Pin what L2 holds of a finished request's pages for its ``retain_s``."""
+        req_id = state.request.request_id
+        try:
+            self._retained[req_id] = self.pins.pin(state.page_keys(),
+                                                   float(state.hints.retain_s or 0))
+        except PinRefused as exc:
+            self._retained[req_id] = f"kv_transfer_params.hicache.retain_s not applied: {exc}"
+
+    def take_retained(self, req_id: str) -> int | str | None:
+        """A finished request's retain_s outcome: pages pinned, why none, or None."""
+        return self._retained.pop(req_id, None)
 
     def on_worker_report(self, report: WorkerReport) -> None:
         self.l2.report_bad_slots(report.bad_slots)
@@ -411,7 +441,10 @@ class HiCacheScheduler:
 
     def reset(self) -> bool:
         """Drop every L2 page (vLLM's reset_prefix_cache); False if pages are in use."""
-        if self.loads.pending() or self.fetches.in_flight or not self.l2.reset():
+        if self.loads.pending() or self.fetches.in_flight:
+            return False
+        self.pins.release_all()
+        if not self.l2.reset():
             return False
         self.requests.forget_stored()
         return True
@@ -424,13 +457,15 @@ class HiCacheScheduler:
         """Drop cached pages from L2 and plan their removal from L3: all of them, or
         those below ``prefix``. Returns (L2 counts, the L3 operation or None);
         see flush.py for which pages and what the caller does with the operation."""
-        return self.flusher.flush(tiers, prefix, cache_salt, lora_name)
+        return self.flusher.flush(tiers, prefix, cache_salt, lora_name,
+                                  release=self.pins.release_under)
 
     def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
                lora_name: str | None = None, keep_tokens: int = 0,
                ) -> tuple[dict[str, int], L3Removal | None]:
         """A conversation's own pages out of L2, and their L3 removal (flush.py)."""
-        return self.flusher.forget(prefix, cache_salt, lora_name, keep_tokens)
+        return self.flusher.forget(prefix, cache_salt, lora_name, keep_tokens,
+                                   release=self.pins.release_under)
 
     def prefix_keys(self, prefix: Sequence[int], cache_salt: str | None = None,
                     lora_name: str | None = None) -> list[PageKey]:

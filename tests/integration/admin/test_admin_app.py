@@ -171,6 +171,18 @@ class MemoryTarget:
                     "load_gbps": {"l2": 1.5, "l3": None},
                     "expected_load_s": {"l2": held["l2"] * 1e-6, "l3": None}}
 
+    def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
+        with self.lock:
+            self._enter("pin", (prefix, cache_salt, ttl_s))
+            if ttl_s > 1000:
+                raise AdminError(409, "pins would hold more than their share of L2")
+            return {"pinned_pages": len(prefix), "ttl_s": ttl_s}
+
+    def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        with self.lock:
+            self._enter("unpin", (prefix, cache_salt))
+            return {"unpinned_pages": len(prefix)}
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             self._enter("attach", (backend, extra_config))
@@ -445,6 +457,7 @@ def test_openapi_documents_every_endpoint(live: Live) -> None:
         ("/healthz", "get"), ("/config", "get"), ("/stats", "get"), ("/metrics", "get"),
         ("/tree", "get"), ("/flush", "post"), ("/storage/attach", "post"),
         ("/storage/detach", "post"), ("/lookup", "get"), ("/forget", "post"),
+        ("/pin", "post"), ("/pin", "delete"),
     ):
         assert method in paths[path], path
     assert "FlushRequest" in spec["components"]["schemas"]
@@ -467,6 +480,8 @@ def test_openapi_names_the_request_and_response_models(live: Live) -> None:
         ("/flush", "post"): "FlushResponse",
         ("/forget", "post"): "ForgetResponse",
         ("/lookup", "get"): "LookupResponse",
+        ("/pin", "post"): "PinResponse",
+        ("/pin", "delete"): "UnpinResponse",
         ("/storage/attach", "post"): "AttachResponse",
         ("/storage/detach", "post"): "DetachResponse",
     }
@@ -518,6 +533,7 @@ WRITES = [
     ("/storage/attach", {"backend": "nixl"}),
     ("/storage/detach", None),
     ("/forget", {"prefix": [1, 2]}),
+    ("/pin", {"prefix": [1, 2], "ttl_s": 5}),
 ]
 READS = ["/config", "/stats", "/metrics", "/tree"]
 HEADERS = {
@@ -612,6 +628,22 @@ def test_lookup_and_forget(live: Live) -> None:
     assert c.get("/lookup", headers=AUTH).status_code == 422
     assert c.get("/lookup", params={"prefix": "1", "depth": "2"},
                  headers=AUTH).status_code == 422
+
+
+def test_pin_and_unpin(live: Live) -> None:
+    c = live.client
+    r = c.post("/pin", json={"prefix": [1, 2, 3], "ttl_s": 30}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"pinned_pages": 3, "ttl_s": 30.0}, r.text
+    assert live.target.calls[-1] == ("pin", ([1, 2, 3], None, 30))
+    r = c.request("DELETE", "/pin", json={"prefix": [1, 2, 3], "cache_salt": "s"},
+                  headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"unpinned_pages": 3}, r.text
+    assert c.request("DELETE", "/pin", json={"prefix": [1]}).status_code == 401
+    r = c.post("/pin", json={"prefix": [1], "ttl_s": 5000}, headers=AUTH)
+    assert r.status_code == 409 and "share of L2" in r.json()["detail"]
+    for bad in ({"prefix": [1]}, {"prefix": [1], "ttl_s": 0}, {"prefix": [], "ttl_s": 1},
+                {"prefix": [1], "ttl_s": 1, "tiers": ["l2"]}, {"ttl_s": 1}):
+        assert c.post("/pin", json=bad, headers=AUTH).status_code == 422, bad
 
 
 def test_secret_str_token_is_accepted(caplog: pytest.LogCaptureFixture) -> None:
@@ -964,10 +996,10 @@ def test_fuzz_no_server_errors(servers: dict[str, Live], mode: str) -> None:
     api = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     generation_mode = schemathesis.GenerationMode(mode)
     operations = [r.ok() for r in api.get_all_operations()]
-    assert len(operations) == 10
+    assert len(operations) == 12
     if mode == "negative":  # only operations with inputs have invalid ones
         operations = [op for op in operations if op.path in (
-            "/tree", "/lookup", "/flush", "/forget", "/storage/attach")]
+            "/tree", "/lookup", "/flush", "/forget", "/pin", "/storage/attach")]
     for op in operations:
 
         @given(case=op.as_strategy(generation_mode=generation_mode))

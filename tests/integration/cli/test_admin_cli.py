@@ -84,6 +84,14 @@ class Target:
                 "load_gbps": {"l2": None, "l3": None},
                 "expected_load_s": {"l2": None, "l3": None}}
 
+    def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
+        self.calls.append(("pin", (prefix, cache_salt, ttl_s)))
+        return {"pinned_pages": 0, "ttl_s": ttl_s}
+
+    def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        self.calls.append(("unpin", (prefix, cache_salt)))
+        return {"unpinned_pages": 0}
+
     def tree(self, prefix: list[int] | None, depth: int) -> dict[str, Any]:
         self.calls.append(("tree", (prefix, depth)))
         return {"prefix": prefix or [], "depth": depth, "children": []}

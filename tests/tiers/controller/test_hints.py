@@ -22,6 +22,7 @@ NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
     ({"hicache": {"store": False}}, RequestHints(store=False)),
     ({"hicache": {"load_tiers": [], "max_load_tokens": 64}},
      RequestHints(load_tiers=[], max_load_tokens=64)),
+    ({"hicache": {"retain_s": 30}}, RequestHints(retain_s=30.0)),
     # What HiCache wrote into an earlier response, passed on (PD proxies do): no error.
     ({"hicache": {"cached_tokens": {"l1": 3}, "error": "x", "load_tiers": ["l2"]}},
      RequestHints(load_tiers=["l2"])),
@@ -40,9 +41,12 @@ def test_good_hints_parse(params, hints):
     ({"max_load_tokens": -1}, "kv_transfer_params.hicache.max_load_tokens must be an integer "
                               ">= 0 or null (got -1)"),
     ({"retain_for": 30}, "unknown kv_transfer_params.hicache key(s): ['retain_for']; allowed "
-                         "keys: ['load_tiers', 'max_load_tokens', 'store']"),
+                         "keys: ['load_tiers', 'max_load_tokens', 'retain_s', 'store']"),
     (7, "kv_transfer_params.hicache must be an object with keys ['load_tiers', "
-        "'max_load_tokens', 'store']"),
+        "'max_load_tokens', 'retain_s', 'store']"),
+    ({"retain_s": -5}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null "
+                       "(got -5)"),
+    ({"retain_s": "60"}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null"),
 ])
 def test_bad_hints_are_named_and_ignored(raw, message):
     hints, error = parse_hints({"hicache": raw})

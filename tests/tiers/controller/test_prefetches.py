@@ -261,6 +261,7 @@ def test_making_room_for_a_prefetch_never_evicts_the_prefix_it_extends(tmp_path)
     assert sched.l2.plan_store(keys[:1], [[1, 2]])
     other = keys_of(NS.seed(), list(range(500, 500 + 13 * PAGE)), PAGE)
     assert sched.l2.plan_store(other, [list(range(4, 30))])
+    sched.l2.release_planned_stores()  # as once their plan is built
     sched.tree.lock(sched.tree.match_prefix(other).node)
     assert sched.slots.num_free == 2
     arrive(sched, request("r", TOKENS))

@@ -5,7 +5,7 @@ the scheduler half reads (``SchedulerRequest``); everything else is real.
 """
 
 import pytest
-from support.fakes import request
+from support.fakes import keys_of, request
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
@@ -217,3 +217,28 @@ def test_reset_waits_until_pending_loads_are_planned(sched):
     sched.build_connector_meta({})
     assert sched.reset() is True
     assert sched.tree.total_pages() == 0 == sched.slots.num_used
+
+
+def test_one_step_never_gives_a_slot_to_two_pages():
+    """Two requests prefilled in the same step store 10 pages each into a 16-slot L2:
+    the second store must not evict the first one's pages (their bytes are not copied
+    yet) and reuse their slots in the same plan; it stores what fits, or nothing."""
+    sched = make_scheduler()
+    a, b = request("a", range(100, 181)), request("b", range(300, 381))  # 10 pages + 1
+    for req, blocks in ((a, list(range(1, 22))), (b, list(range(30, 51)))):
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, [blocks], 0)
+        sched.tables[req.request_id] = blocks
+    meta = sched.build_connector_meta({"a": a.num_tokens, "b": b.num_tokens})
+    slots = [p.slot for p in meta.stores]
+    assert len(slots) == len(set(slots)) and len(slots) <= 16
+    ns = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+    assert sched.tree.match_prefix(keys_of(ns.seed(), list(range(100, 180)), PAGE)
+                                   ).num_pages == 10
+    # The next step may evict them (their copies are in the plan above).
+    c = request("c", range(500, 581))
+    assert sched.get_num_new_matched_tokens(c, 0) == (0, False)
+    sched.update_state_after_alloc(c, [list(range(60, 81))], 0)
+    sched.tables["c"] = list(range(60, 81))
+    assert len(sched.build_connector_meta({"c": c.num_tokens}).stores) == 10
+    sched.tree.check_invariants()

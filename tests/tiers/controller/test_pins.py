@@ -1,0 +1,118 @@
+"""Pins (tiers/controller/pins.py): a request's ``retain_s`` and the admin's pins keep
+pages in L2 through a flood of other prompts, end exactly at their deadline (injected
+clock), stay within their share of L2, and end when their pages are flushed or
+forgotten. The scheduler half without an engine."""
+
+import pytest
+from support.fakes import keys_of, request
+
+from hicache.tiers.controller.pins import PinRefused
+from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.l2.geometry import PoolGeometry
+
+BS, PAGE, SLOTS = 4, 8, 16
+NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def scheduler(clock: Clock, **kw) -> HiCacheScheduler:
+    tables: dict[str, list[int]] = {}
+    s = HiCacheScheduler(
+        geometry=PoolGeometry(num_slots=SLOTS, num_layers=2, blocks_per_page=2, block_bytes=64),
+        namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [tables[rid]],
+        clock=clock, **kw)
+    s.tables = tables
+    return s
+
+
+def serve(sched, rid, tokens, **hints):
+    """One request through admission, one prefill step and its end; the step's plan."""
+    req = request(rid, tokens + [1])
+    if hints:
+        req.kv_transfer_params = {"hicache": hints}
+    hit, _ = sched.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(1, len(req.all_token_ids) // BS + 2))
+    sched.update_state_after_alloc(req, [blocks], hit)
+    sched.tables[rid] = blocks
+    sched.build_connector_meta({rid: req.num_tokens - hit})
+    req.num_computed_tokens = req.num_tokens
+    sched.request_finished(req, [blocks])
+    sched.build_connector_meta({})
+    return sched.take_retained(rid)
+
+
+def in_l2(sched, tokens) -> int:
+    return sched.tree.peek(keys_of(NS.seed(), tokens, PAGE))
+
+
+SESSION = list(range(100, 124))  # 3 pages
+
+
+def flood(sched, rounds: int = 4) -> None:
+    """Other prompts worth ``rounds`` times L2."""
+    for i in range(rounds * SLOTS // 4):
+        serve(sched, f"f{i}", list(range(10_000 + 40 * i, 10_000 + 40 * i + 32)))
+
+
+def test_retained_session_survives_a_flood_and_leaves_at_its_deadline(clock):
+    sched = scheduler(clock)
+    assert serve(sched, "s", SESSION, retain_s=60) == 3
+    flood(sched)
+    assert in_l2(sched, SESSION) == 3  # a full L2 hit when it returns
+    assert sched.pins.stats()["next_expiry_s"] == 60
+    clock.now += 59.9
+    flood(sched)
+    assert in_l2(sched, SESSION) == 3
+    clock.now += 0.1  # the deadline: the next plan ends the pin
+    flood(sched)
+    assert in_l2(sched, SESSION) == 0
+    assert sched.pins.stats() == {"pins": 0, "pinned_pages": 0, "max_pages": SLOTS // 2,
+                                  "next_expiry_s": None}
+
+
+def test_without_retain_s_the_flood_evicts_the_session(clock):
+    sched = scheduler(clock)
+    assert serve(sched, "s", SESSION) is None
+    flood(sched)
+    assert in_l2(sched, SESSION) == 0
+
+
+def test_pins_stay_within_their_share_of_l2(clock):
+    sched = scheduler(clock, retain_max_share=0.25)  # 4 of 16 pages
+    assert serve(sched, "a", SESSION, retain_s=60) == 3
+    refused = serve(sched, "b", list(range(300, 324)), retain_s=60)
+    assert isinstance(refused, str) and "hicache_retain_max_share=0.25" in refused
+    with pytest.raises(PinRefused):
+        sched.pins.pin(keys_of(NS.seed(), list(range(300, 324)), PAGE), 5)
+    # The same prefix again extends its deadline, no new pages.
+    assert serve(sched, "a2", SESSION, retain_s=120) == 3
+    assert sched.pins.stats()["pins"] == 1 and sched.pins.stats()["next_expiry_s"] == 120
+    assert sched.pins.unpin(keys_of(NS.seed(), SESSION, PAGE)) == 3
+    flood(sched)
+    assert in_l2(sched, SESSION) == 0
+
+
+def test_flush_forget_and_reset_end_the_pins_of_what_they_drop(clock):
+    sched = scheduler(clock)
+    serve(sched, "s", SESSION, retain_s=600)
+    counts, _ = sched.forget(SESSION)
+    assert counts["l2_pages"] == 3 and counts["skipped_locked"] == 0
+    assert sched.pins.stats()["pins"] == 0
+    serve(sched, "s2", SESSION, retain_s=600)
+    assert sched.flush({"l2"}, None)[0]["l2_pages"] >= 3 and sched.pins.stats()["pins"] == 0
+    serve(sched, "s3", SESSION, retain_s=600)
+    assert sched.reset() and sched.pins.stats()["pins"] == 0
+    sched.tree.check_invariants()

@@ -1,0 +1,137 @@
+"""Pins: prefixes kept in L2 ahead of LRU until a deadline (a request's ``retain_s``,
+the admin's ``POST /pin``).
+
+Contract:
+- ``pin(name, keys, ttl_s)`` locks the L2-resident prefix of ``keys`` in the
+  HiRadixTree (the node at the end of its match and every ancestor: eviction
+  skips locked nodes) until ``ttl_s`` seconds from now, under ``name`` (the
+  prefix's last page key, so the same prefix pinned twice is one pin whose
+  deadline is the later one). Returns the pages pinned (0: none of it is in L2).
+- Bounded: the pages of all pins never exceed ``max_share`` of L2
+  (``hicache_retain_max_share``, half by default), so retention never starves
+  other traffic; a pin that would pass the bound raises ``PinRefused`` and
+  changes nothing. Pins of overlapping prefixes (a shared system prompt) count
+  their shared pages once per pin: the bound is conservative.
+- ``release_under(tops)`` ends the pins inside a subtree a flush or forget
+  removes; ``release_all()`` every pin (L2 emptied).
+- ``expire()`` unlocks every pin whose deadline has passed; the scheduler calls
+  it before every plan (eviction happens only while planning) and the admin
+  before it reports, so an expired pin is never seen and never protects a page
+  past its deadline. ``unpin(name)`` ends one now.
+- ``stats()``: pins, pinned pages, the bound, seconds to the next expiry.
+- Engine-free; the clock is injected (tests drive it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.tiers.index.page_keys import PageKey
+from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+
+# Share of L2 that pins may hold (hicache_retain_max_share's default).
+MAX_SHARE = 0.5
+
+
+class PinRefused(ValueError):
+    """The pin would pass the share of L2 pins may hold."""
+
+
+@dataclass
+class _Pin:
+    node: TreeNode
+    pages: int
+    expires: float
+
+
+class Pins:
+    """Prefixes locked in L2 until their deadlines (see the module docstring)."""
+
+    def __init__(self, tree: HiRadixTree, capacity_pages: int, *, max_share: float = MAX_SHARE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tree = tree
+        self.max_pages = int(capacity_pages * max_share)
+        self.max_share = max_share
+        self.clock = clock
+        self._pins: dict[str, _Pin] = {}
+
+    @staticmethod
+    def name_of(keys: Sequence[PageKey]) -> str:
+        return keys[-1].hex() if keys else ""
+
+    @property
+    def pinned_pages(self) -> int:
+        return sum(p.pages for p in self._pins.values())
+
+    def pin(self, keys: Sequence[PageKey], ttl_s: float) -> int:
+        self.expire()
+        match = self.tree.match_prefix(keys)
+        if match.num_pages == 0:
+            return 0
+        name = self.name_of(keys[: match.num_pages])
+        expires = self.clock() + ttl_s
+        held = self._pins.get(name)
+        if held is not None:
+            held.expires = max(held.expires, expires)
+            return held.pages
+        if self.pinned_pages + match.num_pages > self.max_pages:
+            raise PinRefused(
+                f"pinning {match.num_pages} pages would hold more than "
+                f"hicache_retain_max_share={self.max_share} of L2 ({self.max_pages} pages; "
+                f"{self.pinned_pages} pinned now)")
+        self.tree.lock(match.node)
+        self._pins[name] = _Pin(match.node, match.num_pages, expires)
+        return match.num_pages
+
+    def unpin(self, keys: Sequence[PageKey]) -> int:
+        """End the pin of the L2 prefix of ``keys`` now; the pages it held (0: none)."""
+        self.expire()
+        match = self.tree.peek(keys)
+        pin = self._pins.pop(self.name_of(keys[:match]), None) if match else None
+        if pin is None:
+            return 0
+        self.tree.unlock(pin.node)
+        return pin.pages
+
+    def expire(self) -> int:
+        """Unlock the pins whose deadline has passed; how many."""
+        now = self.clock()
+        done = [name for name, pin in self._pins.items() if pin.expires <= now]
+        for name in done:
+            self.tree.unlock(self._pins.pop(name).node)
+        return len(done)
+
+    def release_all(self) -> int:
+        """End every pin now (L2 is being emptied); how many."""
+        for pin in self._pins.values():
+            self.tree.unlock(pin.node)
+        count, self._pins = len(self._pins), {}
+        return count
+
+    def release_under(self, tops: Sequence[TreeNode]) -> int:
+        """End the pins of prefixes that run through one of ``tops`` (a subtree that
+        is being flushed or forgotten); how many."""
+        if not tops:
+            return 0
+        wanted = set(map(id, tops))
+        done = []
+        for name, pin in self._pins.items():
+            node: TreeNode | None = pin.node
+            while node is not None and id(node) not in wanted:
+                node = node.parent
+            if node is not None:
+                done.append(name)
+        for name in done:
+            self.tree.unlock(self._pins.pop(name).node)
+        return len(done)
+
+    def stats(self) -> dict[str, Any]:
+        self.expire()
+        now = self.clock()
+        nearest = min((p.expires for p in self._pins.values()), default=None)
+        return {"pins": len(self._pins), "pinned_pages": self.pinned_pages,
+                "max_pages": self.max_pages,
+                "next_expiry_s": None if nearest is None else round(nearest - now, 3)}
