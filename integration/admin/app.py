@@ -81,6 +81,8 @@ from hicache.integration.admin.models import (
     MetricsText,
     PinRequest,
     PinResponse,
+    PrefetchRequest,
+    PrefetchResponse,
     StatsResponse,
     TreeResponse,
     UnpinRequest,
@@ -324,6 +326,20 @@ def create_app(
             logger.error("HiCache admin: flush() returned non-integer counts")
             raise internal_error()
         return counts
+
+    @app.post(
+        "/prefetch",
+        response_model=PrefetchResponse,
+        responses=_GUARDED,
+        dependencies=[write_auth],
+        tags=["write"],
+    )
+    def post_prefetch(body: PrefetchRequest) -> Any:
+        """Bring what L3 holds of a prompt into L2 now (with the next engine step), so
+        the session's next turn (after a tool call, a user's pause) is an L2 hit."""
+        value = calls.json_object("prefetch()", lambda: target.prefetch(
+            list(body.prefix), body.cache_salt))
+        return calls.validated("prefetch()", PrefetchResponse, value)
 
     @app.post(
         "/pin",

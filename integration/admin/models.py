@@ -27,6 +27,7 @@ the OpenAPI schema; the JSON is exactly the model's dump):
 ``POST /flush``        :class:`FlushResponse` (page counts: string -> int)
 ``POST /forget``       :class:`ForgetResponse` (page counts: string -> int)
 ``GET /lookup``        :class:`LookupResponse` (tokens per tier, expected load time)
+``POST /prefetch``     :class:`PrefetchResponse`
 ``POST /pin``          :class:`PinResponse`; ``DELETE /pin``: :class:`UnpinResponse`
 ``POST /storage/...``  :class:`AttachResponse` (``attached`` + more) /
                        :class:`DetachResponse` (``detached`` + more)
@@ -105,6 +106,25 @@ class PinRequest(BaseModel):
     ttl_s: float = Field(..., gt=0, le=30 * 24 * 3600,
                          description="Seconds to keep its L2 pages ahead of LRU")
     cache_salt: str | None = Field(None, max_length=4096)
+
+
+class PrefetchRequest(BaseModel):
+    """Which prompt ``POST /prefetch`` brings from L3 into L2."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix: list[TokenId] = Field(
+        ..., min_length=1, max_length=MAX_PREFIX_TOKENS, description="The prompt's token ids")
+    cache_salt: str | None = Field(None, max_length=4096)
+
+
+class PrefetchResponse(BaseModel):
+    """``POST /prefetch``: tokens of the prompt L3 holds, L2 holds now, and planned to
+    come from L3 into L2 with the next engine step."""
+
+    prefetch_tokens: int
+    l3_tokens: int
+    l2_tokens: int
 
 
 class UnpinRequest(BaseModel):

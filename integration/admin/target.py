@@ -98,6 +98,11 @@ class AdminTarget(Protocol):
         (``LookupResponse``)."""
         ...
 
+    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        """Plan the prompt's L3 pages into L2 (``PrefetchResponse``); ``AdminError(409)``
+        with no L3 or no room in L2."""
+        ...
+
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         """Keep the prefix's L2 pages ahead of LRU for ``ttl_s`` (``PinResponse``);
         ``AdminError(409)`` when pins would pass their share of L2."""

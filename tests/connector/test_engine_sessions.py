@@ -5,7 +5,10 @@ pages are evictable again. The hints travel in ``SamplingParams.extra_args
 ["kv_transfer_params"]``, as vLLM passes an OpenAI body's ``kv_transfer_params``.
 
 One in-process engine, vLLM's prefix cache off (every cached token reported is
-HiCache's), no L3 (a returning turn can only be an L2 hit), L2 as large as L1.
+HiCache's), no L3 (a returning turn can only be an L2 hit), L2 as large as L1. A second
+one with a file L3 and the admin endpoint: ``POST /prefetch`` of an L3-only session,
+while another request keeps the engine stepping, makes the session's next turn an L2
+hit with no L3 read at its admission.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import random
 import time
 
+import httpx
 import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS
 
+from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.vllm.engine import (
     EngineSpec,
     close_llm,
@@ -87,3 +92,64 @@ def test_retain_s_keeps_a_session_through_a_flood_until_its_deadline(llm):
         assert list(again[name].outputs[0].token_ids) == list(first[name].outputs[0].token_ids)
     stats = scheduler_connector(llm).hicache_scheduler.pins.stats()
     assert stats["pins"] >= 1 and stats["next_expiry_s"] > 3000
+
+
+TOKEN = "sessions-admin-token"
+
+
+def test_admin_prefetch_brings_a_session_back_into_l2_while_the_engine_steps(
+        tiny_model, tmp_path):
+    port = free_port()
+    llm = open_llm(EngineSpec(
+        model=tiny_model, prefix_caching=False, block_size=BLOCK_SIZE,
+        num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN, in_process=True,
+        hicache={"hicache_ratio": 1.0, "hicache_admin_port": port,
+                 "hicache_admin_token": TOKEN, "hicache_storage_backend": "file",
+                 "hicache_prefetch_at_arrival": False,
+                 "hicache_storage_backend_extra_config": {"path": str(tmp_path)}}))
+    admin = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+    try:
+        rng = random.Random(37)
+        session = [rng.randrange(8, 2000) for _ in range(12 * BLOCK_SIZE + 5)]
+        full = 12 * BLOCK_SIZE
+        first = ask(llm, session)
+        deadline = time.monotonic() + 120  # the L3 backups land in the background
+        while admin.get("/stats").json()["tiers"]["l3"]["pages_saved"] < 12:
+            assert time.monotonic() < deadline, "the L3 backups never landed"
+            ask(llm, [rng.randrange(8, 2000) for _ in range(8)])  # steps the engine
+        assert llm.reset_prefix_cache(reset_connector=True)  # L2 emptied: L3 only
+        engine = llm.llm_engine
+        # Another session generates meanwhile: the engine keeps stepping.
+        engine.add_request("busy", {"prompt_token_ids": [rng.randrange(8, 2000)
+                                                         for _ in range(64)]},
+                           greedy_params(400))
+        engine.step()
+        r = admin.post("/prefetch", json={"prefix": session})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"prefetch_tokens": full, "l3_tokens": full, "l2_tokens": 0}
+        sched = scheduler_connector(llm).hicache_scheduler
+        for _ in range(400):  # steps, not seconds: until every rank reported it
+            if sched.tree.peek(sched.prefix_keys(session)) == 12:
+                break
+            engine.step()
+        assert sched.tree.peek(sched.prefix_keys(session)) == 12, "prefetch never landed"
+        fetched = admin.get("/stats").json()["tiers"]["l3"]["pages_loaded"]
+        engine.add_request("back", {"prompt_token_ids": session}, greedy_params(ANSWER))
+        done = None
+        for _ in range(400):
+            for out in engine.step():
+                if out.request_id == "back" and out.finished:
+                    done = out
+            if done is not None:
+                break
+        assert done is not None
+        assert done.kv_transfer_params["hicache"]["cached_tokens"] == {
+            "l1": 0, "l2": full, "l3": 0}
+        assert list(done.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+        # Its admission read nothing from L3.
+        assert admin.get("/stats").json()["tiers"]["l3"]["pages_loaded"] == fetched
+        engine.abort_request(["busy"])
+    finally:
+        admin.close()
+        close_llm(llm)

@@ -17,7 +17,8 @@ Contract:
   per-tier fields are in pages and bytes per TP rank, ``recent_*_gbps``
   over the last ~10 s. Its sections are the sources named in
   tiers/metrics.py, from which the admin ``/metrics`` is rendered.
-- ``pin`` / ``unpin`` keep a prefix's L2 pages ahead of LRU until a deadline
+- ``prefetch`` plans a prompt's L3 pages into L2 for the next engine step;
+  ``pin`` / ``unpin`` keep a prefix's L2 pages ahead of LRU until a deadline
   (pins.py; ``stats()["pins"]`` shows them, expired ones never);
   ``forget`` removes a conversation's own pages from L2 and L3 (flush.py) the
   way ``flush`` removes a prefix's; ``lookup`` says how many leading tokens
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.tiers.controller.fetches import L3Store
 from hicache.tiers.controller.pins import PinRefused
+from hicache.tiers.controller.scheduler import NoRoom
 from hicache.tiers.index.commands import (
     AttachStore,
     ClearStore,
@@ -263,6 +265,32 @@ class SchedulerAdmin:
                 "l3": from_l3 * page_bytes / (l3_gbps * 1e9) if l3_gbps else None,
             },
         }
+
+    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        """Read what L3 holds of ``prefix`` beyond L2 into L2 with the next engine step
+        (an idle engine takes its next step with its next request)."""
+        s = self.scheduler
+        try:
+            with s.lock:
+                keys = s.prefix_keys(prefix, cache_salt)
+                storage = s.storage
+        except ValueError as exc:
+            raise AdminError(400, f"prefix: {exc}") from exc
+        if storage is None:
+            raise AdminError(409, "no L3 storage backend is attached")
+        try:  # outside the lock: a slow store must not stall the engine
+            in_l3 = storage.batch_exists([k.hex() for k in keys]) if keys else 0
+        except Exception as exc:  # noqa: BLE001 - a failing store holds nothing to read
+            raise AdminError(409, f"the L3 store could not be asked: {exc}") from exc
+        try:
+            with s.lock:
+                pages = s.prefetch_prefix(keys, in_l3)
+                in_l2 = s.tree.peek(keys)
+        except NoRoom as exc:
+            raise AdminError(409, str(exc)) from exc
+        page = s.page_size
+        return {"prefetch_tokens": pages * page, "l3_tokens": in_l3 * page,
+                "l2_tokens": in_l2 * page}
 
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         """Keep what L2 holds of ``prefix`` ahead of LRU for ``ttl_s`` seconds (pins.py);

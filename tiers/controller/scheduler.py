@@ -74,10 +74,15 @@ from hicache.tiers.controller.stores import StorePlanner
 from hicache.tiers.index.commands import L3Removal
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
-from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport
+from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
 from hicache.tiers.l2.geometry import PoolGeometry
 
-__all__ = ["HiCacheScheduler", "PrefixHasher", "SchedulerRequest", "SchedulerStats"]
+
+class NoRoom(RuntimeError):
+    """L2 cannot take the pages asked for now."""
+
+
+__all__ = ["HiCacheScheduler", "NoRoom", "PrefixHasher", "SchedulerRequest", "SchedulerStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -393,6 +398,30 @@ class HiCacheScheduler:
             self.stores.hold_blocks(request.request_id)
             return True
         return False
+
+    def prefetch_prefix(self, keys: Sequence[PageKey], in_l3: int) -> int:
+        """Start reading the pages of ``keys[:in_l3]`` (L3 holds them) that L2 lacks
+        into L2, with the next plan (the admin's ``POST /prefetch``: a session due
+        back after a tool call). Returns the pages planned (0: L2 has them already, or
+        the same prefetch runs); raises ``NoRoom`` when L2 cannot take them now."""
+        match = self.tree.match_prefix(keys[:in_l3])
+        pages = in_l3 - match.num_pages
+        if pages <= 0:
+            return 0
+        fetch_id = prefetch_id(f"admin:{keys[in_l3 - 1].hex()}")
+        if fetch_id in self.fetches.in_flight:
+            return 0
+        # The prefix it extends must survive the eviction that makes room for it; the
+        # fetch holds the lock until every rank has reported (fetches.py on_report).
+        self.tree.lock(match.node)
+        slots = self.l2.allocate(pages)
+        if not slots:
+            self.tree.unlock(match.node)
+            raise NoRoom(f"L2 cannot take {pages} more pages now (locked or pinned)")
+        self.fetches.start_prefetch(fetch_id, match, keys, slots, None)
+        self.stats.prefetches += 1
+        self.stats.prefetch_pages += pages
+        return pages
 
     def _retain(self, state: RequestState) -> None:
         """Pin what L2 holds of a finished request's pages for its ``retain_s``."""

@@ -171,6 +171,13 @@ class MemoryTarget:
                     "load_gbps": {"l2": 1.5, "l3": None},
                     "expected_load_s": {"l2": held["l2"] * 1e-6, "l3": None}}
 
+    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        with self.lock:
+            self._enter("prefetch", (prefix, cache_salt))
+            if self.backend is None:
+                raise AdminError(409, "no L3 storage backend is attached")
+            return {"prefetch_tokens": len(prefix), "l3_tokens": len(prefix), "l2_tokens": 0}
+
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         with self.lock:
             self._enter("pin", (prefix, cache_salt, ttl_s))
@@ -457,7 +464,7 @@ def test_openapi_documents_every_endpoint(live: Live) -> None:
         ("/healthz", "get"), ("/config", "get"), ("/stats", "get"), ("/metrics", "get"),
         ("/tree", "get"), ("/flush", "post"), ("/storage/attach", "post"),
         ("/storage/detach", "post"), ("/lookup", "get"), ("/forget", "post"),
-        ("/pin", "post"), ("/pin", "delete"),
+        ("/pin", "post"), ("/pin", "delete"), ("/prefetch", "post"),
     ):
         assert method in paths[path], path
     assert "FlushRequest" in spec["components"]["schemas"]
@@ -481,6 +488,7 @@ def test_openapi_names_the_request_and_response_models(live: Live) -> None:
         ("/forget", "post"): "ForgetResponse",
         ("/lookup", "get"): "LookupResponse",
         ("/pin", "post"): "PinResponse",
+        ("/prefetch", "post"): "PrefetchResponse",
         ("/pin", "delete"): "UnpinResponse",
         ("/storage/attach", "post"): "AttachResponse",
         ("/storage/detach", "post"): "DetachResponse",
@@ -534,6 +542,7 @@ WRITES = [
     ("/storage/detach", None),
     ("/forget", {"prefix": [1, 2]}),
     ("/pin", {"prefix": [1, 2], "ttl_s": 5}),
+    ("/prefetch", {"prefix": [1, 2]}),
 ]
 READS = ["/config", "/stats", "/metrics", "/tree"]
 HEADERS = {
@@ -628,6 +637,18 @@ def test_lookup_and_forget(live: Live) -> None:
     assert c.get("/lookup", headers=AUTH).status_code == 422
     assert c.get("/lookup", params={"prefix": "1", "depth": "2"},
                  headers=AUTH).status_code == 422
+
+
+def test_prefetch(live: Live) -> None:
+    r = live.client.post("/prefetch", json={"prefix": [4, 5, 6]}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prefetch_tokens": 3, "l3_tokens": 3, "l2_tokens": 0}
+    assert live.target.calls[-1] == ("prefetch", ([4, 5, 6], None))
+    for bad in ({}, {"prefix": []}, {"prefix": [1], "ttl_s": 3}):
+        assert live.client.post("/prefetch", json=bad, headers=AUTH).status_code == 422, bad
+    live.target.backend = None
+    r = live.client.post("/prefetch", json={"prefix": [4]}, headers=AUTH)
+    assert r.status_code == 409 and "no L3" in r.json()["detail"]
 
 
 def test_pin_and_unpin(live: Live) -> None:
@@ -996,10 +1017,10 @@ def test_fuzz_no_server_errors(servers: dict[str, Live], mode: str) -> None:
     api = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     generation_mode = schemathesis.GenerationMode(mode)
     operations = [r.ok() for r in api.get_all_operations()]
-    assert len(operations) == 12
+    assert len(operations) == 13
     if mode == "negative":  # only operations with inputs have invalid ones
         operations = [op for op in operations if op.path in (
-            "/tree", "/lookup", "/flush", "/forget", "/pin", "/storage/attach")]
+            "/tree", "/lookup", "/flush", "/forget", "/pin", "/prefetch", "/storage/attach")]
     for op in operations:
 
         @given(case=op.as_strategy(generation_mode=generation_mode))

@@ -84,6 +84,10 @@ class Target:
                 "load_gbps": {"l2": None, "l3": None},
                 "expected_load_s": {"l2": None, "l3": None}}
 
+    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+        self.calls.append(("prefetch", (prefix, cache_salt)))
+        return {"prefetch_tokens": 0, "l3_tokens": 0, "l2_tokens": 0}
+
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         self.calls.append(("pin", (prefix, cache_salt, ttl_s)))
         return {"pinned_pages": 0, "ttl_s": ttl_s}

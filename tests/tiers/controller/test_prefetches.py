@@ -270,3 +270,33 @@ def test_making_room_for_a_prefetch_never_evicts_the_prefix_it_extends(tmp_path)
     assert sched.stats.prefetches == 0 and sched.stats.prefetch_skipped == 1
     assert sched.slots.num_free == 2
     sched.tree.check_invariants()
+
+
+def test_an_admin_prefetch_makes_the_next_turn_an_l2_hit_with_no_l3_read(tmp_path):
+    """POST /prefetch of an L3-only history (through SchedulerAdmin): the next plan
+    carries a prefetch of its pages; once the workers report them, the session's next
+    turn is a synchronous L2 hit and its admission asks L3 nothing."""
+    from hicache.tiers.controller.admin import SchedulerAdmin
+
+    class Config:
+        hicache_storage_backend = "file"
+
+    sched = make(tmp_path)
+    sched.prefetch_at_arrival = False  # what the request would do by itself
+    admin = SchedulerAdmin(sched, Config(), engine={}, build_storage=None, l1_pages=0)
+    got = admin.prefetch(TOKENS, None)
+    assert got == {"prefetch_tokens": 4 * PAGE, "l3_tokens": 4 * PAGE, "l2_tokens": 0}
+    assert admin.prefetch(TOKENS, None)["prefetch_tokens"] == 0  # the same one runs
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert fetch.prefetch and len(fetch.l3_pages) == 4 and fetch.l2_pages == ()
+    sched.on_worker_report(WorkerReport(fetched={fetch.req_id: [4]}))
+    assert sched.tree.peek(keys_of(NS.seed(), TOKENS, PAGE)) == 4
+    lookups = sched.stats.l3_lookups
+    req = request("r", TOKENS)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * PAGE, False)  # sync: L2
+    sched.update_state_after_alloc(req, [list(range(1, 10))], 4 * PAGE)
+    assert sched.cached_tokens_of("r").as_dict() == {"l1": 0, "l2": 4 * PAGE, "l3": 0}
+    assert sched.stats.l3_lookups == lookups
+    plan = sched.build_connector_meta({})
+    assert plan.fetches == [] and len(plan.loads[0].pages) == 4
+    assert admin.prefetch(TOKENS, None)["prefetch_tokens"] == 0  # L2 holds it all
