@@ -35,8 +35,8 @@ def run_cmd(
     url: Annotated[str, typer.Option("--url", help="OpenAI-compatible server base URL.")] =
         "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option(help="Model id (default: the server's first).")] = None,
-    scenario: Annotated[str, typer.Option(help="multiturn, shared_doc or system_prompt.")] =
-        "multiturn",
+    scenario: Annotated[str, typer.Option(
+        help="multiturn, shared_doc, system_prompt or agent.")] = "multiturn",
     clients: Annotated[int, typer.Option(help="Concurrent clients.")] = 4,
     turns: Annotated[int, typer.Option(help="Requests per client, sent one after another.")] = 3,
     history_tokens: Annotated[int, typer.Option(help="First prompt length, tokens.")] = 1024,
@@ -48,6 +48,13 @@ def run_cmd(
     think_time: Annotated[float, typer.Option(help="Seconds between a client's turns.")] = 0.0,
     max_in_flight: Annotated[int, typer.Option(
         help="Requests outstanding at once across clients (0: one per client).")] = 0,
+    pause_min: Annotated[float, typer.Option(help="agent: shortest tool-call pause, s.")] = 0.0,
+    pause_max: Annotated[float, typer.Option(help="agent: longest tool-call pause, s.")] = 0.0,
+    retain_s: Annotated[float, typer.Option(
+        "--retain-s", help="agent: send kv_transfer_params hicache.retain_s (0: no).")] = 0.0,
+    prefetch_lead: Annotated[float, typer.Option(
+        help="agent: POST /prefetch a session's history this many seconds before its "
+        "next turn (needs --admin-url; 0: no).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same prompts).")] = 0,
     config: Annotated[Path | None, typer.Option(
         "--config", exists=True, dir_okay=False,
@@ -72,8 +79,10 @@ def run_cmd(
         scenario=scenario, clients=clients, turns=turns, history_tokens=history_tokens,
         shared_prefix_tokens=shared_prefix_tokens, num_docs=num_docs,
         question_tokens=question_tokens, answer_tokens=answer_tokens, think_time_s=think_time,
-        max_in_flight=max_in_flight,
-        seed=seed)
+        max_in_flight=max_in_flight, seed=seed)
+    if scenario == "agent":  # the agent keys are errors for the other scenarios
+        values.update(pause_min_s=pause_min, pause_max_s=pause_max, retain_s=retain_s,
+                      prefetch_lead_s=prefetch_lead)
     if config is not None:
         import yaml
 

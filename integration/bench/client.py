@@ -143,6 +143,18 @@ class BenchResult:
 # ---- admin endpoint -------------------------------------------------------------
 
 
+async def _admin_post(http: httpx.AsyncClient, url: str, token: str | None,
+                      body: dict[str, Any]) -> bool:
+    """POST to the admin endpoint; whether it answered 2xx (a failed hint is counted,
+    never a failed request)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = await http.post(url, json=body, headers=headers)
+    except httpx.HTTPError:
+        return False
+    return r.is_success
+
+
 async def _admin_get(http: httpx.AsyncClient, url: str, token: str | None) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     r = await http.get(url, headers=headers, timeout=30)
@@ -307,7 +319,11 @@ async def run_bench(
             before = await _admin_get(http, f"{admin_url}/stats", admin_token)
             page_size = _page_size_of(await _admin_get(http, f"{admin_url}/config", admin_token))
 
+        if spec.prefetch_lead_s and admin_url is None:
+            raise BenchError("workload key prefetch_lead_s needs the admin endpoint "
+                             "(--admin-url): pause-time prefetches go to its POST /prefetch")
         records: list[RequestRecord] = []
+        prefetches = {"calls": 0, "failed": 0}
         t0 = time.perf_counter()
 
         def clock() -> float:
@@ -324,13 +340,25 @@ async def run_bench(
                     if turn:
                         if spec.think_time_s:
                             await asyncio.sleep(spec.think_time_s)
+                        history = [*prompt, *(answer or [])]
                         prompt = spec.next_prompt(client, turn, prompt, answer)
+                        pause = spec.pause_of(client, turn)  # agent: a tool call
+                        lead = min(spec.prefetch_lead_s, pause)
+                        await asyncio.sleep(pause - lead)
+                        if lead:  # the session is due back: its history into L2 now
+                            started = clock()
+                            prefetches["calls"] += 1
+                            if not await _admin_post(http, f"{admin_url}/prefetch",
+                                                     admin_token, {"prefix": history}):
+                                prefetches["failed"] += 1
+                            await asyncio.sleep(max(0.0, lead - (clock() - started)))
                     async with gate:  # a slot per request; turns queue for it anew
                         rec = RequestRecord(id=f"c{client}-t{turn}", client=client, turn=turn,
                                             arrival=clock(), prompt_tokens=len(prompt),
                                             prompt_ids=prompt)
                         records.append(rec)
-                        body = _request_body(model, prompt, spec.answer_tokens)
+                        body = _request_body(model, prompt, spec.answer_tokens,
+                                             spec.retain_s)
                         try:
                             text = await asyncio.wait_for(
                                 _stream_one(http, f"{base_url}/v1/completions", body, rec, clock),
@@ -375,8 +403,12 @@ async def run_bench(
                         output=None if r.answer_ids is None else tuple(r.answer_ids))
             for r in done
         ])
+    summary = summarize(records, duration)
+    if spec.prefetch_lead_s:
+        summary["prefetch_calls"], summary["prefetch_failed"] = (prefetches["calls"],
+                                                                 prefetches["failed"])
     return BenchResult(spec=spec, base_url=base_url, model=model, requests=records,
-                       duration_s=duration, summary=summarize(records, duration), tiers=tiers)
+                       duration_s=duration, summary=summary, tiers=tiers)
 
 
 def run_bench_sync(base_url: str, spec: WorkloadSpec, **kwargs: Any) -> BenchResult:
@@ -384,12 +416,16 @@ def run_bench_sync(base_url: str, spec: WorkloadSpec, **kwargs: Any) -> BenchRes
     return asyncio.run(run_bench(base_url, spec, **kwargs))
 
 
-def _request_body(model: str, prompt: list[int], answer_tokens: int) -> dict[str, Any]:
-    return {
+def _request_body(model: str, prompt: list[int], answer_tokens: int,
+                  retain_s: float = 0.0) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": model, "prompt": prompt, "max_tokens": answer_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "return_token_ids": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False},
     }
+    if retain_s:  # HiCache's per-request control (other servers ignore it)
+        body["kv_transfer_params"] = {"hicache": {"retain_s": retain_s}}
+    return body
 
 
 async def _first_model(http: httpx.AsyncClient, base_url: str) -> str:

@@ -139,7 +139,7 @@ def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
             stop_server(proc)
             return {**row, "status": "not run", "reason": failure_reason(log, why)}
         row["start_s"] = round(time.monotonic() - t0, 1)
-        spec_w = WorkloadSpec.from_dict({"seed": cfg.seed, **cfg.workload})
+        spec_w = WorkloadSpec.from_dict({"seed": cfg.seed, **cfg.workload, **spec.workload})
         result = run_bench_sync(
             lp.base_url, spec_w, admin_url=lp.admin_url,
             admin_token=lp.env.get("HICACHE_ADMIN_TOKEN"),

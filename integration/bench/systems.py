@@ -64,6 +64,9 @@ class SystemSpec:
     env: dict[str, str] = field(default_factory=dict)
     # The system needs a CUDA GPU in its interpreter (SGLang's HiCache does).
     needs_gpu: bool = False
+    # Workload keys this system's client changes (e.g. an agent's retain_s and
+    # pause-time prefetch against plain LRU on the same server and trace).
+    workload: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ def _system(d: Any, i: int) -> SystemSpec:
                 raise ConfigError(f"{where}: key {key!r} applies to kind 'hicache' only")
     if not isinstance(d.get("needs_gpu", False), bool):
         raise ConfigError(f"{where}: key 'needs_gpu' must be true or false")
-    for key in ("extra_config", "env"):
+    for key in ("extra_config", "env", "workload"):
         if not isinstance(d.get(key, {}), dict):
             raise ConfigError(f"{where}: key {key!r} must be a mapping")
     args = d.get("extra_args", [])
@@ -151,6 +154,13 @@ def parse_config(data: Any, where: str = "config") -> CompareConfig:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"{where}: system names must be unique; repeated: {', '.join(dup)}")
+    from hicache.integration.bench.workloads import WorkloadSpec
+
+    for spec in specs:  # each system's workload as its client will run it
+        try:
+            WorkloadSpec.from_dict({**data["workload"], **spec.workload})
+        except ValueError as exc:
+            raise ConfigError(f"{where}: system {spec.name!r}: {exc}") from None
     num = {"memory_budget_gb": (float, 0.0), "ready_timeout_s": (float, 1.0),
            "block_size": (int, 1), "page_size": (int, 1), "max_model_len": (int, 16),
            "seed": (int, 0)}

@@ -20,11 +20,18 @@ Scenarios (``S`` = ``shared_prefix_tokens``, ``H`` = ``history_tokens``,
     shared_doc     every turn: doc[S] + fresh question[H - S]       (no growth)
                    client i reads doc (i % num_docs); docs differ from each other
     system_prompt  every turn: system[S] + fresh user message[H - S] (no growth)
+    agent          as multiturn (the appended Q tokens are a tool's result), with a
+                   tool-call pause before every later turn drawn from
+                   [pause_min_s, pause_max_s] per (client, turn), seeded
 
 So in ``shared_doc`` and ``system_prompt`` every prompt is exactly ``H``
 tokens and only the shared part (``S`` tokens) can be reused across clients
 and turns; ``question_tokens`` only applies to ``multiturn``, and only
-``multiturn`` needs the answer's token ids (:attr:`WorkloadSpec.needs_answer_ids`).
+``multiturn`` and ``agent`` need the answer's token ids
+(:attr:`WorkloadSpec.needs_answer_ids`). An agent client may also tell the cache
+what comes back: ``retain_s`` sends ``kv_transfer_params: {"hicache": {"retain_s"}}``
+with every request, and ``prefetch_lead_s`` (> 0, with the admin endpoint) asks
+``POST /prefetch`` for the session's history that long before its next turn.
 In ``multiturn`` the system prompt is shared by all clients (``S`` may be 0);
 ``shared_doc`` and ``system_prompt`` need ``1 <= S < H``.
 
@@ -46,10 +53,12 @@ from typing import Any
 
 import numpy as np
 
-SCENARIOS = ("multiturn", "shared_doc", "system_prompt")
+SCENARIOS = ("multiturn", "shared_doc", "system_prompt", "agent")
+# Keys whose values are seconds (numbers >= 0); every other key but scenario is an int.
+_SECONDS = ("think_time_s", "pause_min_s", "pause_max_s", "retain_s", "prefetch_lead_s")
 
 # Stream kinds of the seeded generators (part of the seed: never renumber).
-_SYSTEM, _DOC, _USER = 1, 2, 3
+_SYSTEM, _DOC, _USER, _PAUSE = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,14 @@ class WorkloadSpec:
     answer_tokens: int = 32
     # Seconds a client pauses between receiving an answer and sending its next turn.
     think_time_s: float = 0.0
+    # agent: a tool call's pause before each later turn, uniform in [min, max] seconds.
+    pause_min_s: float = 0.0
+    pause_max_s: float = 0.0
+    # agent: retain_s sent with every request (0: none).
+    retain_s: float = 0.0
+    # agent: seconds before its next turn a session's history is prefetched through
+    # the admin endpoint's POST /prefetch (0: never).
+    prefetch_lead_s: float = 0.0
     # Requests in flight at once across all clients (0 = one per client): many
     # conversations returning through a server that runs a few at a time.
     max_in_flight: int = 0
@@ -106,9 +123,9 @@ class WorkloadSpec:
             if f.name == "scenario":
                 if not isinstance(v, str):
                     raise ValueError(_scenario_error(v))
-            elif f.name == "think_time_s":
+            elif f.name in _SECONDS:
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ValueError(f"workload key 'think_time_s' must be a number of seconds "
+                    raise ValueError(f"workload key {f.name!r} must be a number of seconds "
                                      f">= 0, got {v!r}")
                 v = float(v)
             elif isinstance(v, bool) or not isinstance(v, int):
@@ -128,7 +145,14 @@ class WorkloadSpec:
     @property
     def needs_answer_ids(self) -> bool:
         """Whether the next prompt is built from the previous answer's token ids."""
-        return self.scenario == "multiturn"
+        return self.scenario in ("multiturn", "agent")
+
+    def pause_of(self, client: int, turn: int) -> float:
+        """agent: seconds of tool call before turn ``turn`` of ``client`` (0 otherwise)."""
+        if self.scenario != "agent" or turn < 1 or self.pause_max_s <= 0:
+            return 0.0
+        rng = np.random.default_rng([self.seed, _PAUSE, client, turn])
+        return float(rng.uniform(self.pause_min_s, self.pause_max_s))
 
     def doc_of(self, client: int) -> int:
         """shared_doc: the document client ``client`` reads."""
@@ -164,12 +188,12 @@ class WorkloadSpec:
         self._check_client(client)
         if not 1 <= turn < self.turns:
             raise ValueError(f"turn must be in 1..{self.turns - 1} for next_prompt, got {turn}")
-        if self.scenario != "multiturn":
+        if self.scenario not in ("multiturn", "agent"):
             own = self.history_tokens - self.shared_prefix_tokens
             return self.shared_prefix(client) + self._draw(own, _USER, client, turn)
         if previous_answer is None:
-            raise ValueError("multiturn needs the previous answer's token ids to build the "
-                             "next prompt (the history)")
+            raise ValueError(f"{self.scenario} needs the previous answer's token ids to build "
+                             "the next prompt (the history)")
         question = self._draw(self.question_tokens, _USER, client, turn)
         return [*previous_prompt, *previous_answer, *question]
 
@@ -203,15 +227,25 @@ def _validate(s: WorkloadSpec) -> None:
     for key in ("shared_prefix_tokens", "seed", "token_low", "max_in_flight"):
         at_least(key, 0)
     at_least("token_high", s.token_low + 1)
-    if isinstance(s.think_time_s, bool) or not isinstance(s.think_time_s, (int, float)) \
-            or not s.think_time_s >= 0:
-        raise ValueError(f"workload key 'think_time_s' must be a number of seconds >= 0, "
-                         f"got {s.think_time_s!r}")
+    for key in _SECONDS:
+        v = getattr(s, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"workload key {key!r} must be a number of seconds >= 0, "
+                             f"got {v!r}")
+    if s.pause_max_s < s.pause_min_s:
+        raise ValueError(f"workload key 'pause_max_s' ({s.pause_max_s}) must be >= "
+                         f"pause_min_s ({s.pause_min_s})")
+    if s.scenario != "agent":
+        agentic = [k for k in ("pause_min_s", "pause_max_s", "retain_s", "prefetch_lead_s")
+                   if getattr(s, k)]
+        if agentic:
+            raise ValueError(f"workload key(s) {agentic} apply to scenario agent only, not "
+                             f"{s.scenario}")
     h, sp = s.history_tokens, s.shared_prefix_tokens
-    if s.scenario == "multiturn":
+    if s.scenario in ("multiturn", "agent"):
         if sp > h:
             raise ValueError(f"workload key 'shared_prefix_tokens' must be in 0..history_tokens "
-                             f"({h}) for scenario multiturn, got {sp}")
+                             f"({h}) for scenario {s.scenario}, got {sp}")
     elif not 1 <= sp < h:
         what = "the document length" if s.scenario == "shared_doc" else "the system prompt"
         raise ValueError(f"workload key 'shared_prefix_tokens' ({what}) must be in "

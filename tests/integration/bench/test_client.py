@@ -38,6 +38,7 @@ SERVE_ARGS = ("--block-size 32 --num-gpu-blocks-override 80 --dtype float32 --en
 SPEC_A = WorkloadSpec(clients=3, turns=3, history_tokens=600, shared_prefix_tokens=64,
                       question_tokens=64, answer_tokens=16, seed=11)
 SPEC_B = WorkloadSpec.from_dict({**SPEC_A.to_dict(), "seed": 12})
+TOKEN = "bench-admin-token"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("bench-serve") / "serve.log"
     env = dict(os.environ, MODEL=tiny_model, MAX_MODEL_LEN="2048", PORT=str(port),
                SERVE_ARGS=SERVE_ARGS, VLLM_CPU_KVCACHE_SPACE="1",
-               EXTRA_CONFIG=json.dumps({"hicache_admin_port": admin_port}))
+               EXTRA_CONFIG=json.dumps({"hicache_admin_port": admin_port,
+                                        "hicache_admin_token": TOKEN}))
     proc = launch_serve(env, log)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -195,3 +197,31 @@ def test_bad_admin_url_is_a_clear_error(server):
     with pytest.raises(BenchError, match="/stats answered 404"):
         run_bench_sync(base, WorkloadSpec(clients=1, turns=1, history_tokens=40),
                        admin_url=admin + "/nope", progress=False)
+
+
+def test_agent_sessions_pause_retain_and_prefetch(server, runs):
+    """The agent scenario as a client runs it: each later turn waits its seeded tool
+    pause, carries the history, asks the admin to prefetch the history before it
+    returns and sends retain_s, which pins pages. This server has no L3, so every
+    prefetch is refused (409) and counted as failed; the requests are unaffected.
+    (The prefetch itself: tests/connector/test_engine_sessions.py.)"""
+    base, admin = server
+    spec = WorkloadSpec(scenario="agent", clients=2, turns=3, history_tokens=300,
+                        shared_prefix_tokens=64, question_tokens=32, answer_tokens=8,
+                        pause_min_s=0.2, pause_max_s=0.4, retain_s=600, prefetch_lead_s=0.1,
+                        seed=21)
+    result = run_bench_sync(base, spec, admin_url=admin, admin_token=TOKEN, progress=False)
+    assert result.summary["n_errors"] == 0
+    assert result.summary["prefetch_calls"] == 2 * 2 == result.summary["prefetch_failed"]
+    by = {(r.client, r.turn): r for r in result.requests}
+    for client in range(2):
+        for turn in (1, 2):
+            prev, cur = by[(client, turn - 1)], by[(client, turn)]
+            # asyncio sleeps never end early (beyond the clock's resolution)
+            assert cur.arrival - prev.finish >= spec.pause_of(client, turn) - 0.005
+            assert cur.prompt_ids[: len(prev.prompt_ids) + 8] == [*prev.prompt_ids,
+                                                                  *prev.answer_ids]
+    pins = httpx.get(f"{admin}/stats", timeout=10).json()["pins"]
+    assert pins["pins"] >= 1 and pins["pinned_pages"] > 0
+    with pytest.raises(BenchError, match="prefetch_lead_s needs the admin endpoint"):
+        run_bench_sync(base, spec, progress=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hicache.integration.bench.workloads import SCENARIOS, WorkloadSpec
@@ -98,7 +100,7 @@ def test_system_prompt_is_shared_and_every_message_is_fresh():
 
 @pytest.mark.parametrize(("d", "message"), [
     ({"scenario": "x"},
-     "workload key 'scenario' must be one of multiturn, shared_doc, system_prompt, got 'x'"),
+     "workload key 'scenario' must be one of multiturn, shared_doc, system_prompt, agent, got 'x'"),
     ({"foo": 1}, "unknown workload key 'foo'; allowed: scenario, clients, turns"),
     ({"clients": 0}, "workload key 'clients' must be an integer >= 1, got 0"),
     ({"turns": "3"}, "workload key 'turns' must be an integer, got '3'"),
@@ -125,3 +127,29 @@ def test_from_dict_accepts_every_field_and_round_trips():
                                    "num_docs": 2, "think_time_s": 1, "seed": 9})
     assert spec.think_time_s == 1.0 and spec.total_requests == 2
     assert WorkloadSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_agent_sessions_grow_like_multiturn_with_seeded_tool_pauses():
+    spec = WorkloadSpec(scenario="agent", clients=3, turns=3, history_tokens=64,
+                        shared_prefix_tokens=16, question_tokens=8, answer_tokens=4,
+                        pause_min_s=1.0, pause_max_s=5.0, retain_s=30, prefetch_lead_s=0.5)
+    assert spec.needs_answer_ids
+    first = spec.first_prompt(1)
+    nxt = spec.next_prompt(1, 1, first, [7, 7, 7, 7])
+    assert nxt[: len(first) + 4] == first + [7, 7, 7, 7] and len(nxt) == 64 + 4 + 8
+    pauses = [spec.pause_of(c, t) for c in range(3) for t in (1, 2)]
+    assert all(1.0 <= p <= 5.0 for p in pauses) and len(set(pauses)) == 6
+    assert pauses == [WorkloadSpec.from_dict(spec.to_dict()).pause_of(c, t)
+                      for c in range(3) for t in (1, 2)]  # seeded: the same every time
+    assert spec.pause_of(0, 0) == 0.0
+
+
+@pytest.mark.parametrize(("d", "message"), [
+    ({"scenario": "multiturn", "retain_s": 5}, "apply to scenario agent only"),
+    ({"scenario": "agent", "pause_min_s": 3, "pause_max_s": 1}, "'pause_max_s' (1.0) must be"),
+    ({"scenario": "agent", "prefetch_lead_s": -1}, "'prefetch_lead_s' must be a number"),
+    ({"scenario": "agent", "retain_s": "long"}, "'retain_s' must be a number of seconds"),
+])
+def test_agent_keys_are_checked(d, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        WorkloadSpec.from_dict(d)
