@@ -108,11 +108,20 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> str
     return f"not ready after {timeout_s:.0f} s"
 
 
-def returning_ttft_ms(requests: list[dict[str, Any]]) -> float | None:
-    """Median TTFT of the requests after each client's first turn, ms."""
-    vals = [r["ttft"] for r in requests
+def returning_ttfts(requests: list[dict[str, Any]]) -> list[float]:
+    """TTFT (s) of the requests after each client's first turn."""
+    return [r["ttft"] for r in requests
             if r.get("turn", 0) > 0 and r.get("ttft") is not None and not r.get("error")]
-    return 1e3 * statistics.median(vals) if vals else None
+
+
+def returning_ttft_ms(requests: list[dict[str, Any]], q: float = 0.5) -> float | None:
+    """The ``q`` quantile (default the median) of the returning turns' TTFT, ms."""
+    vals = sorted(returning_ttfts(requests))
+    if not vals:
+        return None
+    if q == 0.5:
+        return 1e3 * statistics.median(vals)
+    return 1e3 * vals[min(len(vals) - 1, int(q * len(vals)))]
 
 
 def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
@@ -149,7 +158,8 @@ def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
         errors = data["summary"].get("n_errors", 0)
         row.update(status="ok" if not errors else "errors", summary=data["summary"],
                    tiers=data.get("tiers"),
-                   returning_ttft_ms_p50=returning_ttft_ms(data["requests"]))
+                   returning_ttft_ms_p50=returning_ttft_ms(data["requests"]),
+                   returning_ttft_ms_p99=returning_ttft_ms(data["requests"], 0.99))
         if errors:
             first = next(r["error"] for r in data["requests"] if r.get("error"))
             row["reason"] = f"{errors} failed requests, first: {first}"
