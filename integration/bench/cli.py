@@ -109,7 +109,7 @@ def run_cmd(
 @bench_app.command("compare")
 def compare_cmd(
     config: Annotated[str, typer.Argument(
-        help="A YAML config, or a shipped preset: cpu, gpu.")],
+        help="A YAML config, or a shipped preset: cpu, gpu, agent.")],
     out: Annotated[Path | None, typer.Option(help="Output directory (default: the config's).")]
         = None,
     only: Annotated[str | None, typer.Option(
@@ -124,7 +124,7 @@ def compare_cmd(
 
     path = preset_path(config)
     if not path.exists():
-        _fail(f"config {config!r}: no such file, and not a preset (allowed: cpu, gpu)")
+        _fail(f"config {config!r}: no such file, and not a preset (allowed: cpu, gpu, agent)")
     try:
         cfg = load_config(path)
     except ConfigError as e:

@@ -195,7 +195,7 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 
 
 def preset_path(name: str) -> Path:
-    """``cpu`` / ``gpu`` -> the shipped preset file; anything else is a path."""
+    """``cpu`` / ``gpu`` / ``agent`` -> the shipped preset file; anything else is a path."""
     candidate = PRESETS_DIR / f"{name}.yaml"
     return candidate if candidate.exists() else Path(name)
 

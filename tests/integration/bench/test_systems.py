@@ -33,6 +33,15 @@ def test_presets_parse_and_cover_every_kind(name):
                                           "write_back") for l3 in (None, "file")}
 
 
+def test_the_agent_preset_runs_one_server_shape_with_two_clients():
+    cfg = load_config(preset_path("agent"))
+    assert cfg.workload["scenario"] == "agent"
+    lru, sessions = cfg.systems
+    assert (lru.kind, lru.l3, lru.workload) == ("hicache", "file", {})
+    assert (sessions.kind, sessions.l3) == ("hicache", "file")
+    assert sessions.workload == {"retain_s": 8, "prefetch_lead_s": 1.0}
+
+
 @pytest.mark.parametrize("patch, key", [
     ({"colour": 1}, "'colour'"),
     ({"systems": []}, "'systems'"),
@@ -43,6 +52,9 @@ def test_presets_parse_and_cover_every_kind(name):
     ({"systems": [{"name": "a", "kind": "vllm"}, {"name": "a", "kind": "hicache"}]}, "unique"),
     ({"systems": [{"name": "a", "kind": "vllm", "speed": 1}]}, "systems\\[0\\]: unknown key 'speed'"),
     ({"memory_budget_gb": -1}, "'memory_budget_gb'"),
+    ({"systems": [{"name": "a", "kind": "vllm", "workload": {"retain_s": 3}}]},
+     "system 'a': workload key\\(s\\) \\['retain_s'\\] apply to scenario agent only"),
+    ({"systems": [{"name": "a", "kind": "vllm", "workload": 3}]}, "'workload' must be a mapping"),
     ({"l1_blocks": 1}, "'l1_blocks'"),
     ({"page_size": 48}, "'page_size' must be a multiple"),
     ({"workload": None}, "'workload'"),
@@ -160,7 +172,7 @@ def test_cli_refuses_bad_input_before_starting_anything(tmp_path):
 
     run = CliRunner().invoke
     res = run(app, ["bench", "compare", str(tmp_path / "missing.yaml")])
-    assert res.exit_code == 2 and "not a preset (allowed: cpu, gpu)" in res.output
+    assert res.exit_code == 2 and "not a preset (allowed: cpu, gpu, agent)" in res.output
     res = run(app, ["bench", "compare", "cpu", "--only", "vllm,tgi"])
     assert res.exit_code == 2 and "--only: unknown system 'tgi'; allowed: vllm, hicache-floor, hicache-wt," in res.output
     bad = tmp_path / "bad.yaml"
