@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -303,6 +304,9 @@ def plan(cfg: CompareConfig, spec: SystemSpec, *, port: int, admin_port: int,
               "kv_connector_extra_config": extra}
         cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
         lp.admin_url = f"http://127.0.0.1:{admin_port}"
+        # A token of this run's own (in the environment, not on the command line): the
+        # client's admin writes (an agent's POST /prefetch) need one.
+        lp.env.setdefault("HICACHE_ADMIN_TOKEN", secrets.token_hex(16))
     elif spec.kind in ("vllm_offload", "lmcache"):
         backend = "native" if spec.kind == "vllm_offload" else "lmcache"
         cmd += ["--kv-offloading-size", str(cfg.memory_budget_gb),

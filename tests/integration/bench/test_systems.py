@@ -78,6 +78,9 @@ def test_hicache_plan_is_one_vllm_flag_on_loopback(tmp_path):
     assert extra["hicache_size"] == 0.5 and extra["hicache_write_policy"] == "write_back"
     assert extra["hicache_admin_port"] == 4321 and lp.admin_url == "http://127.0.0.1:4321"
     assert Path(extra["hicache_storage_backend_extra_config"]["path"]).is_dir()
+    # An admin token of its own, in the environment only (the client's writes need it).
+    token = lp.env["HICACHE_ADMIN_TOKEN"]
+    assert len(token) == 32 and token not in " ".join(lp.cmd)
 
 
 def test_equal_budget_reaches_every_kind(tmp_path):
