@@ -293,13 +293,7 @@ def flush(
             scope += " with that cache_salt"
         typer.confirm(f"Flush {scope} from {', '.join(tiers)}?", abort=True)
     body = {"tiers": tiers, "prefix": ids, "cache_salt": cache_salt}
-    counts = _json(request("POST", url, "/flush", token, timeout, body=body))
-    table = Table(title="flushed")
-    table.add_column("what")
-    table.add_column("count", justify="right")
-    for k, v in (counts or {}).items():
-        table.add_row(str(k), _num(v))
-    _out().print(table)
+    _print_counts("flushed", _json(request("POST", url, "/flush", token, timeout, body=body)))
 
 
 @admin_app.command()
@@ -400,8 +394,13 @@ def forget(
     if not yes:
         typer.confirm(f"Forget the {len(ids)}-token conversation in L2 and L3?", abort=True)
     body = {"prefix": ids, "cache_salt": cache_salt, "keep_tokens": keep_tokens}
-    counts = _json(request("POST", url, "/forget", token, timeout, body=body))
-    table = Table(title="forgotten")
+    _print_counts("forgotten", _json(request("POST", url, "/forget", token, timeout,
+                                             body=body)))
+
+
+def _print_counts(title: str, counts: Any) -> None:
+    """A flush's or forget's page counts as a two-column table."""
+    table = Table(title=title)
     table.add_column("what")
     table.add_column("count", justify="right")
     for k, v in (counts or {}).items():

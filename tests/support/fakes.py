@@ -4,7 +4,8 @@ The request is the simulator's (``SimRequest``): block hashes from the
 engine-free stand-in (``token_block_hashes``), which is also the scheduler's
 default prefix hasher, so flushes by prefix find the same keys as requests.
 ``file_store`` / ``write_pages``: the real file backend as the scheduler's L3
-view, and pages put into it as another engine would have. ``GatedStore``: a
+view, and pages put into it as another engine would have. ``prefill`` / ``serve``:
+a request through one prefill step (and its end). ``GatedStore``: a
 store whose lookups wait for the test to open a gate (no clock involved).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 from hicache.integration.bench.sim_engine import SimRequest
 from hicache.tiers.index.page_keys import (
@@ -28,6 +30,32 @@ from hicache.tiers.l3.file_backend import FileBackend
 
 def request(rid: str, tokens: list[int], computed: int = 0, block_size: int = 4) -> SimRequest:
     return SimRequest(rid, list(tokens), computed, block_size=block_size)
+
+
+def prefill(sched: Any, req: SimRequest, block_ids: list[int]) -> Any:
+    """Admit ``req`` with no hit and run its whole prompt in one step; the step's plan.
+    (The scheduler's ``block_ids_of`` reads ``sched.tables``.)"""
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [block_ids], 0)
+    sched.tables[req.request_id] = block_ids
+    meta = sched.build_connector_meta({req.request_id: req.num_tokens})
+    req.num_computed_tokens = req.num_tokens
+    return meta
+
+
+def serve(sched: Any, req: SimRequest) -> int:
+    """``req`` through admission (with whatever hit it gets), one step for the rest of
+    its prompt, its end and the plan after it; the hit in tokens."""
+    rid = req.request_id
+    hit, _ = sched.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(1, len(req.all_token_ids) // req.block_size + 2))  # 0: null block
+    sched.update_state_after_alloc(req, [blocks], hit)
+    sched.tables[rid] = blocks
+    sched.build_connector_meta({rid: req.num_tokens - hit})
+    req.num_computed_tokens = req.num_tokens
+    sched.request_finished(req, [blocks])
+    sched.build_connector_meta({})
+    return int(hit or 0)
 
 
 def keys_of(seed: bytes, tokens: list[int], page: int, block_size: int = 4) -> list[PageKey]:

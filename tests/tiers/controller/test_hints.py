@@ -4,7 +4,7 @@ scheduler half: no stores, no loads, L2 only, a cap on loaded tokens. No engine;
 store is the real file backend."""
 
 import pytest
-from support.fakes import file_store, request, write_prompt_pages
+from support.fakes import file_store, prefill, request, write_prompt_pages
 
 from hicache.tiers.controller.hints import DEFAULT_HINTS, RequestHints, parse_hints
 from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -69,16 +69,6 @@ def hinted(rid: str, tokens: list[int], **hints):
     req = request(rid, tokens)
     req.kv_transfer_params = {"hicache": hints}
     return req
-
-
-def prefill(sched, req, block_ids):
-    """Admit ``req`` with no hit and run its whole prompt in one step: the step's plan."""
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    sched.update_state_after_alloc(req, [block_ids], 0)
-    sched.tables[req.request_id] = block_ids
-    meta = sched.build_connector_meta({req.request_id: req.num_tokens})
-    req.num_computed_tokens = req.num_tokens
-    return meta
 
 
 def test_store_false_writes_nothing_and_keeps_its_hits(tmp_path):

@@ -5,6 +5,7 @@ forgotten. The scheduler half without an engine."""
 
 import pytest
 from support.fakes import keys_of, request
+from support.fakes import serve as serve_request
 
 from hicache.tiers.controller.pins import PinRefused
 from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -43,14 +44,7 @@ def serve(sched, rid, tokens, **hints):
     req = request(rid, tokens + [1])
     if hints:
         req.kv_transfer_params = {"hicache": hints}
-    hit, _ = sched.get_num_new_matched_tokens(req, 0)
-    blocks = list(range(1, len(req.all_token_ids) // BS + 2))
-    sched.update_state_after_alloc(req, [blocks], hit)
-    sched.tables[rid] = blocks
-    sched.build_connector_meta({rid: req.num_tokens - hit})
-    req.num_computed_tokens = req.num_tokens
-    sched.request_finished(req, [blocks])
-    sched.build_connector_meta({})
+    serve_request(sched, req)
     return sched.take_retained(rid)
 
 

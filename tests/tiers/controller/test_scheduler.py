@@ -5,7 +5,7 @@ the scheduler half reads (``SchedulerRequest``); everything else is real.
 """
 
 import pytest
-from support.fakes import keys_of, request
+from support.fakes import keys_of, prefill, request
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
@@ -32,16 +32,6 @@ def make_scheduler(**policy):
 @pytest.fixture
 def sched():
     return make_scheduler()
-
-
-def prefill(sched, req, block_ids):
-    """Admit ``req`` with no external hit and run its whole prompt in one step."""
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    sched.update_state_after_alloc(req, [block_ids], 0)
-    sched.tables[req.request_id] = block_ids
-    meta = sched.build_connector_meta({req.request_id: req.num_tokens})
-    req.num_computed_tokens = req.num_tokens
-    return meta
 
 
 def test_prefill_stores_every_full_page(sched):

@@ -2,6 +2,7 @@
 in L2, and the L3 operation it plans; locked pages are skipped; per-tier lookup counters."""
 
 from support.fakes import keys_of, request
+from support.fakes import serve as serve_request
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.commands import ClearStore, DeletePages
@@ -28,16 +29,7 @@ def scheduler(storage=None) -> HiCacheScheduler:
 
 
 def serve(sched, rid, tokens):
-    req = request(rid, tokens + [1])
-    hit, _ = sched.get_num_new_matched_tokens(req, 0)
-    blocks = list(range(1, len(req.all_token_ids) // BS + 2))  # 0 is vLLM's null block
-    sched.update_state_after_alloc(req, [blocks], hit)
-    sched.tables[rid] = blocks
-    sched.build_connector_meta({rid: req.num_tokens - hit})
-    req.num_computed_tokens = req.num_tokens
-    sched.request_finished(req, [blocks])
-    sched.build_connector_meta({})
-    return hit
+    return serve_request(sched, request(rid, tokens + [1]))
 
 
 def pages_of(tokens):
