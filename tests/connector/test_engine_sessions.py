@@ -34,8 +34,10 @@ pytestmark = pytest.mark.engine
 ANSWER = 8
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(tiny_model):
+    # Function-scoped: the admin test below starts its own in-process engine, and two
+    # in-process engines in one process share vLLM's global KV-transfer group.
     engine = open_llm(EngineSpec(
         model=tiny_model, prefix_caching=False, block_size=BLOCK_SIZE,
         num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN, in_process=True,
