@@ -54,6 +54,8 @@ from typing import Any
 import numpy as np
 
 SCENARIOS = ("multiturn", "shared_doc", "system_prompt", "agent")
+# Scenarios whose prompt is the whole history plus something new (they need answer ids).
+_GROWING = ("multiturn", "agent")
 # Keys whose values are seconds (numbers >= 0); every other key but scenario is an int.
 _SECONDS = ("think_time_s", "pause_min_s", "pause_max_s", "retain_s", "prefetch_lead_s")
 
@@ -145,7 +147,7 @@ class WorkloadSpec:
     @property
     def needs_answer_ids(self) -> bool:
         """Whether the next prompt is built from the previous answer's token ids."""
-        return self.scenario in ("multiturn", "agent")
+        return self.scenario in _GROWING
 
     def pause_of(self, client: int, turn: int) -> float:
         """agent: seconds of tool call before turn ``turn`` of ``client`` (0 otherwise)."""
@@ -188,7 +190,7 @@ class WorkloadSpec:
         self._check_client(client)
         if not 1 <= turn < self.turns:
             raise ValueError(f"turn must be in 1..{self.turns - 1} for next_prompt, got {turn}")
-        if self.scenario not in ("multiturn", "agent"):
+        if self.scenario not in _GROWING:
             own = self.history_tokens - self.shared_prefix_tokens
             return self.shared_prefix(client) + self._draw(own, _USER, client, turn)
         if previous_answer is None:
@@ -242,7 +244,7 @@ def _validate(s: WorkloadSpec) -> None:
             raise ValueError(f"workload key(s) {agentic} apply to scenario agent only, not "
                              f"{s.scenario}")
     h, sp = s.history_tokens, s.shared_prefix_tokens
-    if s.scenario in ("multiturn", "agent"):
+    if s.scenario in _GROWING:
         if sp > h:
             raise ValueError(f"workload key 'shared_prefix_tokens' must be in 0..history_tokens "
                              f"({h}) for scenario {s.scenario}, got {sp}")

@@ -57,6 +57,7 @@ from hicache.tiers.metrics import LatencyBuckets, section_metrics
 if TYPE_CHECKING:
     from hicache.connector.config import HiCacheConfig
     from hicache.tiers.controller.scheduler import HiCacheScheduler
+    from hicache.tiers.index.page_keys import PageKey
     from hicache.tiers.index.plans import WorkerReport
     from hicache.tiers.index.radix_tree import TreeNode
 
@@ -235,14 +236,11 @@ class SchedulerAdmin:
         L2 is read from the tree without touching it; L3 is asked (outside the
         scheduler lock), so pages other engines wrote count too."""
         s = self.scheduler
-        try:
-            with s.lock:
-                keys = s.prefix_keys(prefix, cache_salt)
-                l2_pages = s.tree.peek(keys)
-                storage = s.storage
-                page, page_bytes = s.page_size, s.geometry.page_bytes
-        except ValueError as exc:  # token ids out of range
-            raise AdminError(400, f"prefix: {exc}") from exc
+        keys = self._prompt_keys(prefix, cache_salt)
+        with s.lock:
+            l2_pages = s.tree.peek(keys)
+            storage = s.storage
+            page, page_bytes = s.page_size, s.geometry.page_bytes
         l3_pages = 0
         if storage is not None and keys:
             try:
@@ -270,12 +268,9 @@ class SchedulerAdmin:
         """Read what L3 holds of ``prefix`` beyond L2 into L2 with the next engine step
         (an idle engine takes its next step with its next request)."""
         s = self.scheduler
-        try:
-            with s.lock:
-                keys = s.prefix_keys(prefix, cache_salt)
-                storage = s.storage
-        except ValueError as exc:
-            raise AdminError(400, f"prefix: {exc}") from exc
+        keys = self._prompt_keys(prefix, cache_salt)
+        with s.lock:
+            storage = s.storage
         if storage is None:
             raise AdminError(409, "no L3 storage backend is attached")
         try:  # outside the lock: a slow store must not stall the engine
@@ -296,24 +291,31 @@ class SchedulerAdmin:
         """Keep what L2 holds of ``prefix`` ahead of LRU for ``ttl_s`` seconds (pins.py);
         409 when pins would hold more than hicache_retain_max_share of L2."""
         s = self.scheduler
+        keys = self._prompt_keys(prefix, cache_salt)
         try:
             with s.lock:
-                pages = s.pins.pin(s.prefix_keys(prefix, cache_salt), ttl_s)
+                pages = s.pins.pin(keys, ttl_s)
         except PinRefused as exc:
             raise AdminError(409, str(exc)) from exc
-        except ValueError as exc:  # token ids out of range
-            raise AdminError(400, f"prefix: {exc}") from exc
         return {"pinned_pages": pages, "ttl_s": ttl_s}
 
     def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
         """End the pin of ``prefix`` now (its pages become evictable)."""
         s = self.scheduler
+        keys = self._prompt_keys(prefix, cache_salt)
+        with s.lock:
+            pages = s.pins.unpin(keys)
+        return {"unpinned_pages": pages}
+
+    def _prompt_keys(self, prefix: list[int], cache_salt: str | None) -> list[PageKey]:
+        """The page keys of a prompt, as its requests get them; 400 for token ids
+        the engine's hasher refuses."""
+        s = self.scheduler
         try:
             with s.lock:
-                pages = s.pins.unpin(s.prefix_keys(prefix, cache_salt))
-        except ValueError as exc:
+                return s.prefix_keys(prefix, cache_salt)
+        except ValueError as exc:  # token ids out of range
             raise AdminError(400, f"prefix: {exc}") from exc
-        return {"unpinned_pages": pages}
 
     def _remove_from_l3(self, counts: dict[str, int], l3_op: L3Removal | None,
                         storage: L3Store | None) -> dict[str, int]:

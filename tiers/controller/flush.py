@@ -24,7 +24,7 @@ Contract:
   and on every worker (each holds its rank's shard).
 - Forget (``forget``): a conversation's own pages, from every tier: every page
   of the prompt after the pages another cached prefix shares with it
-  (``shared_pages``: the tree's deepest fork off the prompt's path; at least
+  (``HiRadixTree.shared_depth``: the deepest fork off the prompt's path; at least
   ``keep_tokens`` leading tokens are kept too), and every page that extends
   the prompt (its later turns). L3 loses every one of those keys, whether the
   tree knew them or not, so no engine finds them again. Sharing is judged from
@@ -122,68 +122,40 @@ class Flusher:
                 release(tops)
             dropped = self.l2.drop(tops, l2=l2, l3=l3)
             if l3:
-                doomed = dict.fromkeys(dropped.keys + ([keys[-1]] if aligned else []))
-                self.l2.events.l3_removed(list(doomed))
-                if self.l2.groups.has_state:
-                    # Their bodies too (models with Mamba state groups, page_keys.body_key).
-                    doomed.update(dict.fromkeys(PageKey(body_key(k)) for k in list(doomed)))
-                l3_op = DeletePages(tuple(doomed))
+                l3_op = self._delete_pages(dropped.keys + ([keys[-1]] if aligned else []))
         return self._settle(dropped), l3_op
 
     def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
                lora_name: str | None = None, keep_tokens: int = 0,
                release: Release | None = None) -> tuple[dict[str, int], DeletePages | None]:
         """Remove a conversation's own pages from L2 and plan their removal from L3
-        (see ``shared_pages`` for which); (L2 counts, the L3 removal or None)."""
+        (see the module docstring for which); (L2 counts, the L3 removal or None)."""
         keys = self.prefix_keys(prefix, cache_salt, lora_name)
         tree = self.l2.tree
-        start = max(self.shared_pages(keys), min(keep_tokens // self.page_size, len(keys)))
+        start = max(tree.shared_depth(keys), min(keep_tokens // self.page_size, len(keys)))
         tops: list[TreeNode] = []
         if start < len(keys):
+            # No other prefix forks off the path after ``start`` (shared_depth is the
+            # deepest fork): the subtree from there is the conversation's own.
             above = tree.find(keys[:start])
             top = above.children.get(keys[start]) if above is not None else None
-            if top is not None:
-                k = _common_len(top.keys, keys, start)
-                if k < len(top.keys) and start + k < len(keys):
-                    top = None  # defensive: shared_pages stops at such a fork
-                tops = [top] if top is not None else []
+            tops = [top] if top is not None else []
         if release is not None:
             release(tops)
         dropped = self.l2.drop(tops, l2=True, l3=True)
-        doomed = dict.fromkeys(list(keys[start:]) + dropped.keys)
-        l3_op: DeletePages | None = None
-        if doomed:
-            self.l2.events.l3_removed(list(doomed))
-            if self.l2.groups.has_state:
-                doomed.update(dict.fromkeys(PageKey(body_key(k)) for k in list(doomed)))
-            l3_op = DeletePages(tuple(doomed))
         counts = self._settle(dropped)
         counts["kept_shared_pages"] = start
-        return counts, l3_op
+        doomed = list(keys[start:]) + dropped.keys
+        return counts, self._delete_pages(doomed) if doomed else None
 
-    def shared_pages(self, keys: Sequence[PageKey]) -> int:
-        """Leading pages of the prompt ``keys`` that another cached prefix also needs,
-        as far as the tree knows (its L2 pages and the L3 pages it has seen): the
-        pages before the deepest point where the tree forks off the prompt's path.
-        Pages that extend the prompt (its later turns) are the prompt's own, unless
-        the prompt ends exactly where several continuations part (a system prompt):
-        then all of it is shared."""
-        node, i, shared = self.l2.tree.root, 0, 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            k = _common_len(child.keys, keys, i)
-            if k < len(child.keys):
-                if i + k < len(keys):
-                    shared = i + k  # another prefix leaves the path inside this edge
-                break
-            node, i = child, i + k
-            if i < len(keys) and any(key != keys[i] for key in node.children):
-                shared = i  # another prefix branches off after page i
-            elif i == len(keys) and len(node.children) > 1:
-                shared = i  # the prompt ends where several conversations part: shared
-        return shared
+    def _delete_pages(self, keys: list[PageKey]) -> DeletePages:
+        """The L3 removal of ``keys`` (each once), told to the KV events; with Mamba
+        state groups their bodies too (page_keys.body_key)."""
+        doomed = dict.fromkeys(keys)
+        self.l2.events.l3_removed(list(doomed))
+        if self.l2.groups.has_state:
+            doomed.update(dict.fromkeys(PageKey(body_key(k)) for k in list(doomed)))
+        return DeletePages(tuple(doomed))
 
     def _settle(self, dropped: Dropped) -> dict[str, int]:
         counts = {"l2_pages": len(dropped.freed_slots),
@@ -193,10 +165,3 @@ class Flusher:
         self._stats.flush_skipped_locked += counts["skipped_locked"]
         return counts
 
-
-def _common_len(a: Sequence[PageKey], b: Sequence[PageKey], start: int) -> int:
-    """How many of ``a`` equal ``b[start:]``, from the first."""
-    n = 0
-    while n < len(a) and start + n < len(b) and a[n] == b[start + n]:
-        n += 1
-    return n

@@ -2,11 +2,11 @@
 the admin's ``POST /pin``).
 
 Contract:
-- ``pin(name, keys, ttl_s)`` locks the L2-resident prefix of ``keys`` in the
+- ``pin(keys, ttl_s)`` locks the L2-resident prefix of ``keys`` in the
   HiRadixTree (the node at the end of its match and every ancestor: eviction
-  skips locked nodes) until ``ttl_s`` seconds from now, under ``name`` (the
-  prefix's last page key, so the same prefix pinned twice is one pin whose
-  deadline is the later one). Returns the pages pinned (0: none of it is in L2).
+  skips locked nodes) until ``ttl_s`` seconds from now, named by that prefix's
+  last page key (the same prefix pinned twice is one pin whose deadline is the
+  later one). Returns the pages pinned (0: none of it is in L2).
 - Bounded: the pages of all pins never exceed ``max_share`` of L2
   (``hicache_retain_max_share``, half by default), so retention never starves
   other traffic; a pin that would pass the bound raises ``PinRefused`` and
@@ -17,7 +17,7 @@ Contract:
 - ``expire()`` unlocks every pin whose deadline has passed; the scheduler calls
   it before every plan (eviction happens only while planning) and the admin
   before it reports, so an expired pin is never seen and never protects a page
-  past its deadline. ``unpin(name)`` ends one now.
+  past its deadline. ``unpin(keys)`` ends the pin of that prefix now.
 - ``stats()``: pins, pinned pages, the bound, seconds to the next expiry.
 - Engine-free; the clock is injected (tests drive it).
 """

@@ -220,14 +220,35 @@ class HiRadixTree:
             child = node.children.get(keys[i])
             if child is None or child.host_slots is None:
                 break
-            j = 0
-            while j < len(child.keys) and i + j < len(keys) and child.keys[j] == keys[i + j]:
-                j += 1
+            j = _common_prefix_len(child.keys, keys, i)
             i += j
             if j < len(child.keys):
                 break
             node = child
         return i
+
+    def shared_depth(self, keys: Sequence[PageKey]) -> int:
+        """Leading pages of the prompt ``keys`` that another prefix in the tree (either
+        tier) also runs through: the pages before the deepest point where the tree
+        forks off the prompt's path. Pages that extend the prompt count as the
+        prompt's own, unless it ends exactly where several continuations part: then
+        all of it is shared. Times are not touched, nothing is split."""
+        node, i, shared = self.root, 0, 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            k = _common_prefix_len(child.keys, keys, i)
+            if k < len(child.keys):
+                if i + k < len(keys):
+                    shared = i + k  # another prefix leaves the path inside this edge
+                break
+            node, i = child, i + k
+            if i < len(keys) and any(key != keys[i] for key in node.children):
+                shared = i  # another prefix branches off after page i
+            elif i == len(keys) and len(node.children) > 1:
+                shared = i  # the prompt ends where several continuations part
+        return shared
 
     def _l3_run(self, node: TreeNode, keys: Sequence[PageKey], i: int) -> int:
         """Pages of ``keys[i:]`` below ``node`` known in L3, consecutively (no splits)."""

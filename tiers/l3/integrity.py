@@ -111,7 +111,6 @@ def header_rows(keys: list[bytes], fingerprint: bytes, length: int, *, layout: i
     return rows
 
 
-
 def checksums_at(addresses: list[int], payloads: list[Any], length: int) -> list[int]:
     """``checksum`` of each payload (``length`` bytes at ``addresses[i]``, the same
     memory as ``payloads[i]``): one GIL-free call for the batch where native_io runs,

@@ -29,6 +29,7 @@ the Python overhead shows rather than hiding behind a disk. Each side runs
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -230,25 +231,22 @@ def _measure(reader: Path | None, directory: Path, tokens: int, page_bytes: int,
                 return fn()
         return run_busy
 
-    def python_path(fn: Callable[[], float]) -> Callable[[], float]:
-        def run_python() -> float:
-            backend._pool_np = None
+    def with_backend(attr: str, value: Any, fn: Callable[[], float]) -> Callable[[], float]:
+        """``fn`` run with the backend's ``attr`` set to ``value``, then put back."""
+        def run() -> float:
+            before = getattr(backend, attr)
+            setattr(backend, attr, value)
             try:
                 return fn()
             finally:
-                backend._pool_np = native_path
-        return run_python
+                setattr(backend, attr, before)
+        return run
 
     helpers = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="bench-verify")
-
-    def on_helper(fn: Callable[[], float]) -> Callable[[], float]:
-        def run_helper() -> float:
-            backend._verify_helper = helpers
-            try:
-                return fn()
-            finally:
-                backend._verify_helper = None
-        return run_helper
+    # The per-page Python path: no GIL-free batch view of the pool.
+    python_path = functools.partial(with_backend, "_pool_np", None)
+    # Checksums on a helper thread (verify: helper).
+    on_helper = functools.partial(with_backend, "_verify_helper", helpers)
 
     sides: dict[str, Callable[[], float]] = {"ours": ours, "ours+busy": busy(ours)}
     if native_path is not None:
