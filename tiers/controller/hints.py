@@ -15,6 +15,11 @@ Contract:
   HiCache (vLLM's own prefix cache is not counted). ``retain_s``: when the request
   finishes, what L2 holds of its pages (prompt and answer) is pinned for that long
   (pins.py), within the operator's share of L2; the response says how many pages.
+  ``priority`` (``low`` | ``normal`` | ``high``, default normal): the eviction class
+  of the request's pages in L2 (``PRIORITY_RANKS``, the HiRadixTree's priorities):
+  lower classes are evicted first, least recently used first within a class; pages
+  the request stores get its class, pages it hits are raised to it (never lowered).
+  E.g. ``high`` for a shared system prompt, ``low`` for one-off prompts.
 - ``parse_hints(params)`` returns (hints, error). Bad hints never fail a request:
   the request is served with every hint at its default, and ``error`` names the key
   and what it allows (the connector returns it in the response's
@@ -27,15 +32,20 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, ValidationError, field_validator
 
+from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY
 from hicache.tiers.settings import Settings, explain
 
 HINTS_KEY = "hicache"
 RESPONSE_KEYS = frozenset({"cached_tokens", "error", "retained_pages"})
 TIERS = ("l2", "l3")
+PriorityName = Literal["low", "normal", "high"]
+# Eviction classes as the HiRadixTree ranks them (lower is evicted first).
+PRIORITY_RANKS: dict[str, int] = {
+    "low": DEFAULT_PRIORITY - 1, "normal": DEFAULT_PRIORITY, "high": DEFAULT_PRIORITY + 1}
 
 
 class RequestHints(Settings):
@@ -51,6 +61,10 @@ class RequestHints(Settings):
     retain_s: NonNegativeFloat | None = Field(
         None, description="keep this request's pages (prompt and answer) in L2 ahead of "
         "LRU for this many seconds after it finishes, within hicache_retain_max_share")
+    priority: PriorityName = Field(
+        "normal", description="eviction class of this request's pages in L2: low goes "
+        "first, high last (LRU within a class); e.g. high for a shared system prompt, "
+        "low for one-off prompts")
 
     @field_validator("load_tiers")
     @classmethod
@@ -69,6 +83,11 @@ class RequestHints(Settings):
     @property
     def reads_l3(self) -> bool:
         return "l3" in self.load_tiers
+
+    @property
+    def rank(self) -> int:
+        """The HiRadixTree priority of this request's pages."""
+        return PRIORITY_RANKS[self.priority]
 
 
 DEFAULT_HINTS = RequestHints()

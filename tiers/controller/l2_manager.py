@@ -44,7 +44,7 @@ from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan
-from hicache.tiers.index.radix_tree import Dropped, HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY, Dropped, HiRadixTree, TreeNode
 from hicache.tiers.index.slot_allocator import SlotAllocator
 
 
@@ -94,12 +94,13 @@ class L2Manager:
 
     def plan_store(self, keys: Sequence[PageKey], block_ids: GroupBlockIds,
                    state_at: int | None = None, source: EventRequest | None = None,
-                   ) -> list[PagePlan] | None:
+                   priority: int = DEFAULT_PRIORITY) -> list[PagePlan] | None:
         """Store the pages of ``keys`` beyond the prefix already in L2, from
         ``block_ids`` (the request's blocks, per group): allocate their slots
         and publish them. ``state_at``: the page whose end the request's state
         blocks hold the state after (state groups; None: no page). ``source``:
-        the request whose pages they are (KV events).
+        the request whose pages they are (KV events); ``priority``: their eviction
+        class (the tree's priorities).
 
         Returns the copies to plan ([] when nothing is missing or storable),
         or None when L2 has no room now (the caller may try again later).
@@ -132,7 +133,7 @@ class L2Manager:
         if slots is None:
             self._stats.store_skipped_pages += need
             return None
-        inserted = self.tree.insert(keys, list(match.host_slots) + slots)
+        inserted = self.tree.insert(keys, list(match.host_slots) + slots, priority)
         self.tree.lock(inserted.node)
         self._unsent.append(inserted.node)
         leftover = set(inserted.unused_slots) & set(slots)

@@ -20,7 +20,8 @@ meanings follow SGLang HiCache:
   by the worker's next poll, ``timeout`` waits
   ``min(max, base + per_ki_token x tokens / 1024)`` seconds.
 - Eviction policy: which unlocked L2 pages make room. ``lru`` is the tree's
-  leaf-first LRU (a leaf longer than needed loses only its tail pages).
+  leaf-first LRU (a leaf longer than needed loses only its tail pages), lower
+  priority classes first (a request's ``priority`` hint, hints.py).
 
 Policies decide; they move nothing and never touch a request's state.
 """
@@ -209,8 +210,9 @@ class EvictionPolicy(ABC):
 
 
 class LeafFirstLRU(EvictionPolicy):
-    """Unlocked leaves, least recently used first; a long leaf loses only its tail,
-    so the reusable head of a long history survives (the tree's own order)."""
+    """Unlocked leaves, lowest priority class first and least recently used within
+    one; a long leaf loses only its tail, so the reusable head of a long history
+    survives (the tree's own order)."""
 
     name = "lru"
 

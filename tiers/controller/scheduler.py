@@ -389,6 +389,8 @@ class HiCacheScheduler:
             # blocks until the worker reports the fetch; nothing to store.
             return False
         stored = self.stores.plan_finished(state, block_ids)
+        # Its class for every page of it L2 or L3 holds, those it hit included.
+        self.tree.raise_priority(state.page_keys(), state.hints.rank)
         if state.hints.retain_s:
             self._retain(state)
         if stored:

@@ -142,7 +142,8 @@ class StorePlanner:
         worth = self.policy.pages_worth_storing(keys, state.counted_pages)
         state.counted_pages = max(state.counted_pages, len(keys))
         keys = keys[:worth]
-        plans = self.l2.plan_store(keys, block_ids, state_at, source=state.request)
+        plans = self.l2.plan_store(keys, block_ids, state_at, source=state.request,
+                                   priority=state.hints.rank)
         if plans is None:
             return []
         state.stored_pages = ready_pages

@@ -28,12 +28,20 @@ Contract:
   unlocked L2 page can eventually be evicted, and L3-only nodes are never
   locked.
 - **Eviction from L2** (``evict``) takes unlocked L2 leaves (L2-resident
-  nodes without an L2-resident child), least recently used first. A node
+  nodes without an L2-resident child), lowest ``priority`` first and least
+  recently used within a priority. A node
   whose pages L3 holds stays in the tree as L3-only; from its first page
   that L3 does not hold on, it leaves the tree with its subtree.
 - The L3-only part of the index is bounded (``max_l3_only_pages``): beyond
   it, least recently used L3-only leaves are forgotten (the store still
   holds them; a lookup finds them again).
+- **Priorities** (eviction classes, small ints; ``DEFAULT_PRIORITY`` when
+  nobody says): ``insert(..., priority=p)`` gives new pages ``p`` and raises
+  every page on the path to at least ``p``; ``raise_priority`` raises a
+  present prefix. Priorities only rise (until a page leaves the tree), a
+  parent's is never below a child's, so leaf-first eviction keeps popping
+  in non-decreasing (priority, access time) order and a prefix a
+  high-priority request uses survives the low-priority tails hanging from it.
 - **Node handles stay valid across splits**: a split keeps the original
   object as the *lower* half, so a node returned by :meth:`match_prefix` or
   :meth:`insert` still ends at the same page after later splits.
@@ -59,6 +67,11 @@ from hicache.tiers.index.page_keys import PageKey
 
 _node_ids = itertools.count()
 
+# Eviction class of pages nobody classed (hints.py maps the request's names to these).
+DEFAULT_PRIORITY = 1
+# Above every class: the root, the parent of every first page.
+_ROOT_PRIORITY = 1 << 30
+
 # Pages of the L3-only index kept by default: about 100 bytes each.
 DEFAULT_MAX_L3_ONLY_PAGES = 1 << 20
 
@@ -77,6 +90,7 @@ class TreeNode:
         "lock_ref",
         "hit_count",
         "last_access",
+        "priority",
     )
 
     def __init__(
@@ -86,6 +100,7 @@ class TreeNode:
         host_slots: list[int] | None,
         last_access: float,
         in_l3: list[bool] | None = None,
+        priority: int = DEFAULT_PRIORITY,
     ) -> None:
         self.id: int = next(_node_ids)
         self.keys = keys
@@ -100,13 +115,15 @@ class TreeNode:
         self.lock_ref = 0
         self.hit_count = 1  # SGLang semantics: creation counts as one hit
         self.last_access = last_access
+        self.priority = priority  # eviction class: lower goes first
 
     def __repr__(self) -> str:
         tier = "L2" if self.host_slots is not None else "L3"
         return (
             f"TreeNode(id={self.id}, pages={len(self.keys)}, {tier}, "
             f"in_l3={sum(self.in_l3)}, lock_ref={self.lock_ref}, "
-            f"hits={self.hit_count}, children={len(self.children)})"
+            f"hits={self.hit_count}, priority={self.priority}, "
+            f"children={len(self.children)})"
         )
 
 
@@ -267,9 +284,11 @@ class HiRadixTree:
             node = child
         return run
 
-    def insert(self, keys: Sequence[PageKey], host_slots: Sequence[int]) -> InsertResult:
+    def insert(self, keys: Sequence[PageKey], host_slots: Sequence[int],
+               priority: int = DEFAULT_PRIORITY) -> InsertResult:
         """Record ``keys`` as L2-resident at ``host_slots``: already-present L2 pages
-        keep their slots, L3-only pages take theirs, the rest are added."""
+        keep their slots, L3-only pages take theirs, the rest are added. New pages
+        get ``priority``; pages on the path are raised to at least it."""
         if len(keys) != len(host_slots):
             raise ValueError(f"{len(keys)} keys but {len(host_slots)} host slots")
         now = self._clock()
@@ -281,7 +300,8 @@ class HiRadixTree:
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
-                child = self._add_leaf(node, list(keys[i:]), list(host_slots[i:]), now)
+                child = self._add_leaf(node, list(keys[i:]), list(host_slots[i:]), now,
+                                       priority=priority)
                 return InsertResult(child, unused, new + len(keys) - i)
             k = _common_prefix_len(child.keys, keys, i)
             if k < len(child.keys):
@@ -293,9 +313,28 @@ class HiRadixTree:
                 unused.extend(host_slots[i : i + k])
             child.hit_count += 1
             child.last_access = now
+            child.priority = max(child.priority, priority)
             node = child
             i += k
         return InsertResult(node, unused, new)
+
+    def raise_priority(self, keys: Sequence[PageKey], priority: int) -> int:
+        """Raise the pages of the longest prefix of ``keys`` in the tree (either tier)
+        to at least ``priority`` (split so no page past it changes). Returns that
+        prefix's length in pages. Times are not touched."""
+        node, i = self.root, 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            k = _common_prefix_len(child.keys, keys, i)
+            if k < len(child.keys):
+                if child.priority >= priority:
+                    return i + k
+                child = self._split(child, k)
+            child.priority = max(child.priority, priority)
+            node, i = child, i + k
+        return i
 
     # ------------------------------------------------------------------ L3 residency
 
@@ -399,21 +438,21 @@ class HiRadixTree:
         the tree, L3-only. Fewer are freed only when nothing unlocked is left.
         Returns the freed host slots.
         """
-        heap = [(n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
+        heap = [(n.priority, n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            _, _, _, leaf = heapq.heappop(heap)
             still_needed = num_pages - len(freed)
             if len(leaf.keys) > still_needed:
                 self._split(leaf, len(leaf.keys) - still_needed)  # leaf keeps the tail
             parent = leaf.parent
             assert parent is not None
             freed.extend(self._drop_l2(leaf))
-            # Parents are never older than children, so pushing one keeps the
-            # popped sequence in LRU order.
+            # Parents are never older nor of a lower priority than children, so
+            # pushing one keeps the popped sequence in order.
             if parent in self._leaves and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                heapq.heappush(heap, (parent.priority, parent.last_access, parent.id, parent))
         self._trim_l3_index()
         return freed
 
@@ -482,7 +521,7 @@ class HiRadixTree:
         return slots
 
     def _clear(self) -> None:
-        self.root = TreeNode([], None, [], self._clock())
+        self.root = TreeNode([], None, [], self._clock(), priority=_ROOT_PRIORITY)
         self._leaves: set[TreeNode] = set()  # L2 nodes without an L2 child (root excluded)
         self._nodes: dict[PageKey, TreeNode] = {}
         self._total_pages = 0
@@ -493,8 +532,9 @@ class HiRadixTree:
     # ------------------------------------------------------------------ internals
 
     def _add_leaf(self, parent: TreeNode, keys: list[PageKey], slots: list[int] | None,
-                  now: float, in_l3: list[bool] | None = None) -> TreeNode:
-        leaf = TreeNode(keys, parent, slots, now, in_l3)
+                  now: float, in_l3: list[bool] | None = None,
+                  priority: int = DEFAULT_PRIORITY) -> TreeNode:
+        leaf = TreeNode(keys, parent, slots, now, in_l3, min(priority, parent.priority))
         parent.children[keys[0]] = leaf
         parent.l2_children += slots is not None
         for key in keys:
@@ -618,6 +658,7 @@ class HiRadixTree:
             None if child.host_slots is None else child.host_slots[:k],
             child.last_access,
             child.in_l3[:k],
+            child.priority,
         )
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
@@ -651,6 +692,7 @@ class HiRadixTree:
                 assert child.last_access <= node.last_access or node is self.root, (
                     "child newer than parent"
                 )
+                assert child.priority <= node.priority, "child above its parent's priority"
                 if child.host_slots is not None:
                     assert node.host_slots is not None, "L2 residency not prefix-closed"
             if node is self.root:

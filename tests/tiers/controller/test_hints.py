@@ -4,7 +4,7 @@ scheduler half: no stores, no loads, L2 only, a cap on loaded tokens. No engine;
 store is the real file backend."""
 
 import pytest
-from support.fakes import file_store, prefill, request, write_prompt_pages
+from support.fakes import file_store, prefill, request, serve, write_prompt_pages
 
 from hicache.tiers.controller.hints import DEFAULT_HINTS, RequestHints, parse_hints
 from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -23,6 +23,7 @@ NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
     ({"hicache": {"load_tiers": [], "max_load_tokens": 64}},
      RequestHints(load_tiers=[], max_load_tokens=64)),
     ({"hicache": {"retain_s": 30}}, RequestHints(retain_s=30.0)),
+    ({"hicache": {"priority": "low"}}, RequestHints(priority="low")),
     # What HiCache wrote into an earlier response, passed on (PD proxies do): no error.
     ({"hicache": {"cached_tokens": {"l1": 3}, "error": "x", "load_tiers": ["l2"]}},
      RequestHints(load_tiers=["l2"])),
@@ -41,12 +42,14 @@ def test_good_hints_parse(params, hints):
     ({"max_load_tokens": -1}, "kv_transfer_params.hicache.max_load_tokens must be an integer "
                               ">= 0 or null (got -1)"),
     ({"retain_for": 30}, "unknown kv_transfer_params.hicache key(s): ['retain_for']; allowed "
-                         "keys: ['load_tiers', 'max_load_tokens', 'retain_s', 'store']"),
+                         "keys: ['load_tiers', 'max_load_tokens', 'priority', 'retain_s', 'store']"),
     (7, "kv_transfer_params.hicache must be an object with keys ['load_tiers', "
-        "'max_load_tokens', 'retain_s', 'store']"),
+        "'max_load_tokens', 'priority', 'retain_s', 'store']"),
     ({"retain_s": -5}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null "
                        "(got -5)"),
     ({"retain_s": "60"}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null"),
+    ({"priority": "urgent"}, "kv_transfer_params.hicache.priority='urgent' is not supported; "
+                             "allowed values: ['low', 'normal', 'high']"),
 ])
 def test_bad_hints_are_named_and_ignored(raw, message):
     hints, error = parse_hints({"hicache": raw})
@@ -112,3 +115,26 @@ def test_load_tiers_and_max_load_tokens_bound_the_hit(tmp_path):
     assert sched.get_num_new_matched_tokens(bad, 0) == (4 * PAGE, True)
     assert "load_tiers=['l3']" in sched.hint_error_of("bad")
     assert sched.hint_error_of("all") is None
+
+
+def test_priority_classes_order_eviction(tmp_path):
+    """L2 holds 16 pages. One-offs sent as ``low`` evict each other, never a normal
+    session; normal traffic evicts a low session but not a prefix a ``high`` request
+    used (raised, never lowered, by a later normal or low hit)."""
+    sched = scheduler(tmp_path)
+    session = list(range(1000, 1033))  # 4 full pages + 1 token
+    pinned_by_class = list(range(2000, 2033))
+    assert serve(sched, request("s", session)) == 0
+    assert serve(sched, hinted("p", pinned_by_class, priority="low")) == 0
+    assert serve(sched, hinted("p2", pinned_by_class, priority="high")) == 4 * PAGE
+    assert serve(sched, hinted("p3", pinned_by_class, priority="low")) == 4 * PAGE
+    for i in range(6):  # 24 pages of one-offs into the 8 slots left
+        assert serve(sched, hinted(f"low{i}", list(range(3000 + 40 * i, 3033 + 40 * i)),
+                                   priority="low")) == 0
+    assert serve(sched, request("s-back", session)) == 4 * PAGE
+    for i in range(6):  # as much normal traffic: the session goes, the high prefix stays
+        assert serve(sched, request(f"n{i}", list(range(5000 + 40 * i, 5033 + 40 * i)))) == 0
+    assert sched.get_num_new_matched_tokens(request("s-again", session), 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(
+        request("p-again", pinned_by_class), 0) == (4 * PAGE, False)
+    sched.tree.check_invariants()

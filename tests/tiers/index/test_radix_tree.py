@@ -11,7 +11,7 @@ from hypothesis.stateful import (
 )
 
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY, HiRadixTree, TreeNode
 
 
 def K(c: str) -> PageKey:
@@ -124,6 +124,35 @@ def test_leaf_first_lru_order():
     tree.check_invariants()
 
 
+def test_lower_priority_goes_first_lru_within_a_priority():
+    clock = FakeClock()
+    tree = HiRadixTree(clock)
+    clock.t = 1
+    tree.insert([A, B], [0, 1], priority=2)  # a system prompt and its first turn
+    clock.t = 2
+    tree.insert([C], [2], priority=0)  # a one-off, newer than everything above
+    clock.t = 3
+    tree.insert([A, D], [3, 4], priority=1)  # a session below the system prompt
+    tree.check_invariants()
+    assert [tree.evict(1) for _ in range(6)] == [[2], [4], [1], [0], [], []]
+
+
+def test_raise_priority_splits_at_the_prefix_end_and_lifts_the_path():
+    tree = HiRadixTree()
+    tree.insert([A, B, C], [0, 1, 2], priority=0)
+    assert tree.raise_priority([A, B, X], 2) == 2
+    tree.check_invariants()
+    node = tree.find([A, B])
+    assert node is not None and node.priority == 2
+    assert tree.find([A, B, C]).priority == 0  # type: ignore[union-attr]
+    assert tree.evict(1) == [2]  # the tail the raise did not cover goes first
+    # Priorities survive a trip to L3 and back: an L3-only page keeps its class.
+    tree.mark_l3([A, B])
+    assert sorted(tree.evict(2)) == [0, 1]
+    assert tree.find([A, B]).priority == 2  # type: ignore[union-attr]
+    assert tree.raise_priority([X], 2) == 0
+
+
 def test_match_refreshes_lru():
     clock = FakeClock()
     tree = HiRadixTree(clock)
@@ -213,6 +242,9 @@ class TreeVsReference(RuleBasedStateMachine):
         self.ref: dict[tuple[PageKey, ...], int] = {}  # L2 prefix -> its last page's slot
         self.l3: set[tuple[PageKey, ...]] = set()  # prefixes in the tree and known in L3
         self.atime: dict[tuple[PageKey, ...], float] = {}
+        # Per page in the tree: its priority (stale entries for pages gone are rewritten
+        # before they come back).
+        self.prio: dict[tuple[PageKey, ...], int] = {}
         self.locks: dict[tuple[PageKey, ...], int] = {}
         self.handles: list[tuple[TreeNode, tuple[PageKey, ...]]] = []
         self.free: set[int] = set()
@@ -249,13 +281,15 @@ class TreeVsReference(RuleBasedStateMachine):
     def tick(self, dt):
         self.clock.t += dt
 
-    @rule(seq=sequences)
-    def insert(self, seq):
+    @rule(seq=sequences, priority=st.integers(0, 2))
+    def insert(self, seq, priority):
         slots = self._take(len(seq))
-        r = self.tree.insert(seq, slots)
+        r = self.tree.insert(seq, slots, priority)
         expected_unused = []
         for i in range(len(seq)):
             prefix = tuple(seq[: i + 1])
+            was = self.prio.get(prefix, 0) if self._present(prefix) else 0
+            self.prio[prefix] = max(was, priority)
             if prefix in self.ref:
                 expected_unused.append(slots[i])
             else:
@@ -283,6 +317,15 @@ class TreeVsReference(RuleBasedStateMachine):
     def match(self, seq):
         self._match(seq)
 
+    @rule(seq=sequences, priority=st.integers(0, 2))
+    def raise_priority(self, seq, priority):
+        n = 0
+        while n < len(seq) and self._present(tuple(seq[: n + 1])):
+            n += 1
+        assert self.tree.raise_priority(seq, priority) == n
+        for i in range(1, n + 1):
+            self.prio[tuple(seq[:i])] = max(self.prio[tuple(seq[:i])], priority)
+
     @rule(seq=sequences)
     def lock_match(self, seq):
         node = self._match(seq)
@@ -308,6 +351,11 @@ class TreeVsReference(RuleBasedStateMachine):
         if self._present(tuple(seq[:start])):
             expected = [seq[i] for i in range(start, len(seq))
                         if tuple(seq[: i + 1]) not in self.l3]
+            for i in range(start, len(seq)):
+                prefix = tuple(seq[: i + 1])
+                if not self._present(prefix):  # a new L3-only page: its parent's class at most
+                    parent = self.prio.get(prefix[:-1], DEFAULT_PRIORITY) if i else DEFAULT_PRIORITY
+                    self.prio[prefix] = min(DEFAULT_PRIORITY, parent)
             self.l3 |= {tuple(seq[: i + 1]) for i in range(start, len(seq))}
         assert newly == expected
 
@@ -369,9 +417,10 @@ class TreeVsReference(RuleBasedStateMachine):
         for p in self.ref:  # still prefix-closed: only whole L2 subtrees went
             assert all(p[:i] in self.ref for i in range(1, len(p)))
         remaining_unlocked = [p for p in self.ref if self.locks.get(p, 0) == 0]
-        if removed and remaining_unlocked:  # LRU: nothing evicted is newer than a survivor
-            assert max(self.atime[p] for p in removed) <= min(
-                self.atime[p] for p in remaining_unlocked
+        if removed and remaining_unlocked:
+            # Lowest priority first, LRU within one: nothing evicted ranks above a survivor.
+            assert max((self.prio[p], self.atime[p]) for p in removed) <= min(
+                (self.prio[p], self.atime[p]) for p in remaining_unlocked
             )
         if len(freed) < n:
             assert not remaining_unlocked, "stopped early with evictable pages left"
@@ -411,6 +460,7 @@ class TreeVsReference(RuleBasedStateMachine):
                 prefix = start + tuple(node.keys[: i + 1])
                 if node.in_l3[i]:
                     seen_l3.add(prefix)
+                assert self.prio[prefix] == node.priority
                 assert self.locks.get(prefix, 0) == node.lock_ref
                 if node.host_slots is None:
                     continue
