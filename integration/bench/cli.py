@@ -169,6 +169,12 @@ def simulate_cmd(
     page_size: Annotated[int, typer.Option(help="HiCache page size, tokens.")] = 32,
     prefetch_threshold: Annotated[int, typer.Option(
         help="Smallest L3 hit worth fetching, tokens.")] = 256,
+    eviction: Annotated[str, typer.Option(
+        help="L2 evictions: lru (HiCache's), oracle (Belady: knows the trace; the "
+             "headroom).")] = "lru",
+    hints: Annotated[str, typer.Option(
+        help="Replay the trace's client actions (hicache hints, admin prefetches): "
+             "on, off or on,off.")] = "on",
     calibrate_from: Annotated[Path | None, typer.Option(
         help="A `hicache bench run` result (bench.json) to fit prefill cost to.")] = None,
     copy_json: Annotated[Path, typer.Option(help="Copy benchmark results (L2 bandwidth).")] =
@@ -187,8 +193,10 @@ def simulate_cmd(
     from hicache.integration.bench.simulate import (
         Grid,
         calibrate,
+        headroom,
         model_page_bytes,
         parse_sizes,
+        parse_switches,
         plot,
         render_table,
         run_grid,
@@ -203,7 +211,9 @@ def simulate_cmd(
             l2_pages=parse_sizes(l2_pages, "--l2-pages"),  # type: ignore[arg-type]
             l3_pages=parse_sizes(l3_pages, "--l3-pages", allow_none=True),
             write_policies=policies, block_size=block_size, page_size=page_size,
-            prefetch_threshold=prefetch_threshold)
+            prefetch_threshold=prefetch_threshold,
+            evictions=tuple(e.strip() for e in eviction.split(",") if e.strip()),
+            hints=parse_switches(hints, "--hints"))
         configs = grid.configs()
     except (TraceError, ValueError) as e:
         _fail(str(e))
@@ -218,12 +228,20 @@ def simulate_cmd(
     except ValueError as e:
         _fail(str(e))
     out.mkdir(parents=True, exist_ok=True)
+    gaps = headroom(rows)
     (out / "simulate.json").write_text(json.dumps(
         {"trace": str(trace), "requests": len(records), "cost_model": {
-            k: v for k, v in cost.__dict__.items()}, "rows": rows}, indent=2))
+            k: v for k, v in cost.__dict__.items()}, "rows": rows, "headroom": gaps},
+        indent=2))
     png = plot(rows, out / "simulate.png")
     console = Console()
     console.print(render_table(rows, cost))
+    for g in gaps:
+        console.print(
+            f"headroom at L1 {g['l1_blocks']} / L2 {g['l2_pages']} / L3 {g['l3_pages']}: "
+            f"LRU (hints {g['lru_hints']}) {100 * g['lru_hit_total']:.1f}%, oracle (hints "
+            f"{g['oracle_hints']}) {100 * g['oracle_hit_total']:.1f}%: "
+            f"{g['headroom_points']:+.1f} points", highlight=False)
     for key, src in cost.sources.items():
         console.print(f"  {key} = {getattr(cost, key)!r}  ({src})", highlight=False)
     console.print(f"wrote {out / 'simulate.json'}, {png}")

@@ -324,6 +324,8 @@ async def run_bench(
                              "(--admin-url): pause-time prefetches go to its POST /prefetch")
         records: list[RequestRecord] = []
         prefetches = {"calls": 0, "failed": 0}
+        # Request id -> (when its history's POST /prefetch was sent, history tokens).
+        prefetched: dict[str, tuple[float, int]] = {}
         t0 = time.perf_counter()
 
         def clock() -> float:
@@ -347,6 +349,7 @@ async def run_bench(
                         await asyncio.sleep(pause - lead)
                         if lead:  # the session is due back: its history into L2 now
                             started = clock()
+                            prefetched[f"c{client}-t{turn}"] = (started, len(history))
                             prefetches["calls"] += 1
                             if not await _admin_post(http, f"{admin_url}/prefetch",
                                                      admin_token, {"prefix": history}):
@@ -357,8 +360,7 @@ async def run_bench(
                                             arrival=clock(), prompt_tokens=len(prompt),
                                             prompt_ids=prompt)
                         records.append(rec)
-                        body = _request_body(model, prompt, spec.answer_tokens,
-                                             spec.retain_s)
+                        body = _request_body(model, prompt, spec.answer_tokens, _hints(spec))
                         try:
                             text = await asyncio.wait_for(
                                 _stream_one(http, f"{base_url}/v1/completions", body, rec, clock),
@@ -400,7 +402,10 @@ async def run_bench(
             TraceRecord(id=r.id, arrival=r.arrival, finish=r.finish,
                         output_tokens=r.output_tokens, prompt=tuple(r.prompt_ids),
                         prompt_tokens=len(r.prompt_ids),
-                        output=None if r.answer_ids is None else tuple(r.answer_ids))
+                        output=None if r.answer_ids is None else tuple(r.answer_ids),
+                        hints=_hints(spec),
+                        prefetch_at=prefetched.get(r.id, (None, 0))[0],
+                        prefetch_tokens=prefetched.get(r.id, (None, 0))[1])
             for r in done
         ])
     summary = summarize(records, duration)
@@ -416,15 +421,20 @@ def run_bench_sync(base_url: str, spec: WorkloadSpec, **kwargs: Any) -> BenchRes
     return asyncio.run(run_bench(base_url, spec, **kwargs))
 
 
+def _hints(spec: WorkloadSpec) -> dict[str, Any] | None:
+    """The workload's HiCache per-request controls (other servers ignore them)."""
+    return {"retain_s": spec.retain_s} if spec.retain_s else None
+
+
 def _request_body(model: str, prompt: list[int], answer_tokens: int,
-                  retain_s: float = 0.0) -> dict[str, Any]:
+                  hints: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model, "prompt": prompt, "max_tokens": answer_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "return_token_ids": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False},
     }
-    if retain_s:  # HiCache's per-request control (other servers ignore it)
-        body["kv_transfer_params"] = {"hicache": {"retain_s": retain_s}}
+    if hints:
+        body["kv_transfer_params"] = {"hicache": hints}
     return body
 
 

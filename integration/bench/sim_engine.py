@@ -17,7 +17,16 @@ what lives outside the connector:
   up (as the workers do). A fetch always succeeds.
 - **Time**: requests are admitted at their trace arrival and release their
   blocks at their trace finish (or an estimate); the prompt's pages are
-  computed, cached and stored at admission, the decoded pages at finish.
+  computed, cached and stored at admission, the decoded pages at finish. The
+  scheduler's clock is the trace's (pins expire in trace seconds).
+- **Client actions** (``hints=True``): a record's ``hicache`` hints reach the
+  scheduler as the request's ``kv_transfer_params`` (``retain_s`` pins,
+  ``priority``, ``store``, ...), and its ``prefetch_at`` replays the admin's
+  ``POST /prefetch`` of its history at that time (with an L3: what L3 holds
+  of it beyond L2 is read into L2 at once). ``hints=False`` replays the same
+  trace as plain LRU would see it.
+- **Eviction**: ``lru`` is the scheduler's own; ``oracle`` replaces it with
+  Belady's rule over the whole trace (oracle.py): the headroom of L2 eviction.
 
 Page-hash traces are turned into token lists: every distinct page hash
 becomes one page of a token id of its own, so two requests share a page
@@ -33,14 +42,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.integration.bench.oracle import FutureUses, OracleEviction
 from hicache.integration.bench.trace import TraceRecord
 from hicache.tiers.controller.policies import WRITE_POLICY_NAMES
-from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler import HiCacheScheduler, NoRoom
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, token_block_hashes
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
 
 WRITE_POLICIES = WRITE_POLICY_NAMES
+EVICTIONS = ("lru", "oracle")
+# Event kinds, in the order they run at one instant.
+_FINISH, _PREFETCH, _ARRIVAL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -59,8 +72,15 @@ class SimConfig:
     write_threshold: int = 2
     # L3 lookups shorter than this many tokens are not worth a fetch (SGLang's default).
     prefetch_threshold: int = 256
+    # L2 eviction: "lru" (the scheduler's) or "oracle" (Belady, knows the trace).
+    eviction: str = "lru"
+    # Act on the trace's client actions: per-request hints and admin prefetches.
+    hints: bool = True
 
     def __post_init__(self) -> None:
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTIONS)}, "
+                             f"got {self.eviction!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
                              f"got {self.write_policy!r}")
@@ -99,6 +119,9 @@ class SimResult:
     outcomes: list[RequestOutcome] = field(default_factory=list)
     l2_evicted_pages: int = 0
     l3_evicted_pages: int = 0
+    # Replayed POST /prefetch calls, and the pages they read into L2.
+    prefetches: int = 0
+    prefetch_pages: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -280,6 +303,9 @@ class SimEngine:
         self._l1_seed = b"hicache-sim-l1"
         self.l3 = SimulatedL3(config.l3_pages) if config.l3_pages is not None else None
         self.sched: HiCacheScheduler | None = None
+        self._now = 0.0
+        self._admitted = 0
+        self._oracle = OracleEviction(FutureUses([])) if config.eviction == "oracle" else None
         if config.l2_pages > 0:
             namespace = KeyNamespace(model="sim", kv_dtype="sim", layout="sim",
                                      page_size=config.page_size, tp_size=1)
@@ -291,6 +317,7 @@ class SimEngine:
                 block_ids_of=lambda req_id: [range(1, 1 << 30)], write_policy=config.write_policy,
                 write_threshold=config.write_threshold, storage=self.l3,  # type: ignore[arg-type]
                 prefetch={"prefetch_threshold": config.prefetch_threshold},
+                clock=lambda: self._now, eviction=self._oracle,
             )
         self._tokens = TokenSource()
         self._prepared: dict[int, tuple[SimRequest, list[PageKey]]] = {}
@@ -299,19 +326,30 @@ class SimEngine:
     def run(self, records: Sequence[TraceRecord]) -> SimResult:
         result = SimResult(self.config)
         order = itertools.count()
-        events: list[tuple[float, int, int, Any]] = []  # (time, kind 0=finish 1=arrival, seq, obj)
+        events: list[tuple[float, int, int, Any]] = []  # (time, kind, seq, obj)
         for rec in records:
-            heapq.heappush(events, (rec.arrival, 1, next(order), rec))
+            heapq.heappush(events, (rec.arrival, _ARRIVAL, next(order), rec))
+            if self.config.hints and rec.prefetch_at is not None and rec.prefetch_tokens:
+                heapq.heappush(events, (rec.prefetch_at, _PREFETCH, next(order), rec))
+        if self._oracle is not None and self.sched is not None:
+            # Requests are admitted in arrival order (FIFO), ties in trace order.
+            admitted = sorted(records, key=lambda r: r.arrival)
+            self._oracle.uses = FutureUses(
+                self.sched.prefix_keys(self._prepare(r)[0].all_token_ids, r.cache_salt)
+                for r in admitted)
         waiting: deque[tuple[TraceRecord, float]] = deque()
         while events:
             now, kind, _, obj = heapq.heappop(events)
+            self._now = now
             if waiting and self.sched is not None:
                 # Engine steps ran since the last event: the queue's head was looked up.
                 req, keys = self._prepare(waiting[0][0])
                 local = self.l1.match(keys[: (req.num_tokens - 1) // self.config.block_size])
                 self.sched.get_num_new_matched_tokens(req, local * self.config.block_size)
-            if kind == 0:
+            if kind == _FINISH:
                 self._finish(obj)
+            elif kind == _PREFETCH:
+                self._prefetch(obj, result)
             else:
                 waiting.append((obj, now))
             while waiting:
@@ -325,7 +363,7 @@ class SimEngine:
                 waiting.popleft()
                 result.outcomes.append(running.outcome)
                 end = rec.finish if rec.finish is not None else now + self._duration_of(rec)
-                heapq.heappush(events, (max(end, now), 0, next(order), running))
+                heapq.heappush(events, (max(end, now), _FINISH, next(order), running))
         if self.sched is not None:
             result.l2_evicted_pages = self.sched.stats.evicted_pages
         result.l3_evicted_pages = self.l3.evictions if self.l3 is not None else 0
@@ -338,8 +376,10 @@ class SimEngine:
             tokens = self._tokens.prompt(rec)
             if not tokens:
                 raise ValueError(f"request {rec.id!r} has an empty prompt")
+            params = ({"hicache": dict(rec.hints)} if self.config.hints and rec.hints
+                      else None)
             req = SimRequest(f"{len(self._prepared)}:{rec.id}", tokens, 0, rec.cache_salt,
-                              block_size=self.config.block_size)
+                              block_size=self.config.block_size, kv_transfer_params=params)
             keys = page_keys(self._l1_seed + (rec.cache_salt or "").encode(), tokens,
                              self.config.block_size)
             got = self._prepared[id(rec)] = (req, keys)
@@ -353,6 +393,8 @@ class SimEngine:
         """
         cfg = self.config
         req, block_keys = self._prepare(rec)
+        if self._oracle is not None:
+            self._oracle.position = self._admitted  # this request's place in the trace
         tokens = req.all_token_ids
         hit_blocks = self.l1.match(block_keys[: (len(tokens) - 1) // cfg.block_size])
         local = hit_blocks * cfg.block_size
@@ -367,6 +409,7 @@ class SimEngine:
             return None
         del self._prepared[id(rec)]
         self._running_count += 1
+        self._admitted += 1
         outcome = RequestOutcome(rec.id, rec.arrival, len(tokens), 0, 0, 0, queued_s)
         if lookup is None:
             outcome.l1_pages = local // cfg.page_size
@@ -420,6 +463,25 @@ class SimEngine:
                                                 cfg.block_size))
         self.l1.free(running.blocks)
         self._running_count -= 1
+
+    def _prefetch(self, rec: TraceRecord, result: SimResult) -> None:
+        """The client's ``POST /prefetch`` of ``rec``'s history, as the admin runs it."""
+        if self.sched is None or self.l3 is None:
+            return  # the admin refuses it (409) without an L3
+        if self._oracle is not None:
+            self._oracle.position = self._admitted
+        req, _ = self._prepare(rec)
+        keys = self.sched.prefix_keys(req.all_token_ids[: rec.prefetch_tokens], rec.cache_salt)
+        result.prefetches += 1
+        try:
+            pages = self.sched.prefetch_prefix(keys, self.l3.batch_exists([k.hex() for k in keys]))
+        except NoRoom:
+            return
+        meta = self.sched.build_connector_meta({})
+        self.sched.on_worker_report(WorkerReport(
+            fetched={f.req_id: [len(f.l3_pages)] for f in meta.fetches}))
+        self._backup(meta)
+        result.prefetch_pages += pages
 
     def _backup(self, meta: Any) -> None:
         """The workers back every page stored in L2 up to L3."""

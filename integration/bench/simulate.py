@@ -155,20 +155,27 @@ class Grid:
     block_size: int = 32
     page_size: int = 32
     prefetch_threshold: int = 256
+    # L2 evictions ("lru", "oracle") and whether the trace's client actions count.
+    evictions: tuple[str, ...] = ("lru",)
+    hints: tuple[bool, ...] = (True,)
 
     def configs(self) -> list[SimConfig]:
         out = []
         for l1 in self.l1_blocks:
             for l2 in self.l2_pages:
                 for l3 in self.l3_pages:
-                    # Without an L2 there is no connector, so neither L3 nor a policy.
+                    # Without an L2 there is no connector: no L3, policy, eviction or hints.
                     if l2 == 0 and l3 is not None:
                         continue
                     for policy in self.write_policies if l2 else ("write_through",):
-                        out.append(SimConfig(
-                            l1_blocks=l1, l2_pages=l2, l3_pages=l3, block_size=self.block_size,
-                            page_size=self.page_size, write_policy=policy,
-                            prefetch_threshold=self.prefetch_threshold))
+                        for eviction in self.evictions if l2 else ("lru",):
+                            for hints in self.hints if l2 else (True,):
+                                out.append(SimConfig(
+                                    l1_blocks=l1, l2_pages=l2, l3_pages=l3,
+                                    block_size=self.block_size, page_size=self.page_size,
+                                    write_policy=policy,
+                                    prefetch_threshold=self.prefetch_threshold,
+                                    eviction=eviction, hints=hints))
         return list(dict.fromkeys(out))
 
 
@@ -194,6 +201,19 @@ def parse_sizes(text: str, key: str, *, allow_none: bool = False) -> tuple[int |
     return tuple(out)
 
 
+def parse_switches(text: str, key: str) -> tuple[bool, ...]:
+    """"on,off" -> (True, False); anything else is a ValueError naming ``key``."""
+    words = {"on": True, "off": False, "true": True, "false": False}
+    out = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        if part not in words:
+            raise ValueError(f"{key}: {part!r} is not a switch; allowed: on, off, on,off")
+        out.append(words[part])
+    if not out:
+        raise ValueError(f"{key}: give on, off or on,off")
+    return tuple(dict.fromkeys(out))
+
+
 def summarize(result: SimResult, cost: CostModel) -> dict[str, Any]:
     cfg = result.config
     ttfts = [cost.ttft_s(o.prompt_tokens, o.cached_pages * cfg.page_size, o.l2_pages,
@@ -205,12 +225,16 @@ def summarize(result: SimResult, cost: CostModel) -> dict[str, Any]:
         "l3_pages": "none" if cfg.l3_pages is None else ("inf" if cfg.l3_pages < 0
                                                          else cfg.l3_pages),
         "write_policy": cfg.write_policy if cfg.l2_pages else "-",
+        "eviction": cfg.eviction if cfg.l2_pages else "-",
+        "hints": ("on" if cfg.hints else "off") if cfg.l2_pages else "-",
         **{f"hit_{k}": round(v, 4) for k, v in rates.items()},
         "est_ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 3) if ttfts else None,
         "est_ttft_ms_p50": pct["p50"],
         "est_ttft_ms_p90": pct["p90"],
         "l2_evicted_pages": result.l2_evicted_pages,
         "l3_evicted_pages": result.l3_evicted_pages,
+        "prefetches": result.prefetches,
+        "prefetch_pages": result.prefetch_pages,
         "requests": len(result.outcomes),
     }
     if cost.page_bytes:
@@ -233,6 +257,25 @@ def run_grid(records: Sequence[TraceRecord], grid: Grid, cost: CostModel,
     return rows
 
 
+def headroom(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per grid point with an oracle row: the total hit rate of each LRU row of the
+    same sizes and write policy against the oracle's (hints as in the oracle row)."""
+    def point(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["l1_blocks"], r["l2_pages"], r["l3_pages"], r["write_policy"])
+
+    out = []
+    for oracle in (r for r in rows if r["eviction"] == "oracle"):
+        for lru in (r for r in rows if r["eviction"] == "lru" and point(r) == point(oracle)):
+            out.append({
+                "l1_blocks": oracle["l1_blocks"], "l2_pages": oracle["l2_pages"],
+                "l3_pages": oracle["l3_pages"], "write_policy": oracle["write_policy"],
+                "lru_hints": lru["hints"], "oracle_hints": oracle["hints"],
+                "lru_hit_total": lru["hit_total"], "oracle_hit_total": oracle["hit_total"],
+                "headroom_points": round(100 * (oracle["hit_total"] - lru["hit_total"]), 2),
+            })
+    return out
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     """Total hit rate (stacked by tier) of every grid point, and estimated TTFT."""
     import matplotlib
@@ -241,7 +284,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     labels = [f"L1 {r['l1_blocks']} / L2 {r['l2_pages']} / L3 {r['l3_pages']}"
-              + (f"\n{r['write_policy']}" if r["write_policy"] != "-" else "") for r in rows]
+              + (f"\n{r['write_policy']}, {r['eviction']}, hints {r['hints']}"
+                 if r["write_policy"] != "-" else "") for r in rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows) + 2), 7), sharex=True)
     bottom = [0.0] * len(rows)
     for tier, color in zip(TIERS, ("#4c72b0", "#55a868", "#c44e52"), strict=True):
@@ -266,7 +310,8 @@ def render_table(rows: list[dict[str, Any]], cost: CostModel) -> Any:
 
     table = Table(title="hicache simulate: share of prompt tokens served by each tier")
     cols = {"l1_blocks": "L1 blocks", "l2_pages": "L2 pages", "l3_pages": "L3 pages",
-            "write_policy": "policy", "hit_l1": "L1", "hit_l2": "L2", "hit_l3": "L3",
+            "write_policy": "policy", "eviction": "eviction", "hints": "hints",
+            "hit_l1": "L1", "hit_l2": "L2", "hit_l3": "L3",
             "hit_total": "total", "est_ttft_ms_mean": "est. TTFT ms", "est_ttft_ms_p90": "p90"}
     if cost.page_bytes:
         cols = {"l2_gib": "L2 GiB", **cols}

@@ -12,7 +12,12 @@ optional: without it the simulator estimates how long a request holds its
 L1 blocks; so is ``output``, the generated ids). ``page_hashes`` must form a prefix chain (hash i covers pages
 0..i), which is what any prefix-caching engine logs; with them the trace
 carries no tokens, so production traces can be shared. Optional
-``cache_salt`` separates tenants like vLLM's ``cache_salt``.
+``cache_salt`` separates tenants like vLLM's ``cache_salt``. Optional
+``hicache`` holds the request's HiCache hints (``kv_transfer_params.hicache``:
+``retain_s``, ``priority``, ...), and ``prefetch_at`` / ``prefetch_tokens`` say
+that the client asked the admin's ``POST /prefetch`` for the first
+``prefetch_tokens`` tokens of this prompt (its history) at that time, during
+the pause before it; the simulator acts on both.
 """
 
 from __future__ import annotations
@@ -50,6 +55,11 @@ class TraceRecord:
     # Generated token ids, if recorded: with them the simulator keys the pages
     # that decoding fills (a returning turn's history includes them).
     output: tuple[int, ...] | None = None
+    # The request's kv_transfer_params["hicache"] (hints.py), if it had any.
+    hints: dict | None = None
+    # When the client asked POST /prefetch for this prompt's first prefetch_tokens.
+    prefetch_at: float | None = None
+    prefetch_tokens: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def to_json(self) -> str:
@@ -61,6 +71,11 @@ class TraceRecord:
             d["cache_salt"] = self.cache_salt
         if self.output is not None:
             d["output"] = list(self.output)
+        if self.hints:
+            d["hicache"] = dict(self.hints)
+        if self.prefetch_at is not None:
+            d["prefetch_at"] = round(self.prefetch_at, 6)
+            d["prefetch_tokens"] = self.prefetch_tokens
         if self.prompt is not None:
             d["prompt"] = list(self.prompt)
         else:
@@ -71,7 +86,8 @@ class TraceRecord:
 
 
 _KNOWN = {"id", "arrival", "finish", "output_tokens", "prompt_tokens", "prompt",
-          "page_hashes", "page_size", "cache_salt", "output"}
+          "page_hashes", "page_size", "cache_salt", "output", "hicache", "prefetch_at",
+          "prefetch_tokens"}
 
 
 def parse_record(line: str, where: str = "trace") -> TraceRecord:
@@ -128,11 +144,27 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
     salt = d.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise TraceError(f"{where}: key 'cache_salt' must be a string")
+    hints = d.get("hicache")
+    if hints is not None and not isinstance(hints, dict):
+        raise TraceError(f"{where}: key 'hicache' must be an object (the request's "
+                         "kv_transfer_params.hicache)")
+    prefetch_at = d.get("prefetch_at")
+    if prefetch_at is not None and (not isinstance(prefetch_at, (int, float))
+                                    or isinstance(prefetch_at, bool)
+                                    or not 0 <= prefetch_at <= arrival):
+        raise TraceError(f"{where}: key 'prefetch_at' must be a number in [0, 'arrival']")
+    prefetch_tokens = d.get("prefetch_tokens", 0)
+    if (not isinstance(prefetch_tokens, int) or isinstance(prefetch_tokens, bool)
+            or not 0 <= prefetch_tokens <= prompt_tokens):
+        raise TraceError(f"{where}: key 'prefetch_tokens' must be an integer in "
+                         "[0, prompt_tokens]")
     return TraceRecord(
         id=str(d.get("id", where)), arrival=arrival, output_tokens=output, prompt=prompt,
         page_hashes=hashes, page_size=page_size, prompt_tokens=prompt_tokens,
         finish=None if finish is None else float(finish), cache_salt=salt,
         output=None if generated is None else tuple(generated),
+        hints=hints, prefetch_at=None if prefetch_at is None else float(prefetch_at),
+        prefetch_tokens=prefetch_tokens,
         extra={k: v for k, v in d.items() if k not in _KNOWN},
     )
 

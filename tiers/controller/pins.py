@@ -10,8 +10,11 @@ Contract:
 - Bounded: the pages of all pins never exceed ``max_share`` of L2
   (``hicache_retain_max_share``, half by default), so retention never starves
   other traffic; a pin that would pass the bound raises ``PinRefused`` and
-  changes nothing. Pins of overlapping prefixes (a shared system prompt) count
-  their shared pages once per pin: the bound is conservative.
+  changes nothing. A pin of a prefix that extends pinned prefixes whose
+  deadlines are no later than its own replaces them (a session's next turn
+  extends its last one): their pages count once. Other overlapping pins (a
+  shared system prompt under two sessions) count their shared pages once per
+  pin: the bound is conservative.
 - ``release_under(tops)`` ends the pins inside a subtree a flush or forget
   removes; ``release_all()`` every pin (L2 emptied).
 - ``expire()`` unlocks every pin whose deadline has passed; the scheduler calls
@@ -77,14 +80,29 @@ class Pins:
         if held is not None:
             held.expires = max(held.expires, expires)
             return held.pages
-        if self.pinned_pages + match.num_pages > self.max_pages:
+        covered = self._covered(match.node, expires)
+        freed = sum(self._pins[c].pages for c in covered)
+        if self.pinned_pages - freed + match.num_pages > self.max_pages:
             raise PinRefused(
                 f"pinning {match.num_pages} pages would hold more than "
                 f"hicache_retain_max_share={self.max_share} of L2 ({self.max_pages} pages; "
                 f"{self.pinned_pages} pinned now)")
         self.tree.lock(match.node)
+        for c in covered:
+            self.tree.unlock(self._pins.pop(c).node)
         self._pins[name] = _Pin(match.node, match.num_pages, expires)
         return match.num_pages
+
+    def _covered(self, node: TreeNode, expires: float) -> list[str]:
+        """Pins of prefixes of ``node``'s (itself excluded) ending no later than ``expires``."""
+        out = []
+        up = node.parent
+        while up is not None and up.keys:
+            pin = self._pins.get(up.keys[-1].hex())
+            if pin is not None and pin.node is up and pin.expires <= expires:
+                out.append(up.keys[-1].hex())
+            up = up.parent
+        return out
 
     def unpin(self, keys: Sequence[PageKey]) -> int:
         """End the pin of the L2 prefix of ``keys`` now; the pages it held (0: none)."""

@@ -56,6 +56,7 @@ from hicache.tiers.controller.loads import StepLoads, hit_pages
 from hicache.tiers.controller.pins import MAX_SHARE as PIN_MAX_SHARE
 from hicache.tiers.controller.pins import PinRefused, Pins
 from hicache.tiers.controller.policies import (
+    EvictionPolicy,
     make_eviction_policy,
     make_prefetch_policy,
     make_write_policy,
@@ -117,6 +118,7 @@ class HiCacheScheduler:
         l3_writers: int | None = None,
         retain_max_share: float = PIN_MAX_SHARE,
         clock: Callable[[], float] = time.monotonic,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         """``background_lookups``: L3 lookups of stores that allow it run on
         probe threads (fetches.py); False asks every store inline (tests).
@@ -127,7 +129,8 @@ class HiCacheScheduler:
         ``l3_writers``: ranks that back pages up to L3 (default ``tp_size``; 1 for
         MLA, whose ranks share one shard): a page is in L3 once all reported it.
         ``retain_max_share``: share of L2 that pins (``retain_s``, admin pins) may
-        hold (pins.py)."""
+        hold (pins.py). ``eviction``: what makes room in L2 (default the configured
+        LRU; the simulator's oracle replaces it)."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -154,7 +157,7 @@ class HiCacheScheduler:
         self.events = PageEvents(page_size=page_size, hashes_per_page=self.hashes_per_page,
                                  enabled=kv_events)
         self.l2 = L2Manager(geometry.num_slots, self.blocks_per_page, self.stats,
-                            make_eviction_policy(), self.groups, self.events)
+                            eviction or make_eviction_policy(), self.groups, self.events)
         # The jobs share these; they are never rebound.
         self.tree = self.l2.tree
         self.slots = self.l2.slots

@@ -430,29 +430,34 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ eviction / removal
 
-    def evict(self, num_pages: int) -> list[int]:
-        """Free exactly ``num_pages`` L2 pages if possible: unlocked L2 leaves, LRU first.
+    def evict(self, num_pages: int,
+              rank: Callable[[TreeNode], tuple[float, ...]] | None = None) -> list[int]:
+        """Free exactly ``num_pages`` L2 pages if possible: unlocked L2 leaves, lowest
+        ``rank`` first (default: priority, then access time).
 
         A leaf longer than what is still needed loses only its tail pages, so
         the reusable head of a long history survives. Pages L3 holds stay in
         the tree, L3-only. Fewer are freed only when nothing unlocked is left.
-        Returns the freed host slots.
+        A ``rank`` given must never put a node below one of its children (the
+        default does not: see Priorities and Access times). Returns the freed
+        host slots.
         """
-        heap = [(n.priority, n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
+        rank = rank or _default_rank
+        heap = [(rank(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
-            _, _, _, leaf = heapq.heappop(heap)
+            _, _, leaf = heapq.heappop(heap)
             still_needed = num_pages - len(freed)
             if len(leaf.keys) > still_needed:
                 self._split(leaf, len(leaf.keys) - still_needed)  # leaf keeps the tail
             parent = leaf.parent
             assert parent is not None
             freed.extend(self._drop_l2(leaf))
-            # Parents are never older nor of a lower priority than children, so
-            # pushing one keeps the popped sequence in order.
+            # A parent never ranks below its children, so pushing one keeps the
+            # popped sequence in order.
             if parent in self._leaves and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.priority, parent.last_access, parent.id, parent))
+                heapq.heappush(heap, (rank(parent), parent.id, parent))
         self._trim_l3_index()
         return freed
 
@@ -722,6 +727,10 @@ class HiRadixTree:
         assert l3_only == self._l3_only_pages, f"l3_only_pages {self._l3_only_pages} != {l3_only}"
         assert leaves == self._leaves, "leaf set out of date"
         assert index == self._nodes, "key index out of date"
+
+
+def _default_rank(node: TreeNode) -> tuple[float, ...]:
+    return (node.priority, node.last_access)
 
 
 def _preorder(top: TreeNode) -> Iterator[TreeNode]:

@@ -199,20 +199,23 @@ def test_bad_admin_url_is_a_clear_error(server):
                        admin_url=admin + "/nope", progress=False)
 
 
-def test_agent_sessions_pause_retain_and_prefetch(server, runs):
+def test_agent_sessions_pause_retain_and_prefetch(server, runs, tmp_path):
     """The agent scenario as a client runs it: each later turn waits its seeded tool
     pause, carries the history, asks the admin to prefetch the history before it
     returns and sends retain_s, which pins pages. This server has no L3, so every
     prefetch is refused (409) and counted as failed; the requests are unaffected.
-    (The prefetch itself: tests/connector/test_engine_sessions.py.)"""
+    The trace records the hints and when each history's prefetch was asked (the
+    simulator replays both). (The prefetch itself: tests/connector/test_engine_sessions.py.)"""
     base, admin = server
     spec = WorkloadSpec(scenario="agent", clients=2, turns=3, history_tokens=300,
                         shared_prefix_tokens=64, question_tokens=32, answer_tokens=8,
                         pause_min_s=0.2, pause_max_s=0.4, retain_s=600, prefetch_lead_s=0.1,
                         seed=21)
-    result = run_bench_sync(base, spec, admin_url=admin, admin_token=TOKEN, progress=False)
+    result = run_bench_sync(base, spec, admin_url=admin, admin_token=TOKEN, progress=False,
+                            trace_path=tmp_path / "agent.jsonl")
     assert result.summary["n_errors"] == 0
     assert result.summary["prefetch_calls"] == 2 * 2 == result.summary["prefetch_failed"]
+    traced = {r.id: r for r in read_trace(tmp_path / "agent.jsonl")}
     by = {(r.client, r.turn): r for r in result.requests}
     for client in range(2):
         for turn in (1, 2):
@@ -221,6 +224,11 @@ def test_agent_sessions_pause_retain_and_prefetch(server, runs):
             assert cur.arrival - prev.finish >= spec.pause_of(client, turn) - 0.005
             assert cur.prompt_ids[: len(prev.prompt_ids) + 8] == [*prev.prompt_ids,
                                                                   *prev.answer_ids]
+            rec = traced[cur.id]
+            assert rec.hints == {"retain_s": 600}
+            assert rec.prefetch_tokens == len(prev.prompt_ids) + 8
+            assert rec.prefetch_at is not None and prev.finish <= rec.prefetch_at <= rec.arrival
+        assert traced[by[(client, 0)].id].prefetch_at is None
     pins = httpx.get(f"{admin}/stats", timeout=10).json()["pins"]
     assert pins["pins"] >= 1 and pins["pinned_pages"] > 0
     with pytest.raises(BenchError, match="prefetch_lead_s needs the admin endpoint"):

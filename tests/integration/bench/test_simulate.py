@@ -76,6 +76,17 @@ def test_cli_replays_a_trace_over_a_grid(tmp_path):
     # 3 x 13 pages do not fit 19 L1 blocks; with 59 blocks or a 100-page L2 they do.
     assert by[(20, 0)]["hit_total"] < by[(60, 0)]["hit_total"] == by[(20, 100)]["hit_total"]
     assert by[(20, 100)]["hit_l2"] > 0
+    # The oracle beside LRU at each L2 size, and the headroom between them.
+    res = CliRunner().invoke(app, ["simulate", str(trace), "--l1-blocks", "20",
+                                   "--l2-pages", "20", "--eviction", "lru,oracle",
+                                   "--hints", "on,off", "--out", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "simulate.json").read_text())
+    assert {(r["eviction"], r["hints"]) for r in result["rows"]} == {
+        ("lru", "on"), ("lru", "off"), ("oracle", "on"), ("oracle", "off")}
+    assert len(result["headroom"]) == 4 and "headroom at L1 20 / L2 20" in res.output
+    for gap in result["headroom"]:
+        assert gap["oracle_hit_total"] >= gap["lru_hit_total"]
 
 
 def test_cli_rejects_bad_options(tmp_path):
@@ -85,6 +96,11 @@ def test_cli_rejects_bad_options(tmp_path):
     assert res.exit_code == 2 and "--l2-pages: 'lots' is not a size" in res.output
     res = CliRunner().invoke(app, ["simulate", str(trace), "--policy", "lru", "--l2-pages", "8"])
     assert res.exit_code == 2 and "write_policy must be one of" in res.output
+    res = CliRunner().invoke(app, ["simulate", str(trace), "--l2-pages", "8",
+                                   "--eviction", "lfu"])
+    assert res.exit_code == 2 and "eviction must be one of lru, oracle" in res.output
+    res = CliRunner().invoke(app, ["simulate", str(trace), "--hints", "maybe"])
+    assert res.exit_code == 2 and "--hints: 'maybe' is not a switch" in res.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival": 0}\n')
     res = CliRunner().invoke(app, ["simulate", str(bad)])

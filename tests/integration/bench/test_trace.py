@@ -16,7 +16,8 @@ from hicache.integration.bench.trace import (
 def test_round_trip_both_forms_sorted_by_arrival(tmp_path):
     recs = [
         TraceRecord(id="b", arrival=2.0, output_tokens=4, prompt=(5, 6, 7), prompt_tokens=3,
-                    finish=2.5, output=(1, 2, 3, 4), cache_salt="tenant"),
+                    finish=2.5, output=(1, 2, 3, 4), cache_salt="tenant",
+                    hints={"retain_s": 8}, prefetch_at=1.5, prefetch_tokens=2),
         TraceRecord(id="a", arrival=1.0, output_tokens=2, page_hashes=("h1", "h2"), page_size=16,
                     prompt_tokens=40),
     ]
@@ -38,6 +39,10 @@ def test_round_trip_both_forms_sorted_by_arrival(tmp_path):
      '"prompt_tokens": 2}', "'prompt_tokens'"),
     ('{"arrival": 3, "finish": 1, "output_tokens": 1, "prompt": [1]}', "'finish'"),
     ('{"arrival": 0, "output_tokens": 1, "prompt": [1], "output": ["a"]}', "'output'"),
+    ('{"arrival": 0, "output_tokens": 1, "prompt": [1], "hicache": 8}', "'hicache'"),
+    ('{"arrival": 1, "output_tokens": 1, "prompt": [1], "prefetch_at": 2}', "'prefetch_at'"),
+    ('{"arrival": 1, "output_tokens": 1, "prompt": [1], "prefetch_at": 0, '
+     '"prefetch_tokens": 5}', "'prefetch_tokens'"),
     ('[1, 2]', "JSON object"),
     ('{nope', "not JSON"),
 ])

@@ -110,3 +110,22 @@ def test_flush_forget_and_reset_end_the_pins_of_what_they_drop(clock):
     serve(sched, "s3", SESSION, retain_s=600)
     assert sched.reset() and sched.pins.stats()["pins"] == 0
     sched.tree.check_invariants()
+
+
+def test_a_sessions_next_turn_takes_over_the_pin_of_its_last(clock):
+    sched = scheduler(clock, retain_max_share=0.375)  # 6 of 16 pages
+    turns = [SESSION + list(range(500, 500 + 8 * n)) for n in range(3)]  # 3, 4, 5 pages
+    assert serve(sched, "t0", turns[0], retain_s=60) == 3
+    clock.now += 5
+    # Its pages count once: 4, not 3 + 4 (which would pass the share).
+    assert serve(sched, "t1", turns[1], retain_s=60) == 4
+    assert sched.pins.stats()["pins"] == 1 and sched.pins.pinned_pages == 4
+    # A pin ending earlier than the one it extends does not replace it.
+    refused = serve(sched, "t2", turns[2], retain_s=1)
+    assert isinstance(refused, str) and "4 pinned now" in refused
+    assert serve(sched, "t2b", turns[2], retain_s=60) == 5
+    assert sched.pins.stats() == {"pins": 1, "pinned_pages": 5, "max_pages": 6,
+                                  "next_expiry_s": 60}
+    flood(sched)
+    assert in_l2(sched, turns[2]) == 5
+    sched.tree.check_invariants()
