@@ -364,9 +364,7 @@ def lookup(
     timeout: TimeoutOpt = 10.0,
 ) -> None:
     """Tokens of a prompt each tier holds, and the expected load time per tier."""
-    ids = parse_prefix_option(prefix)
-    if not ids:
-        raise typer.BadParameter("give at least one token id", param_hint="--prefix")
+    ids = _prompt_ids(prefix)
     params: dict[str, Any] = {"prefix": ",".join(str(i) for i in ids)}
     if cache_salt is not None:
         params["cache_salt"] = cache_salt
@@ -388,14 +386,65 @@ def forget(
     timeout: TimeoutOpt = 60.0,
 ) -> None:
     """Remove a conversation from every tier (not what other cached prompts share)."""
-    ids = parse_prefix_option(prefix)
-    if not ids:
-        raise typer.BadParameter("give at least one token id", param_hint="--prefix")
+    ids = _prompt_ids(prefix)
     if not yes:
         typer.confirm(f"Forget the {len(ids)}-token conversation in L2 and L3?", abort=True)
     body = {"prefix": ids, "cache_salt": cache_salt, "keep_tokens": keep_tokens}
     _print_counts("forgotten", _json(request("POST", url, "/forget", token, timeout,
                                              body=body)))
+
+
+SaltOpt = Annotated[
+    str | None, typer.Option("--cache-salt", help="The cache_salt its requests carry.")]
+PromptOpt = Annotated[str, typer.Option(help="The prompt's comma-separated token ids.")]
+
+
+@admin_app.command()
+def prefetch(
+    prefix: PromptOpt,
+    cache_salt: SaltOpt = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 30.0,
+) -> None:
+    """Bring what L3 holds of a prompt into L2 now (a session due back after a tool call)."""
+    body = {"prefix": _prompt_ids(prefix), "cache_salt": cache_salt}
+    _out().print_json(data=_json(request("POST", url, "/prefetch", token, timeout, body=body)))
+
+
+@admin_app.command()
+def pin(
+    prefix: PromptOpt,
+    ttl_s: Annotated[float, typer.Option("--ttl-s", min=0.001,
+                                         help="Seconds to keep its L2 pages ahead of LRU.")],
+    cache_salt: SaltOpt = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """Keep what L2 holds of a prompt ahead of LRU for a while (within the retain share)."""
+    body = {"prefix": _prompt_ids(prefix), "cache_salt": cache_salt, "ttl_s": ttl_s}
+    _out().print_json(data=_json(request("POST", url, "/pin", token, timeout, body=body)))
+
+
+@admin_app.command()
+def unpin(
+    prefix: PromptOpt,
+    cache_salt: SaltOpt = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """Release a prompt's pin now."""
+    body = {"prefix": _prompt_ids(prefix), "cache_salt": cache_salt}
+    _out().print_json(data=_json(request("DELETE", url, "/pin", token, timeout, body=body)))
+
+
+def _prompt_ids(prefix: str) -> list[int]:
+    ids = parse_prefix_option(prefix)
+    if not ids:
+        raise typer.BadParameter("give at least one token id", param_hint="--prefix")
+    return ids
 
 
 def _print_counts(title: str, counts: Any) -> None:

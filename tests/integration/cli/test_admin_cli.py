@@ -246,10 +246,32 @@ def test_lookup_and_forget(live: Live) -> None:
                token=TOKEN).exit_code == 2
 
 
+def test_prefetch_pin_and_unpin(live: Live) -> None:
+    r = run(["admin", "prefetch", "--prefix", "7,8,9", "--cache-salt", "s"], url=live.url,
+            token=TOKEN)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == {"prefetch_tokens": 0, "l3_tokens": 0, "l2_tokens": 0}
+    assert live.target.calls[-1] == ("prefetch", ([7, 8, 9], "s"))
+    r = run(["admin", "pin", "--prefix", "7,8", "--ttl-s", "90"], url=live.url, token=TOKEN)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == {"pinned_pages": 0, "ttl_s": 90.0}
+    assert live.target.calls[-1] == ("pin", ([7, 8], None, 90.0))
+    r = run(["admin", "unpin", "--prefix", "7,8"], url=live.url, token=TOKEN)
+    assert r.exit_code == 0, r.output
+    assert live.target.calls[-1] == ("unpin", ([7, 8], None))
+    calls = len(live.target.calls)
+    assert run(["admin", "pin", "--prefix", "7"], url=live.url, token=TOKEN).exit_code == 2
+    assert run(["admin", "pin", "--prefix", "7", "--ttl-s", "0"], url=live.url,
+               token=TOKEN).exit_code == 2
+    assert run(["admin", "prefetch", "--prefix", ""], url=live.url, token=TOKEN).exit_code == 2
+    assert len(live.target.calls) == calls
+
+
 @pytest.mark.parametrize(
     "args",
     [["flush", "-y"], ["attach", "file"], ["detach"], ["forget", "--prefix", "1", "-y"],
-     ["lookup", "--prefix", "1"]],
+     ["lookup", "--prefix", "1"], ["prefetch", "--prefix", "1"],
+     ["pin", "--prefix", "1", "--ttl-s", "5"], ["unpin", "--prefix", "1"]],
 )
 def test_missing_or_wrong_token(live: Live, args: list[str]) -> None:
     r = run(["admin", *args], url=live.url)
