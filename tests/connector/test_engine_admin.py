@@ -9,7 +9,6 @@ cache is off, so every hit vLLM reports came from HiCache.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 
@@ -204,62 +203,6 @@ def test_tree_view(live, turns):
     assert r.status_code == 200, r.text
     view = r.json()
     assert view["page_size"] == BLOCK_SIZE and view["total_pages"] >= 0
-
-
-def test_forget_one_of_four_conversations_in_every_tier(live, tiny_model):
-    """Four conversations share a 5-page system prompt; POST /forget of one of them,
-    then a fresh engine on the same L3 (empty L2, no prefix cache): it serves the
-    forgotten one at most its system prompt and the other three in full, with the
-    tokens the first engine produced. /lookup says the same before the restart."""
-    llm, client, _ = live
-    rng = random.Random(29)
-    draw = lambda n: [rng.randrange(8, 2000) for _ in range(n)]  # noqa: E731
-    system = draw(5 * BLOCK_SIZE)
-    # Own parts past the L3 prefetch threshold (256 tokens), as the system prompt is not.
-    prompts = [system + draw(400) for _ in range(CONVS)]
-    full = (len(prompts[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    first = run_turns(llm, prompts, WORKLOAD.answer_tokens)
-    deadline = time.monotonic() + 120
-    while client.get("/stats").json()["queues"]["l3_backup_queue_pages"]:
-        assert time.monotonic() < deadline, "the L3 backups never landed"
-        time.sleep(0.5)
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    look = client.get("/lookup", params={"prefix": ",".join(map(str, prompts[0]))},
-                      headers=auth)
-    assert look.status_code == 200, look.text
-    assert look.json()["tokens"]["l3"] >= full
-    assert client.get("/lookup", params={"prefix": "1,2"}).status_code == 401  # a prompt
-    r = post(client, "/forget", {"prefix": prompts[0]})
-    assert r.status_code == 200, r.text
-    counts = r.json()
-    assert counts["kept_shared_pages"] == 5 and counts["l3_pages"] > 0, counts
-    after = client.get("/lookup", params={"prefix": ",".join(map(str, prompts[0]))},
-                       headers=auth).json()
-    assert after["tokens"]["l3"] == 5 * BLOCK_SIZE  # the system prompt, no more
-    assert after["tokens"]["l2"] <= 5 * BLOCK_SIZE
-    for other in prompts[1:]:
-        held = client.get("/lookup", params={"prefix": ",".join(map(str, other))},
-                          headers=auth).json()["tokens"]
-        assert held["l3"] == full, held
-    for other in prompts[1:]:
-        held = client.get("/lookup", params={"prefix": ",".join(map(str, other))},
-                          headers=auth).json()["tokens"]
-        assert held["l3"] == full, held
-    path = client.get("/config").json()["hicache"]["hicache_storage_backend_extra_config"][
-        "path"]
-    fresh = open_llm(EngineSpec(
-        model=tiny_model, prefix_caching=False, block_size=BLOCK_SIZE,
-        num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN, in_process=True,
-        hicache={"hicache_size": 0.05, "hicache_storage_backend": "file",
-                 "hicache_storage_prefetch_policy": "wait_complete",
-                 "hicache_storage_backend_extra_config": {"path": path}}))
-    try:
-        again = run_turns(fresh, prompts, WORKLOAD.answer_tokens, one_by_one=True)
-    finally:
-        close_llm(fresh)
-    assert again.outputs == first.outputs
-    assert again.num_cached_tokens[0] <= 5 * BLOCK_SIZE
-    assert again.num_cached_tokens[1:] == [full] * (CONVS - 1)
 
 
 def test_fuzz_the_live_admin_api_finds_no_server_error(live):

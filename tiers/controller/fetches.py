@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -97,13 +97,25 @@ class InflightFetch:
     source: EventRequest | None = None
 
 
+class RoomYielder(Protocol):
+    """L2 pages held back from eviction that give way to a fetch (pins.py)."""
+
+    @property
+    def pinned_pages(self) -> int: ...
+
+    def yield_to(self, pages: int, room: Callable[[], int]) -> int: ...
+
+
 class L3Fetches:
     """L3 lookups and the fetches in flight (see the module docstring)."""
 
     def __init__(self, l2: L2Manager, stats: SchedulerStats, *, storage: L3Store | None,
                  policy: PrefetchPolicy, settings: dict[str, float], page_size: int,
-                 tp_size: int, probes: L3Probes | None = None) -> None:
+                 tp_size: int, probes: L3Probes | None = None,
+                 yielding: RoomYielder | None = None) -> None:
         self.l2 = l2
+        # What gives way to a fetch short of L2 room (the scheduler's pins).
+        self.yielding = yielding
         # None = no L3; the admin may attach or detach one at any time.
         self.storage = storage
         self.policy = policy
@@ -158,8 +170,9 @@ class L3Fetches:
             found = known + self._ask(run[known:], checkpoints)
         if found > known:
             self.l2.found_in_l3(keys[: start + found], start + known, source)
-        # The fetched pages need L2 slots: never promise more than L2 can hold now.
-        found = min(found, self.l2.room())
+        # The fetched pages need L2 slots: never promise more than L2 can hold now
+        # (pins included: they give way in ``reserve``).
+        found = min(found, self._room())
         return found if found >= threshold else 0
 
     def _ask(self, run: Sequence[PageKey], checkpoints: bool) -> int:
@@ -169,7 +182,7 @@ class L3Fetches:
             wanted = [body_key(k) if checkpoints else k for k in run]
             found = self.storage.batch_exists([k.hex() for k in wanted])  # type: ignore[union-attr]
             if checkpoints:
-                found = self._last_checkpoint(run, min(found, self.l2.room()))
+                found = self._last_checkpoint(run, min(found, self._room()))
             return int(found)
         except Exception:  # noqa: BLE001 - a failing L3 is a miss, never an engine error
             logger.exception("HiCache: L3 lookup failed; treating as a miss")
@@ -184,12 +197,19 @@ class L3Fetches:
                 return end
         return 0
 
+    def _room(self) -> int:
+        """L2 pages a fetch could get now, counting what pins would give up."""
+        return self.l2.room() + (self.yielding.pinned_pages if self.yielding else 0)
+
     def reserve(self, req_id: str, node: TreeNode, pages: int) -> list[int]:
         """Lock the L2 prefix ending at ``node`` (until the fetch ends) and reserve
-        slots for ``pages`` L3 pages after it; [] when L2 has no room now."""
+        slots for ``pages`` L3 pages after it; [] when L2 has no room now. When L2
+        is short, pins give way first (``yielding``, pins.py)."""
         self.l2.tree.lock(node)
         if not pages:
             return []
+        if self.yielding is not None and self.l2.room() < pages:
+            self.yielding.yield_to(pages, self.l2.room)
         slots = self.l2.allocate(pages) or []
         if not slots:
             logger.warning("HiCache: no L2 room for %d L3 pages of request %s; "

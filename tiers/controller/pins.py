@@ -15,6 +15,12 @@ Contract:
   extends its last one): their pages count once. Other overlapping pins (a
   shared system prompt under two sessions) count their shared pages once per
   pin: the bound is conservative.
+- Pins give way to fetches: ``yield_to(pages, room)`` ends pins, soonest
+  deadline first, until ``room()`` (L2 pages an allocation could take) reaches
+  ``pages`` or no pin is left; the scheduler calls it when an L3 fetch finds
+  L2 short, so retention never turns another request's L3 hit into a
+  recompute. Stores and prefetches never end pins. ``stats()["yielded"]``
+  counts the pins ended so.
 - ``release_under(tops)`` ends the pins inside a subtree a flush or forget
   removes; ``release_all()`` every pin (L2 emptied).
 - ``expire()`` unlocks every pin whose deadline has passed; the scheduler calls
@@ -60,6 +66,7 @@ class Pins:
         self.max_share = max_share
         self.clock = clock
         self._pins: dict[str, _Pin] = {}
+        self.yielded = 0
 
     @staticmethod
     def name_of(keys: Sequence[PageKey]) -> str:
@@ -114,6 +121,18 @@ class Pins:
         self.tree.unlock(pin.node)
         return pin.pages
 
+    def yield_to(self, pages: int, room: Callable[[], int]) -> int:
+        """End pins, soonest deadline first, until ``room() >= pages``; how many."""
+        self.expire()
+        ended = 0
+        for name in sorted(self._pins, key=lambda n: self._pins[n].expires):
+            if room() >= pages:
+                break
+            self.tree.unlock(self._pins.pop(name).node)
+            ended += 1
+        self.yielded += ended
+        return ended
+
     def expire(self) -> int:
         """Unlock the pins whose deadline has passed; how many."""
         now = self.clock()
@@ -151,5 +170,5 @@ class Pins:
         now = self.clock()
         nearest = min((p.expires for p in self._pins.values()), default=None)
         return {"pins": len(self._pins), "pinned_pages": self.pinned_pages,
-                "max_pages": self.max_pages,
+                "max_pages": self.max_pages, "yielded": self.yielded,
                 "next_expiry_s": None if nearest is None else round(nearest - now, 3)}

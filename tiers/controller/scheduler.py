@@ -171,17 +171,17 @@ class HiCacheScheduler:
             tp_size=tp_size)
         self._seq = 0  # StepPlan.seq of the last plan
         settings = dict(prefetch or {})
+        self.pins = Pins(self.tree, geometry.num_slots, max_share=retain_max_share,
+                         clock=clock)
         self.fetches = L3Fetches(
             self.l2, self.stats, storage=storage,
             policy=make_prefetch_policy(prefetch_policy, settings), settings=settings,
             page_size=page_size, tp_size=tp_size,
-            probes=L3Probes() if background_lookups else None)
+            probes=L3Probes() if background_lookups else None, yielding=self.pins)
         self.prefetches = ArrivalPrefetches(
             self.fetches, self.requests, self.stats, page_size=page_size,
             capacity_pages=geometry.num_slots, clock=clock)
         self.prefetch_at_arrival = prefetch_at_arrival
-        self.pins = Pins(self.tree, geometry.num_slots, max_share=retain_max_share,
-                         clock=clock)
         # Finished requests' retain_s outcome (pages pinned, or why not), for the
         # connector to put in their responses (take_retained).
         self._retained: dict[str, int | str] = {}

@@ -4,7 +4,7 @@ clock), stay within their share of L2, and end when their pages are flushed or
 forgotten. The scheduler half without an engine."""
 
 import pytest
-from support.fakes import keys_of, request
+from support.fakes import file_store, keys_of, request, write_prompt_pages
 from support.fakes import serve as serve_request
 
 from hicache.tiers.controller.pins import PinRefused
@@ -14,6 +14,7 @@ from hicache.tiers.l2.geometry import PoolGeometry
 
 BS, PAGE, SLOTS = 4, 8, 16
 NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+GEOM = PoolGeometry(num_slots=SLOTS, num_layers=2, blocks_per_page=2, block_bytes=64)
 
 
 class Clock:
@@ -32,7 +33,7 @@ def clock() -> Clock:
 def scheduler(clock: Clock, **kw) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
     s = HiCacheScheduler(
-        geometry=PoolGeometry(num_slots=SLOTS, num_layers=2, blocks_per_page=2, block_bytes=64),
+        geometry=GEOM,
         namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [tables[rid]],
         clock=clock, **kw)
     s.tables = tables
@@ -74,7 +75,7 @@ def test_retained_session_survives_a_flood_and_leaves_at_its_deadline(clock):
     flood(sched)
     assert in_l2(sched, SESSION) == 0
     assert sched.pins.stats() == {"pins": 0, "pinned_pages": 0, "max_pages": SLOTS // 2,
-                                  "next_expiry_s": None}
+                                  "yielded": 0, "next_expiry_s": None}
 
 
 def test_without_retain_s_the_flood_evicts_the_session(clock):
@@ -125,7 +126,30 @@ def test_a_sessions_next_turn_takes_over_the_pin_of_its_last(clock):
     assert isinstance(refused, str) and "4 pinned now" in refused
     assert serve(sched, "t2b", turns[2], retain_s=60) == 5
     assert sched.pins.stats() == {"pins": 1, "pinned_pages": 5, "max_pages": 6,
-                                  "next_expiry_s": 60}
+                                  "yielded": 0, "next_expiry_s": 60}
     flood(sched)
     assert in_l2(sched, turns[2]) == 5
+    sched.tree.check_invariants()
+
+
+def test_pins_give_way_to_an_l3_fetch_that_finds_no_room(clock, tmp_path):
+    """L2 is all pins; a request whose history only L3 holds still gets its L3 hit:
+    pins end, soonest deadline first, until the fetch has room (stores never do that:
+    the flood tests above)."""
+    sched = scheduler(clock, retain_max_share=1.0, storage=file_store(tmp_path, NS, GEOM),
+                      prefetch={"prefetch_threshold": 0})
+    sessions = [list(range(100 * i, 100 * i + 32)) for i in range(1, 5)]  # 4 pages each
+    for i, tokens in enumerate(sessions):
+        assert serve(sched, f"s{i}", tokens, retain_s=60 + i) == 4
+    assert sched.pins.pinned_pages == SLOTS and sched.l2.room() == 0
+    history = list(range(5000, 5024))  # 3 pages, in L3 only
+    write_prompt_pages(tmp_path, NS, GEOM, history, PAGE)
+    back = request("back", history + [1])
+    assert sched.get_num_new_matched_tokens(back, 0) == (3 * PAGE, True)
+    sched.update_state_after_alloc(back, [[1, 2, 3, 4, 5, 6, 7]], 3 * PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert len(fetch.l3_pages) == 3
+    assert sched.pins.stats()["yielded"] == 1  # s0's pin, the soonest to end
+    assert in_l2(sched, sessions[0]) < 4
+    assert all(in_l2(sched, tokens) == 4 for tokens in sessions[1:])
     sched.tree.check_invariants()
