@@ -325,7 +325,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 getattr(scheduler_output, "preempted_req_ids", None) or (),
             )
         if self._admin is not None:
-            plan.storage_commands = self._admin.take_commands()
+            plan.storage_commands = [*plan.storage_commands, *self._admin.take_commands()]
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0
         return HiCacheStepMetadata.wrap(plan)
 

@@ -75,7 +75,7 @@ from hicache.connector.worker_stats import CopyClock, CounterDeltas, WorkerStats
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
 from hicache.kernels.layer_pipeline import Checkpoint, LayerPipeline
-from hicache.tiers.index.commands import AttachStore, ClearStore, DeletePages
+from hicache.tiers.index.commands import AttachStore, ClearStore, DeletePages, RetainPages
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageBackend
@@ -643,7 +643,7 @@ class HiCacheWorker:
                 "l3_backup_pages": io.backup_pages, "l3_backup_failed_pages": io.backup_failed_pages,
                 "l3_bytes_read": backend.bytes_read, "l3_bytes_written": backend.bytes_written,
                 "l3_corrupt_pages": backend.corrupt_pages, "l3_errors": backend.errors,
-                "l3_flushed_pages": io.deleted_pages,
+                "l3_flushed_pages": io.deleted_pages, "l3_retained_pages": io.retained_pages,
             })
         return out
 
@@ -677,11 +677,16 @@ class HiCacheWorker:
         if not meta.storage_commands or self._commands_applied is meta:
             return
         self._commands_applied = meta
-        if self._pending:
+        removes = any(not isinstance(c, RetainPages) for c in meta.storage_commands)
+        if self._pending and removes:
             # An L3 deletion must not be followed by a backup of a page it deletes.
             self.stats.store_waits += 1
             self._settle_all()
         for command in meta.storage_commands:
+            if isinstance(command, RetainPages):
+                if self.storage_io is not None and self.l3_writer:
+                    self.storage_io.submit_retention(list(command.keys), command.until)
+                continue
             if isinstance(command, (DeletePages, ClearStore)):
                 if self.storage_io is not None and self.l3_writer:
                     keys: list[bytes] | None = (

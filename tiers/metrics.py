@@ -154,6 +154,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _worker("l3_corrupt_pages", "L3 pages rejected by the page key or checksum check"),
     _worker("l3_errors", "Errors raised by the HiCache L3 store"),
     _worker("l3_flushed_pages", "Pages deleted from the HiCache L3 store by an admin flush"),
+    _worker("l3_retained_pages",
+            "Pages the HiCache L3 store agreed to keep ahead of its eviction (retain_s, pins)"),
     # Worker latencies, one observation per rank (also in vLLM's /metrics).
     _latency("l2_load_seconds", "Copy time of one step's HiCache L2 -> vLLM KV cache loads "
              "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),

@@ -14,6 +14,7 @@ import torch
 
 from hicache.connector.metadata import HiCacheStepMetadata
 from hicache.connector.worker import MAX_STORE_STEPS_IN_FLIGHT, HiCacheWorker
+from hicache.tiers.index.commands import RetainPages
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestFetch, RequestLoad
 from hicache.tiers.l2.host_pool import PoolGeometry
@@ -191,3 +192,15 @@ def test_without_async_stores_each_step_waits_for_its_own(gate):
     finally:
         gate.open.set()  # a failed assertion must not leave the copy thread gated
         w.shutdown()
+
+
+def test_an_l3_retention_never_waits_for_the_stores_in_flight(w, gate):
+    """An L3 deletion waits for stores in flight (none may land after it); a retention
+    (a request's retain_s) has no such reason and must not stall the step."""
+    w.finish_step(store(1, 0, KEY_A, (3, 4)))
+    assert gate.entered.wait(60)  # the store is in flight, held by the gate
+    step = HiCacheStepMetadata(seq=2, storage_commands=[RetainPages((KEY_A,), 1.0)])
+    applied = threading.Thread(target=w.apply_commands, args=(step,), daemon=True)
+    applied.start()
+    applied.join(60)  # bounds a broken test only: the gate stays closed meanwhile
+    assert not applied.is_alive() and w.stats.store_waits == 0

@@ -288,23 +288,28 @@ class SchedulerAdmin:
                 "l2_tokens": in_l2 * page}
 
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
-        """Keep what L2 holds of ``prefix`` ahead of LRU for ``ttl_s`` seconds (pins.py);
-        409 when pins would hold more than hicache_retain_max_share of L2."""
+        """Keep what L2 holds of ``prefix`` ahead of LRU for ``ttl_s`` seconds (pins.py),
+        and ask L3 to keep it as long where the backend can; 409 when pins would hold
+        more than hicache_retain_max_share of L2."""
         s = self.scheduler
         keys = self._prompt_keys(prefix, cache_salt)
         try:
             with s.lock:
                 pages = s.pins.pin(keys, ttl_s)
+                if s.storage is not None:
+                    s.retain_in_l3(keys, ttl_s)
         except PinRefused as exc:
             raise AdminError(409, str(exc)) from exc
         return {"pinned_pages": pages, "ttl_s": ttl_s}
 
     def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
-        """End the pin of ``prefix`` now (its pages become evictable)."""
+        """End the pin of ``prefix`` now (its pages become evictable), in L3 too."""
         s = self.scheduler
         keys = self._prompt_keys(prefix, cache_salt)
         with s.lock:
             pages = s.pins.unpin(keys)
+            if s.storage is not None:
+                s.retain_in_l3(keys, 0)
         return {"unpinned_pages": pages}
 
     def _prompt_keys(self, prefix: list[int], cache_salt: str | None) -> list[PageKey]:

@@ -47,7 +47,6 @@ from hicache.tiers.index.commands import ClearStore, DeletePages, L3Removal
 from hicache.tiers.index.page_keys import (
     PageKey,
     block_page_keys,
-    body_key,
     token_block_hashes,
 )
 from hicache.tiers.index.radix_tree import Dropped, TreeNode
@@ -151,11 +150,9 @@ class Flusher:
     def _delete_pages(self, keys: list[PageKey]) -> DeletePages:
         """The L3 removal of ``keys`` (each once), told to the KV events; with Mamba
         state groups their bodies too (page_keys.body_key)."""
-        doomed = dict.fromkeys(keys)
-        self.l2.events.l3_removed(list(doomed))
-        if self.l2.groups.has_state:
-            doomed.update(dict.fromkeys(PageKey(body_key(k)) for k in list(doomed)))
-        return DeletePages(tuple(doomed))
+        doomed = list(dict.fromkeys(keys))
+        self.l2.events.l3_removed(doomed)
+        return DeletePages(tuple(self.l2.groups.l3_page_keys(doomed)))
 
     def _settle(self, dropped: Dropped) -> dict[str, int]:
         counts = {"l2_pages": len(dropped.freed_slots),

@@ -72,7 +72,7 @@ from hicache.tiers.controller.requests import (
 )
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
-from hicache.tiers.index.commands import L3Removal
+from hicache.tiers.index.commands import L3Removal, RetainPages, StorageCommand
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
@@ -182,6 +182,8 @@ class HiCacheScheduler:
             self.fetches, self.requests, self.stats, page_size=page_size,
             capacity_pages=geometry.num_slots, clock=clock)
         self.prefetch_at_arrival = prefetch_at_arrival
+        # L3 commands of its own for every worker (retention), with the next plan.
+        self._commands: list[StorageCommand] = []
         # Finished requests' retain_s outcome (pages pinned, or why not), for the
         # connector to put in their responses (take_retained).
         self._retained: dict[str, int | str] = {}
@@ -375,7 +377,9 @@ class HiCacheScheduler:
         # Loads are taken (and their prefixes unlocked) after the stores are
         # planned: the eviction that makes room for a store must spare them.
         plan = StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,
-                        fetches=self.fetches.take(), seq=self._seq, flush_stores=flush)
+                        fetches=self.fetches.take(), seq=self._seq, flush_stores=flush,
+                        storage_commands=self._commands)
+        self._commands = []
         self.l2.release_planned_stores()  # their copies are in this plan
         return plan
 
@@ -429,13 +433,22 @@ class HiCacheScheduler:
         return pages
 
     def _retain(self, state: RequestState) -> None:
-        """Pin what L2 holds of a finished request's pages for its ``retain_s``."""
+        """Pin what L2 holds of a finished request's pages for its ``retain_s``, and
+        ask every worker's L3 to keep them as long (where the backend can)."""
         req_id = state.request.request_id
+        if self.storage is not None:
+            self.retain_in_l3(state.page_keys(), float(state.hints.retain_s or 0))
         try:
             self._retained[req_id] = self.pins.pin(state.page_keys(),
                                                    float(state.hints.retain_s or 0))
         except PinRefused as exc:
             self._retained[req_id] = f"kv_transfer_params.hicache.retain_s not applied: {exc}"
+
+    def retain_in_l3(self, keys: Sequence[PageKey], ttl_s: float) -> None:
+        """Queue, for the next plan, the L3 retention of ``keys`` for ``ttl_s`` seconds
+        (0: end it now); each worker's backend keeps what it can (base.py ``retain``)."""
+        until = time.time() + ttl_s if ttl_s > 0 else 0.0
+        self._commands.append(RetainPages(tuple(self.groups.l3_page_keys(keys)), until))
 
     def take_retained(self, req_id: str) -> int | str | None:
         """A finished request's retain_s outcome: pages pinned, why none, or None."""

@@ -1,10 +1,13 @@
-"""Storage commands: the admin's L3 actions that every worker applies, carried in a ``StepPlan``.
+"""Storage commands: the admin's and the scheduler's L3 actions that every worker applies,
+carried in a ``StepPlan``.
 
 Contract (see DESIGN.md "Admin actions"):
 - The admin view (tiers/controller/admin.py) changes the scheduler's own
   L3 instance at once and queues the matching command; the connector puts
   the queued commands into the next step's plan, and each worker applies
   them once, before that step's loads and fetches (connector/worker.py).
+- The scheduler queues its own (a request's ``retain_s`` reaching L3) the
+  same way: ``HiCacheScheduler.take_commands``.
 - Commands are plain frozen dataclasses (they cross process boundaries with
   the plan). Page keys stay ``bytes`` here; only the backend boundary
   (tiers/l3/) spells them as the store's string keys.
@@ -27,6 +30,15 @@ class DeletePages:
 
 
 @dataclass(frozen=True)
+class RetainPages:
+    """Keep ``keys`` in this rank's L3 shard ahead of its own eviction until ``until``
+    (seconds since the epoch: it crosses processes); ``until`` 0 ends it."""
+
+    keys: tuple[PageKey, ...]
+    until: float
+
+
+@dataclass(frozen=True)
 class ClearStore:
     """Drop every queued backup and clear this rank's L3 shard."""
 
@@ -46,4 +58,4 @@ class DetachStore:
 
 # What an L3 flush asks of the store.
 L3Removal = DeletePages | ClearStore
-StorageCommand = DeletePages | ClearStore | AttachStore | DetachStore
+StorageCommand = DeletePages | ClearStore | RetainPages | AttachStore | DetachStore

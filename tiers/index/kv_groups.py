@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from hicache.tiers.index.page_keys import body_key
+from hicache.tiers.index.page_keys import PageKey, body_key
 from hicache.tiers.index.plans import NULL_BLOCK_ID
 
 # Per-group block ids of one request, in vLLM's group order.
@@ -97,6 +97,14 @@ class KVGroups:
     def state_mask(self) -> int:
         """The bits of the state groups (a page without its checkpoint)."""
         return sum(1 << g for g, group in enumerate(self.groups) if group.kind == "state")
+
+    def l3_page_keys(self, keys: Sequence[PageKey]) -> list[PageKey]:
+        """Every L3 key pages ``keys`` may be stored under, each once: the keys, and
+        with state groups their bodies too (page_keys.body_key)."""
+        out = dict.fromkeys(keys)
+        if self.has_state:
+            out.update(dict.fromkeys(PageKey(body_key(k)) for k in keys))
+        return list(out)
 
     def l3_keys(self, key: bytes, mask: int) -> tuple[bytes, ...]:
         """The L3 keys of a page stored with residency ``mask``: a complete page

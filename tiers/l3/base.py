@@ -25,6 +25,8 @@ Contract:
   ``StorageUnavailable`` when the store cannot be reached at start. A
   backend's extra config is a ``Settings`` model next to it, read with
   ``validate_extra``.
+- ``retain(keys, until)`` asks a backend to keep pages ahead of its own
+  eviction until a deadline; a backend that cannot returns 0 (the default).
 - Thread-safety: a worker calls one backend from one I/O thread; the
   scheduler from its own thread. Backends need not be re-entrant.
 """
@@ -261,6 +263,13 @@ class StorageBackend(ABC):
     def batch_delete(self, keys: list[str]) -> int:
         """Remove these pages; returns how many were there."""
         return sum(1 for key in keys if self.delete(key))
+
+    def retain(self, keys: list[str], until: float) -> int:
+        """Keep these pages (stored now or later) ahead of this backend's own eviction
+        until ``until`` (seconds since the epoch; 0 ends it); how many it took on. A
+        request's ``retain_s`` and the admin's pins reach L3 this way. Default: 0, the
+        backend keeps nothing on request (Mooncake, NIXL, LMCache evict on their own)."""
+        return 0
 
     def clear(self) -> None:
         """Remove every page this backend can see (all namespaces it owns)."""

@@ -65,6 +65,13 @@ Contract (on top of base.py's):
   Engines sharing a directory each enforce the limit on their own view
   (pages written by another engine are counted once seen through
   ``exists``/``get``).
+- Retention (``retain``: a request's ``retain_s``, an admin pin): a retained
+  page, written before or after the call, is passed over by that eviction
+  until its deadline (moved to the recent end instead): plain pages go
+  first, even one just written by the batch path (which makes room after
+  its batch; the Python path makes room before each page); only when every
+  page is retained does the capacity win, oldest first. Kept per instance,
+  like the index: another engine on the directory does not see it.
 """
 
 from __future__ import annotations
@@ -108,6 +115,8 @@ FILE_HEADER_BYTES = 4096
 FILE_LAYOUT = 1
 # Hex digits of the page key naming a page's sub-directory of pages/.
 FANOUT_CHARS = 2
+# Retention entries kept before the expired ones are dropped.
+RETAINED_PRUNE_AT = 1 << 16
 # Address and length alignment of O_DIRECT transfers (covers 512 B and 4 KiB sectors).
 DIRECT_ALIGN = 4096
 # Not on every platform (macOS): the probe then finds no O_DIRECT.
@@ -186,6 +195,7 @@ class FileBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, LRU order
         self._index_bytes = 0
         self._index_lock = threading.Lock()
+        self._retained: dict[str, float] = {}  # file name -> keep until (epoch seconds)
         self._rebuild_index()
 
     # ---- O_DIRECT ----------------------------------------------------------------
@@ -285,18 +295,39 @@ class FileBackend(StorageBackend):
 
     def _forget(self, name: str) -> None:
         with self._index_lock:
+            self._retained.pop(name, None)
             size = self._index.pop(name, None)
             if size is not None:
                 self._index_bytes -= size
 
+    def retain(self, keys: list[str], until: float) -> int:
+        with self._index_lock:
+            for key in keys:
+                if until > 0:
+                    name = self._name(key)
+                    self._retained[name] = max(until, self._retained.get(name, 0.0))
+                else:
+                    self._retained.pop(self._name(key), None)
+            if len(self._retained) > RETAINED_PRUNE_AT:
+                now = time.time()
+                self._retained = {n: t for n, t in self._retained.items() if t > now}
+        return len(keys) if until > 0 else 0
+
     def _make_room(self, need: int) -> None:
         if not self.capacity_bytes:
             return
+        now = time.time()
+        passes = len(self._index)  # retained pages passed over at most once each
         while True:
             with self._index_lock:
                 if self._index_bytes + need <= self.capacity_bytes or not self._index:
                     return
                 name, size = self._index.popitem(last=False)
+                if passes > 0 and self._retained.get(name, 0.0) > now:
+                    passes -= 1
+                    self._index[name] = size  # kept: to the recent end
+                    continue
+                self._retained.pop(name, None)
                 self._index_bytes -= size
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._pages + name)
@@ -686,6 +717,7 @@ class FileBackend(StorageBackend):
         with self._index_lock:
             self._index.clear()
             self._index_bytes = 0
+            self._retained.clear()
 
     def close(self) -> None:
         # Reads whose helper job is cancelled checksum their pages themselves.

@@ -30,6 +30,9 @@ Contract:
 - ``submit_removal(keys)`` (admin flush): drops queued backups of those
   pages and deletes them from this rank's store after the backup already
   running, so a flushed page is not written back later.
+- ``submit_retention(keys, until)`` (a request's ``retain_s``, an admin pin):
+  the backend's ``retain``, in order with removals, counted in
+  ``stats.retained_pages``.
 - Fetches run first, then removals, then backups; a fetch never waits for
   the backup queue. With a backend that allows concurrent reads
   (``concurrent_io``), up to ``FETCH_THREADS`` fetches run at once (helper
@@ -98,8 +101,15 @@ class StorageIOStats:
     backup_failed_pages: int = 0
     backups_dropped: int = 0
     deleted_pages: int = 0
+    retained_pages: int = 0
     backup_queue_pages: int = 0
     fetch_queue: int = 0
+
+
+@dataclass(frozen=True)
+class _Retention:
+    keys: list[bytes]
+    until: float
 
 
 @dataclass
@@ -130,7 +140,8 @@ class StorageIO:
         self._fetch_q: deque[_Job] = deque()
         self._backup_q: deque[list[tuple[bytes, int, bytes]]] = deque()
         self._running_backup: set[int] = set()
-        self._removals: deque[list[bytes] | None] = deque()
+        # Removals (keys, None = all) and retentions, in the order submitted.
+        self._removals: deque[list[bytes] | _Retention | None] = deque()
         self._jobs: list[_Job] = []  # submitted, not yet returned by poll
         self._backed_up: list[bytes] = []  # L3 keys stored, not yet taken
         self._stopping = False
@@ -204,6 +215,14 @@ class StorageIO:
             self._removals.append(keys)
             self._cv.notify_all()
 
+    def submit_retention(self, keys: list[bytes], until: float) -> None:
+        """Ask the backend to keep ``keys`` until ``until`` (epoch seconds; 0 ends it),
+        in order with removals, ahead of queued backups (the backend keeps names, so
+        pages backed up later are covered too)."""
+        with self._cv:
+            self._removals.append(_Retention(keys, until))
+            self._cv.notify_all()
+
     def cancel_backups(self) -> None:
         """Forget every queued backup (detaching the store)."""
         with self._cv:
@@ -243,7 +262,7 @@ class StorageIO:
             with self._cv:
                 while not (self._fetch_q or self._backup_q or self._removals or self._stopping):
                     self._cv.wait()
-                removal: list[bytes] | None | bool = False
+                removal: list[bytes] | _Retention | None | bool = False
                 if self._fetch_q:
                     job: _Job | None = self._fetch_q.popleft()
                     backup = None
@@ -257,6 +276,8 @@ class StorageIO:
             try:
                 if job is not None:
                     self._fetch(job)
+                elif isinstance(removal, _Retention):
+                    self._retain(removal)
                 elif removal is not False:
                     self._remove(removal)  # type: ignore[arg-type]
                 else:
@@ -283,6 +304,13 @@ class StorageIO:
             finally:
                 with self._cv:
                     self._cv.notify_all()
+
+    def _retain(self, retention: _Retention) -> None:
+        try:
+            self.stats.retained_pages += self.backend.retain(
+                [k.hex() for k in retention.keys], retention.until)
+        except Exception:  # noqa: BLE001 - reported, never raised into the engine
+            logger.exception("HiCache L3: retention on this rank failed")
 
     def _remove(self, keys: list[bytes] | None) -> None:
         with self._cv:  # stored before this removal, then deleted: not in L3

@@ -3,12 +3,15 @@ pages in L2 through a flood of other prompts, end exactly at their deadline (inj
 clock), stay within their share of L2, and end when their pages are flushed or
 forgotten. The scheduler half without an engine."""
 
+import time
+
 import pytest
 from support.fakes import file_store, keys_of, request, write_prompt_pages
 from support.fakes import serve as serve_request
 
 from hicache.tiers.controller.pins import PinRefused
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.commands import RetainPages
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.l2.geometry import PoolGeometry
 
@@ -153,3 +156,44 @@ def test_pins_give_way_to_an_l3_fetch_that_finds_no_room(clock, tmp_path):
     assert in_l2(sched, sessions[0]) < 4
     assert all(in_l2(sched, tokens) == 4 for tokens in sessions[1:])
     sched.tree.check_invariants()
+
+
+def test_retain_s_asks_every_workers_l3_to_keep_the_pages_as_long(clock, tmp_path):
+    sched = scheduler(clock, storage=file_store(tmp_path, NS, GEOM))
+    req = request("s", SESSION + [1])
+    req.kv_transfer_params = {"hicache": {"retain_s": 90}}
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [[]], 0)
+    sched.tables["s"] = list(range(1, 8))
+    sched.build_connector_meta({"s": req.num_tokens})
+    req.num_computed_tokens = req.num_tokens
+    asked = time.time()
+    sched.request_finished(req, [list(range(1, 8))])
+    (command,) = sched.build_connector_meta({}).storage_commands
+    assert isinstance(command, RetainPages)
+    assert command.keys == tuple(keys_of(NS.seed(), SESSION + [1], PAGE))
+    assert asked + 90 <= command.until <= time.time() + 90
+    assert sched.build_connector_meta({}).storage_commands == []  # once
+    # Without an L3 there is nothing to ask.
+    plain = scheduler(clock)
+    assert serve(plain, "s", SESSION, retain_s=90) == 3
+    assert plain.build_connector_meta({}).storage_commands == []
+
+
+def test_admin_pin_and_unpin_reach_l3_too(clock, tmp_path):
+    from hicache.tiers.controller.admin import SchedulerAdmin
+
+    class Config:
+        hicache_storage_backend = "file"
+        hicache_storage_backend_extra_config = {"path": str(tmp_path)}
+
+    sched = scheduler(clock, storage=file_store(tmp_path, NS, GEOM))
+    serve(sched, "s", SESSION)
+    sched.build_connector_meta({})
+    admin = SchedulerAdmin(sched, Config(), engine={}, build_storage=None, l1_pages=0)
+    assert admin.pin(SESSION, None, 30.0) == {"pinned_pages": 3, "ttl_s": 30.0}
+    (kept,) = sched.build_connector_meta({}).storage_commands
+    assert kept.keys == tuple(keys_of(NS.seed(), SESSION, PAGE)) and kept.until > time.time()
+    assert admin.unpin(SESSION, None) == {"unpinned_pages": 3}
+    (ended,) = sched.build_connector_meta({}).storage_commands
+    assert ended == RetainPages(kept.keys, 0.0)

@@ -157,6 +157,44 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     assert FileBackend(config(tmp_path, capacity_gb=1)).used_bytes == 3 * page_file
 
 
+def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypatch):
+    """A retained page (retained before it is even written) outlives older and newer
+    plain pages; at its deadline, or when ended (until=0), it is evictable again; when
+    only retained pages are left the capacity wins, oldest first. (One page per write:
+    a batch may pass the capacity while it is written.)"""
+    now = [1000.0]
+    monkeypatch.setattr("hicache.tiers.l3.file_backend.time.time", lambda: now[0])
+    page_file = FILE_HEADER_BYTES + GEOM.page_bytes
+    backend = FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9))
+    backend.register_host_pool(filled_pool("page_first", 8))
+    ks = keys(8)
+
+    def write(*pages: int) -> None:
+        for i in pages:
+            assert backend.batch_set_v1([ks[i]], [i]) == [True]
+
+    def held(*pages: int) -> list[bool]:
+        return [backend.exists(ks[i]) for i in pages]
+
+    assert backend.retain([ks[0]], 1060.0) == 1
+    write(0, 1, 2, 3, 4)  # two evictions: 1 and 2, not 0
+    assert held(0, 1, 2, 3, 4) == [True, False, False, True, True]  # (a read is a use)
+    now[0] = 1060.0  # its deadline: plain LRU again, and the oldest page
+    write(5)
+    assert held(0, 3, 4, 5) == [False, True, True, True]
+    assert backend.retain([ks[4], ks[5]], 2000.0) == 2
+    assert backend.retain([ks[5]], 0) == 0  # ended now
+    write(6)  # 3 goes
+    assert held(3, 4, 5, 6) == [False, True, True, True]
+    write(7)  # 4 is older but retained: 5 goes
+    assert held(4, 5, 6, 7) == [True, False, True, True]
+    # Everything retained: the capacity still holds, the oldest retained page goes.
+    assert backend.retain([ks[6], ks[7], ks[1]], 2000.0) == 3
+    write(1)
+    assert backend.used_bytes <= 3 * page_file
+    assert held(4, 6, 7, 1) == [False, True, True, True]
+
+
 def test_stale_temp_files_of_dead_writers_are_removed(tmp_path):
     FileBackend(config(tmp_path))
     stale = tmp_path / "tmp" / "x.page.999999999.1.tmp"

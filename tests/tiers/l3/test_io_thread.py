@@ -275,3 +275,13 @@ def test_a_timed_backend_gets_byte_sized_batches_and_keeps_the_prefix_rule(tmp_p
     assert [p.slot for p in loaded[0]] == list(range(40, 70))
     assert backend.stats().get_misses == 1  # the one missing page, nothing else
     io.shutdown()
+
+
+def test_retention_reaches_the_backend_in_order_with_removals(tmp_path):
+    io, _, backend, _ = make(tmp_path)
+    io.submit_retention([KEYS[0], KEYS[1], KEYS[2]], time.time() + 60)
+    io.submit_removal([KEYS[2]])  # a flush ends the retention of what it deletes
+    io.submit_retention([KEYS[1]], 0)  # ended
+    io.shutdown()
+    assert io.stats.retained_pages == 3
+    assert set(backend._retained) == {backend._name(KEYS[0].hex())}
