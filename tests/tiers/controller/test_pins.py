@@ -12,6 +12,7 @@ from support.fakes import serve as serve_request
 from hicache.tiers.controller.pins import PinRefused
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.commands import RetainPages
+from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.l2.geometry import PoolGeometry
 
@@ -197,3 +198,44 @@ def test_admin_pin_and_unpin_reach_l3_too(clock, tmp_path):
     assert admin.unpin(SESSION, None) == {"unpinned_pages": 3}
     (ended,) = sched.build_connector_meta({}).storage_commands
     assert ended == RetainPages(kept.keys, 0.0)
+
+
+def _slots_accounted(sched) -> None:
+    """Every slot is free, or held by exactly one page of the tree, or reserved by a
+    fetch in flight: nothing lost, nothing given out twice."""
+    held = [s for n in sched.tree.iter_nodes() if n is not sched.tree.root
+            for s in (n.host_slots or ())]
+    reserved = [s for f in sched.fetches.in_flight.values() for s in f.slots]
+    assert len(set(held)) == len(held)
+    assert sched.slots.num_free + len(set(held) | set(reserved)) == SLOTS
+    sched.tree.check_invariants()
+
+
+@pytest.mark.parametrize("order", ["prefetch-pin-flush", "pin-flush-prefetch",
+                                   "flush-prefetch-pin"])
+def test_flush_pin_and_prefetch_of_one_prefix_at_once_lose_nothing(clock, tmp_path, order):
+    """The admin's three actions on one session, in any order while its fetch is in
+    flight (the worker reports at the end): every slot stays accounted for, the tree
+    stays whole, a flush ends the pins of what it drops, and the session served
+    afterwards is whatever survived, never a page twice."""
+    history = list(range(7000, 7032))  # 4 pages
+    sched = scheduler(clock, storage=file_store(tmp_path, NS, GEOM),
+                      prefetch={"prefetch_threshold": 0})
+    assert serve(sched, "head", history[:16]) is None  # 2 pages in L2
+    write_prompt_pages(tmp_path, NS, GEOM, history, PAGE)  # all 4 in L3
+    keys = keys_of(NS.seed(), history, PAGE)
+    actions = {
+        "prefetch": lambda: sched.prefetch_prefix(keys, 4),
+        "pin": lambda: sched.pins.pin(keys, 60),
+        "flush": lambda: sched.flush({"l2", "l3"}, history),
+    }
+    for name in order.split("-"):
+        actions[name]()
+        _slots_accounted(sched)
+    plan = sched.build_connector_meta({})
+    sched.on_worker_report(WorkerReport(fetched={f.req_id: [len(f.l3_pages)]
+                                                 for f in plan.fetches}))
+    sched.build_connector_meta({})
+    _slots_accounted(sched)
+    assert not sched.fetches.in_flight
+    assert in_l2(sched, history) <= 4 and sched.pins.pinned_pages <= in_l2(sched, history)
