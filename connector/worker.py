@@ -78,6 +78,7 @@ from hicache.kernels.layer_pipeline import Checkpoint, LayerPipeline
 from hicache.tiers.index.commands import AttachStore, ClearStore, DeletePages, RetainPages
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.l3.io_thread import FetchResult, StorageIO
 
@@ -434,6 +435,7 @@ class HiCacheWorker:
                 elif rest:
                     self._submit_save(store, store.transfer.groups[group], rest)
             store.release.extend(meta.release_after_store)
+            self._checksum_after(store, inline)
             store.mark = Checkpoint() if inline else self._pipeline.checkpoint()
             self._queued += 1
             store.order = self._queued
@@ -513,6 +515,36 @@ class HiCacheWorker:
 
         self._pipeline.submit("save", run)
 
+    def _checksum_after(self, store: PendingStore, inline: bool) -> None:
+        """Checksum the store's slots right after their copy, on the copy thread (the
+        bytes are still in the CPU's caches), for the L3 writes to reuse
+        (host_pool.py ``set_checksums``), where the backend takes them
+        (``uses_pool_checksums``: Mooncake; the file batch path hashes as it writes).
+        CPU copies only: a GPU's copies land by DMA later, and the L3 write checksums
+        those pages itself. The job runs in the copy thread's queue: loads queued
+        behind it wait for it (about 1 ms per 11 MB here)."""
+        pool = self._require_pool()
+        if (self.storage_io is None or not self.l3_writer or self._pipeline.on_cuda
+                or not getattr(self.storage, "uses_pool_checksums", False)
+                or pool.layout == "layer_first" or not native_io.available()):
+            return
+        base, page = pool.buffer.data_ptr(), pool.geometry.page_bytes
+        slots = [p.slot for p in store.pages]
+
+        def run() -> None:
+            if store.copy_failed:
+                return
+            try:
+                store.sums = [int(x) for x in native_io.checksums_at(
+                    [base + s * page for s in slots], page).tolist()]
+            except Exception:  # noqa: BLE001 - without them the L3 write computes its own
+                logger.exception("HiCache: checksums of stored pages failed")
+
+        if inline:
+            run()
+        else:
+            self._pipeline.submit("checksum", run)
+
     def _settle_all(self) -> None:
         """Wait for every queued store and publish it."""
         self._settle_stores(wait_through=self._queued)
@@ -543,6 +575,9 @@ class HiCacheWorker:
         else:
             for page in owned:
                 pool.set_key(page.slot, page.key)
+            if store.sums is not None:
+                by_slot = dict(zip((p.slot for p in store.pages), store.sums, strict=True))
+                pool.set_checksums([p.slot for p in owned], [by_slot[p.slot] for p in owned])
             if self.storage_io is not None and self.l3_writer and owned:
                 self.storage_io.submit_backup([(p.key, p.slot, at) for p in owned
                                                for at in _l3_keys(p)])
@@ -794,6 +829,8 @@ class PendingStore:
     # A copy raised (a CUDA error surfacing at the checkpoint counts too: ``failed``).
     copy_failed: bool = False
     order: int = 0  # its place in the worker's queue (0: not queued yet)
+    # xxh3 of each stored page's bytes, in ``pages`` order (None: not computed).
+    sums: list[int] | None = None
     keys: dict[int, bytes] = field(init=False)
 
     def __post_init__(self) -> None:

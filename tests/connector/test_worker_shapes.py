@@ -13,6 +13,7 @@ from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestLoad
 from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 
@@ -22,10 +23,18 @@ KEY_A, KEY_B = page_keys(NS.seed(), list(range(16)), 8)
 L1_BLOCKS = 8
 
 
-def make_worker(tmp_path: Path | None = None, *, writer: bool = True) -> HiCacheWorker:
+class PoolSumsFileBackend(FileBackend):
+    """The file backend declaring that it takes the pool's checksums, as Mooncake does
+    (it still hashes as it writes: only the worker's side is under test)."""
+
+    uses_pool_checksums = True
+
+
+def make_worker(tmp_path: Path | None = None, *, writer: bool = True,
+                backend: type[FileBackend] = FileBackend) -> HiCacheWorker:
     def build(name: str, extra: dict) -> FileBackend:
-        return FileBackend(StorageConfig(1, 2, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                         is_mla=True, extra_config=extra))
+        return backend(StorageConfig(1, 2, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                                     is_mla=True, extra_config=extra))
 
     w = HiCacheWorker(GEOM, L1_BLOCKS, layout="page_first", storage_builder=build,
                       storage_spec=("file", {"path": str(tmp_path)}) if tmp_path else None,
@@ -75,3 +84,29 @@ def test_mla_pages_are_backed_up_by_the_writer_rank_only(tmp_path):
     finally:
         reader.shutdown()
         writer.shutdown()
+
+
+def test_stored_pages_carry_their_checksum_for_the_l3_writes(tmp_path):
+    """With an L3 writer that takes them (Mooncake) on a CPU, a store checksums its
+    slots right after the copy; the pool keeps the checksum with the slot until the
+    slot gets new bytes. Without L3, or with the file L3 (it hashes as it writes),
+    nothing is computed."""
+    w = make_worker(tmp_path, writer=True, backend=PoolSumsFileBackend)
+    try:
+        w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4)),
+                                                  PagePlan(1, KEY_B, 0, (5, 6))]))
+        want = [integrity.checksum(w.pool.read_page(s)) for s in (0, 1)]
+        assert w.pool.checksums_of([0, 1, 2]) == [*want, None]
+        assert _backups_settled(w, 2) == 2
+        # The page written to L3 carries that checksum and reads back verified.
+        assert w.storage.batch_get_v1([KEY_A.hex()], [3]) == [True]
+        w.pool.set_key(0, None)  # the slot is being reused
+        assert w.pool.checksums_of([0]) == [None]
+    finally:
+        w.shutdown()
+    for plain in (make_worker(), make_worker(tmp_path / "f")):  # no L3; the file L3
+        try:
+            plain.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4))]))
+            assert plain.pool.checksums_of([0]) == [None]  # nothing would take them
+        finally:
+            plain.shutdown()

@@ -29,6 +29,11 @@ Contract:
 - Each slot remembers the page key written into it; a load names the key it
   expects and the pool refuses a mismatch (slot reused, store failed), so a
   bookkeeping bug costs a recompute, never wrong KV.
+- A slot may also remember the xxh3-64 checksum of its bytes in
+  ``read_page`` order (``set_checksums``), computed once where the bytes were
+  just written (the store's copy thread); L3 writes reuse it instead of
+  reading the page again (``checksums_of``: None where unknown). Any
+  ``set_key`` forgets it: new bytes, new checksum.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class HostPagePool:
         # Inverse permutation: canonical dim i is buffer dim order.index(i).
         self.canonical = self.buffer.permute(*(order.index(i) for i in range(4)))
         self._slot_keys: list[bytes | None] = [None] * geometry.num_slots
+        self._slot_sums: list[int | None] = [None] * geometry.num_slots
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +91,16 @@ class HostPagePool:
     def set_key(self, slot: int, key: bytes | None) -> None:
         """Record which page now lives in ``slot`` (None = contents invalid)."""
         self._slot_keys[slot] = key
+        self._slot_sums[slot] = None
+
+    def set_checksums(self, slots: list[int], sums: list[int]) -> None:
+        """The checksums of these slots' current bytes (read_page order)."""
+        for slot, value in zip(slots, sums, strict=True):
+            self._slot_sums[slot] = int(value)
+
+    def checksums_of(self, slots: list[int]) -> list[int | None]:
+        """The known checksum of each slot's bytes (None: not known)."""
+        return [self._slot_sums[s] for s in slots]
 
     def holds(self, slot: int, key: bytes) -> bool:
         """True when ``slot`` contains the page whose key is ``key``."""
@@ -122,3 +138,4 @@ class HostPagePool:
 
     def invalidate_all(self) -> None:
         self._slot_keys = [None] * self.geometry.num_slots
+        self._slot_sums = [None] * self.geometry.num_slots

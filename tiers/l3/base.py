@@ -147,6 +147,11 @@ class StorageBackend(ABC):
     # slots): the worker then reads fetches on a few threads
     # (tiers/l3/io_thread.py ``FETCH_THREADS``). False: one at a time.
     concurrent_io: ClassVar[bool] = False
+    # True when ``batch_set_v1`` takes the checksums the store path left with the
+    # pool's slots (host_pool.py ``checksums_of``) instead of a pass of its own:
+    # the worker then computes them on its copy thread right after each store.
+    # False where the write hashes as it copies anyway (the file batch path).
+    uses_pool_checksums: ClassVar[bool] = False
 
     @property
     def timed_batches(self) -> bool:

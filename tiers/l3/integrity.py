@@ -111,15 +111,23 @@ def header_rows(keys: list[bytes], fingerprint: bytes, length: int, *, layout: i
     return rows
 
 
-def checksums_at(addresses: list[int], payloads: list[Any], length: int) -> list[int]:
+def checksums_at(addresses: list[int], payloads: list[Any], length: int,
+                 known: list[int | None] | None = None) -> list[int]:
     """``checksum`` of each payload (``length`` bytes at ``addresses[i]``, the same
     memory as ``payloads[i]``): one GIL-free call for the batch where native_io runs,
-    else one xxhash call per page."""
+    else one xxhash call per page. ``known[i]``, where not None, is taken as page i's
+    checksum without reading it (the host pool's, computed when the page was stored)."""
     from hicache.tiers.l3 import native_io
 
-    if addresses and native_io.available():
-        return [int(x) for x in native_io.checksums_at(addresses, length).tolist()]
-    return [checksum(p) for p in payloads]
+    todo = [i for i in range(len(addresses)) if known is None or known[i] is None]
+    out: list[int] = [0] * len(addresses) if known is None else [k or 0 for k in known]
+    if todo and native_io.available():
+        sums = native_io.checksums_at([addresses[i] for i in todo], length).tolist()
+    else:
+        sums = [checksum(payloads[i]) for i in todo]
+    for i, value in zip(todo, sums, strict=True):
+        out[i] = int(value)
+    return out
 
 
 def check_headers(headers: Any, keys: list[bytes], fingerprint: bytes, length: int,

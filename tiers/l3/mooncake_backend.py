@@ -26,7 +26,9 @@ Contract (on top of ``base.py``):
   payload straight from/into the registered host pool slot for page_first /
   page_first_direct); batches are split into calls of ``ARENA_PAGES`` pages.
   ``get`` / ``set`` on other tensors (layer_first through the base class) go
-  through a registered one-object staging buffer. Arenas and staging buffers
+  through a registered one-object staging buffer. A write takes each slot's
+  checksum from the pool where the store path computed it (host_pool.py),
+  else computes it. Arenas and staging buffers
   are per calling thread, so I/O threads may share one instance. Every
   read checks the object size and ``integrity.verify``; a mismatch is a miss
   counted in ``corrupt_pages`` and the object is force-removed. The pool
@@ -279,6 +281,8 @@ class MooncakeBackend(StorageBackend):
 
     # ---- setup helpers ------------------------------------------------------------
 
+    uses_pool_checksums = True
+
     def _register(self, t: torch.Tensor, what: str) -> bool:
         try:
             rc = self._store.register_buffer(_ptr(t), t.numel() * t.element_size())
@@ -487,17 +491,19 @@ class MooncakeBackend(StorageBackend):
                     read_seconds=time.perf_counter() - t0)
         return results
 
-    def _write(self, keys: list[str], ptrs: list[int], payloads: list[memoryview]) -> list[bool]:
-        """Store pages from registered memory (``ptrs``, same memory as ``payloads``);
-        skip existing ones."""
+    def _write(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
+               known: list[int | None] | None = None) -> list[bool]:
+        """Store pages from registered memory (``ptrs``, same memory as ``payloads``;
+        ``known``: their checksums where the pool has them); skip existing ones."""
         results: list[bool] = []
         for lo in range(0, len(keys), ARENA_PAGES):
             hi = lo + ARENA_PAGES
-            results += self._write_chunk(keys[lo:hi], ptrs[lo:hi], payloads[lo:hi])
+            results += self._write_chunk(keys[lo:hi], ptrs[lo:hi], payloads[lo:hi],
+                                         None if known is None else known[lo:hi])
         return results
 
-    def _write_chunk(self, keys: list[str], ptrs: list[int],
-                     payloads: list[memoryview]) -> list[bool]:
+    def _write_chunk(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
+                     known: list[int | None] | None = None) -> list[bool]:
         n, pb = len(keys), self.config.page_bytes
         arena = self._arena() if self._available() and self._ensure_segment() else None
         if arena is None:
@@ -521,8 +527,9 @@ class MooncakeBackend(StorageBackend):
         if todo:  # every header of the batch, checksums in one call without the GIL
             rows = integrity.header_rows([self.page_key_bytes(keys[i]) for i in todo],
                                          self._fp, pb, width=HEADER)
-            digests = integrity.checksums_at([ptrs[i] for i in todo],
-                                             [payloads[i] for i in todo], pb)
+            digests = integrity.checksums_at(
+                [ptrs[i] for i in todo], [payloads[i] for i in todo], pb,
+                None if known is None else [known[i] for i in todo])
             at = integrity.CHECKSUM_AT
             rows[:, at:at + 8] = np.asarray(digests, "<u8").view(np.uint8).reshape(-1, 8)
             headers[:len(todo) * HEADER] = rows.reshape(-1)
@@ -605,7 +612,7 @@ class MooncakeBackend(StorageBackend):
         if len(keys) != len(host_slots):
             raise ValueError("keys and host_slots differ in length")
         ptrs, payloads = self._slots(host_slots)
-        return self._write(keys, ptrs, payloads)
+        return self._write(keys, ptrs, payloads, pool.checksums_of(host_slots))
 
     def _slots(self, host_slots: list[int]) -> tuple[list[int], list[memoryview]]:
         """Addresses and byte views of pool slots (page_first layouts: slot-major pages)."""

@@ -10,7 +10,9 @@
   backend's size with one thread, as our batch does; its write side is Python). Files live in ``--dir`` (default
   a temp dir); reads come from the OS page cache for both sides, which is
   what makes the checksum cost visible rather than hidden behind a disk.
-- ``mooncake``: put / get through ``MooncakeBackend`` against raw
+- ``mooncake``: put / get through ``MooncakeBackend`` (and a second put row,
+  ``mooncake/pool-sums``, with the checksums the store path leaves in the pool;
+  ``l2_checksum_gbps`` is what computing them costs there) against raw
   ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` on the
   same registered buffer, against a master this benchmark starts on
   127.0.0.1 (``l3_mooncake``); its baseline is named ``raw-client``.
@@ -267,12 +269,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             from hicache.integration.bench.micro.l3_mooncake import bench_mooncake
 
             res = bench_mooncake(page_bytes, pages, args.repeats)
-            rows.append({
-                "backend": backend, "page_mib": mib, "pages": pages,
-                "ours_write_gbs": res["ours_put_gbps"], "ours_read_gbs": res["ours_get_gbps"],
-                "raw": "raw-client",  # MooncakeDistributedStore calls on the same buffer
-                "raw_write_gbs": res["raw_put_gbps"], "raw_read_gbs": res["raw_get_gbps"],
-            })
+            for variant, put in (("", res["ours_put_gbps"]),
+                                 ("pool-sums", res["ours_put_pool_sums_gbps"])):
+                rows.append({
+                    "backend": backend, "page_mib": mib, "pages": pages,
+                    **({"variant": variant} if variant else {}),
+                    "ours_write_gbs": put, "ours_read_gbs": res["ours_get_gbps"],
+                    "raw": "raw-client",  # MooncakeDistributedStore calls on the same buffer
+                    "raw_write_gbs": res["raw_put_gbps"], "raw_read_gbs": res["raw_get_gbps"],
+                    "l2_checksum_gbps": res["l2_checksum_gbps"],
+                })
             continue
         if backend == "lmcache":
             from hicache.integration.bench.micro.l3_lmcache import bench_lmcache
@@ -323,7 +329,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        backend = r["backend"] + (f"/{r['verify']}" if r.get("verify") else "")
+        side = r.get("verify") or r.get("variant")
+        backend = r["backend"] + (f"/{side}" if side else "")
         print(f"{backend:<15} {r['page_mib']:>4g}Mi {r['pages']:>5} {r['raw']:<25} "
               f"{r['ours_write_gbs']:>10.2f} {r['raw_write_gbs']:>6.2f} {r['write_ratio']:>5.2f}x "
               f"{r['ours_read_gbs']:>9.2f} {r['raw_read_gbs']:>6.2f} {r['read_ratio']:>5.2f}x")
@@ -335,7 +342,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['backend']}{'/' + r['verify'] if r.get('verify') else ''}\n"
+    labels = [f"{r['backend']}"
+              f"{'/' + (r.get('verify') or r['variant']) if r.get('verify') or r.get('variant') else ''}\n"
               f"{r['page_mib']:g} MiB\nvs {r['raw']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))

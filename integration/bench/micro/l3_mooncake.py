@@ -7,6 +7,11 @@ measures:
   ``HostPagePool`` (page_first_direct, one layer, one block per page):
   existence check, xxh3 checksum, 128-byte header, multi-buffer put; get with
   header check and checksum verification;
+- ours with the pool's checksums (``ours_put_pool_sums``): the same put with
+  every slot's checksum already in the pool, as the store path leaves it
+  (host_pool.py ``set_checksums``: computed on the copy thread right after
+  the L1 -> L2 copy); what that costs there is ``l2_checksum_gbps``, the
+  checksums of the same slots timed on their own;
 - raw: ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the
   same pool slots through the backend's own client (same segment, same
   registration), no header, no checks.
@@ -27,8 +32,9 @@ import torch
 
 from hicache.integration.bench.micro.store_rounds import ours_round, source_pool, timed
 from hicache.integration.bench.mooncake_service import apply_client_env, start_mooncake
+from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.integrity import HEADER_BYTES
+from hicache.tiers.l3.integrity import HEADER_BYTES, checksums_at
 from hicache.tiers.l3.mooncake_backend import MooncakeBackend
 
 
@@ -47,7 +53,11 @@ def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
     batches = [(lo, min(lo + batch_pages, num_pages)) for lo in range(0, num_pages, batch_pages)]
 
     samples: dict[str, list[float]] = {"ours_put": [], "ours_get": [], "raw_put": [],
-                                       "raw_get": []}
+                                       "raw_get": [], "ours_put_pool_sums": [],
+                                       "l2_checksum": []}
+    slots = list(range(num_pages))
+    addresses = [pool.buffer.data_ptr() + s * page_bytes for s in slots]
+    payloads = [pool.buffer[s].view(-1).numpy() for s in slots]
     with start_mooncake() as svc:
         backend = MooncakeBackend(StorageConfig(
             tp_rank=0, tp_size=1, namespace="bench", mem_layout="page_first_direct",
@@ -65,7 +75,19 @@ def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
             raw_checked = False
             for rep in range(repeats):
                 backend.clear()
+                for s in slots:
+                    pool.set_key(s, keys[s].encode())  # no checksums with the slots
                 ours_round(backend, pool, keys, batch_pages, samples, check=rep == 0)
+                # ---- ours, the checksums left with the slots by the store path
+                secs, sums = timed(lambda: checksums_at(addresses, payloads, page_bytes))
+                samples["l2_checksum"].append(payload / secs / 1e9)
+                pool.set_checksums(slots, sums)
+                backend.clear()
+                secs, ok = timed(lambda: sum(
+                    sum(backend.batch_set_v1(keys[lo:hi], slots[lo:hi])) for lo, hi in batches))
+                if ok != num_pages:
+                    raise RuntimeError(f"MooncakeBackend stored {ok}/{num_pages} pages")
+                samples["ours_put_pool_sums"].append(payload / secs / 1e9)
                 # ---- raw, same bytes
                 raw.remove_all(True)
                 secs, rcs = timed(lambda: [rc for lo, hi in batches for rc in raw.batch_put_from(
@@ -96,6 +118,9 @@ def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
         "ours_get_gbps": med["ours_get"],
         "raw_put_gbps": med["raw_put"],
         "raw_get_gbps": med["raw_get"],
+        "ours_put_pool_sums_gbps": med["ours_put_pool_sums"],
+        "l2_checksum_gbps": med["l2_checksum"],
+        "native_checksums": native_io.available(),
         "put_overhead": med["raw_put"] / med["ours_put"],
         "get_overhead": med["raw_get"] / med["ours_get"],
         "samples_gbps": samples,

@@ -12,8 +12,8 @@ from support.fakes import serve as serve_request
 from hicache.tiers.controller.pins import PinRefused
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.commands import RetainPages
-from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
 
 BS, PAGE, SLOTS = 4, 8, 16

@@ -38,3 +38,17 @@ def test_pool_allocates_exactly_the_budget_and_checks_keys():
     assert pool.holds(0, b"k") and not pool.holds(0, b"j")
     pool.invalidate_all()
     assert not pool.holds(0, b"k")
+
+
+def test_a_slot_keeps_its_checksum_until_it_gets_new_bytes():
+    pool = HostPagePool(PoolGeometry(num_slots=3, num_layers=2, blocks_per_page=2,
+                                     block_bytes=16), layout="page_first", pin_memory=False)
+    assert pool.checksums_of([0, 1, 2]) == [None, None, None]
+    pool.set_key(0, b"a")
+    pool.set_key(1, b"b")
+    pool.set_checksums([0, 1], [11, 22])
+    assert pool.checksums_of([1, 0, 2]) == [22, 11, None]
+    pool.set_key(1, None)  # a store or fetch is about to overwrite it
+    assert pool.checksums_of([0, 1]) == [11, None]
+    pool.invalidate_all()
+    assert pool.checksums_of([0]) == [None]

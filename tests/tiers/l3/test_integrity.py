@@ -43,3 +43,13 @@ def test_batch_headers_are_the_headers_pack_header_writes(path):
     other_fp = bytes(16)
     assert integrity.check_headers(rows[:1], KEYS[:1], other_fp, LENGTH, sums[:1])[0] \
         .startswith("fingerprint mismatch")
+
+
+def test_checksums_at_takes_known_values_and_computes_the_rest():
+    data = np.arange(3 * 64, dtype=np.uint8).reshape(3, 64)
+    addresses = [data[i].ctypes.data for i in range(3)]
+    real = [integrity.checksum(data[i]) for i in range(3)]
+    assert integrity.checksums_at(addresses, list(data), 64) == real
+    # A known value is taken as given (the pool's, computed when the page was stored).
+    assert integrity.checksums_at(addresses, list(data), 64, [None, 7, None]) == [
+        real[0], 7, real[2]]

@@ -193,6 +193,23 @@ def test_corrupt_object_is_a_counted_miss_and_removed(shared, service):
         raw.close()
 
 
+def test_writes_take_the_pools_checksums_and_reads_still_check_them(shared):
+    """A write takes the checksum the store path left with the slot instead of reading
+    the page again. Even a wrong one cannot load wrong KV: the read checks the bytes."""
+    backend = shared("a")
+    pool = backend.pool
+    ks = keys(2, seed=5500)
+    pool.set_key(0, b"a")
+    pool.set_key(1, b"b")
+    pool.set_checksums([0, 1], [integrity.checksum(pool.read_page(0)),
+                                integrity.checksum(pool.read_page(1)) ^ 1])  # slot 1: wrong
+    before = backend.stats()
+    assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
+    assert backend.batch_get_v1(ks, [5, 6]) == [True, False]
+    assert torch.equal(pool.canonical[0], pool.canonical[5])
+    assert delta(backend, before).corrupt_pages == 1
+
+
 def test_other_tp_rank_does_not_see_the_page(shared):
     r0, r1 = shared("a", rank=0), shared("a", rank=1)
     ks = keys(2, seed=6000)
