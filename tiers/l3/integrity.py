@@ -66,13 +66,16 @@ def version_of(layout: int = 0) -> int:
     return VERSION | layout << LAYOUT_SHIFT
 
 
-def pack_header(page_key: bytes, fingerprint: bytes, payload: Any, *, layout: int = 0) -> bytes:
-    """The header for ``payload`` stored under ``page_key`` (32 bytes) in container ``layout``."""
+def pack_header(page_key: bytes, fingerprint: bytes, payload: Any, *, layout: int = 0,
+                digest: int | None = None) -> bytes:
+    """The header for ``payload`` stored under ``page_key`` (32 bytes) in container
+    ``layout``; ``digest``: the payload's checksum when the caller knows it (the host
+    pool's), else computed here."""
     data = _bytes_of(payload)
     if len(page_key) != 32 or len(fingerprint) != 16:
         raise ValueError("page_key must be 32 bytes and fingerprint 16 bytes")
     head = _LAYOUT.pack(MAGIC, version_of(layout), 0, len(data), page_key, fingerprint,
-                        checksum(data))
+                        checksum(data) if digest is None else digest)
     return head.ljust(HEADER_BYTES, b"\x00")
 
 

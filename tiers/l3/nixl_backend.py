@@ -88,13 +88,15 @@ class NixlExtraConfig(Settings):
 class _Page:
     """One page of a batch: its key, file, and where its payload lives in DRAM."""
 
-    __slots__ = ("key", "path", "addr", "view", "fd", "tmp", "ok")
+    __slots__ = ("key", "path", "addr", "view", "fd", "tmp", "ok", "digest")
 
-    def __init__(self, key: str, path: str, addr: int, view: torch.Tensor) -> None:
+    def __init__(self, key: str, path: str, addr: int, view: torch.Tensor,
+                 digest: int | None = None) -> None:
         self.key = key
         self.path = path
         self.addr = addr
         self.view = view
+        self.digest = digest  # the payload's checksum, where the host pool knows it
         self.fd = -1
         self.tmp = ""
         self.ok = False
@@ -107,6 +109,8 @@ class NixlBackend(StorageBackend):
     # Transfers take the backend's lock: safe from several threads, one at a time.
     concurrent_lookups = True
     concurrent_io = True
+    # Headers are packed per page in Python: a checksum the pool has saves its pass.
+    uses_pool_checksums = True
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
@@ -276,10 +280,10 @@ class NixlBackend(StorageBackend):
 
     def _slot_pages(self, pool: HostPagePool, keys: list[str], slots: list[int]) -> list[_Page]:
         pages = []
-        for key, slot in zip(keys, slots, strict=True):
+        for key, slot, digest in zip(keys, slots, pool.checksums_of(slots), strict=True):
             view = pool.page_view(slot)
             assert view is not None
-            pages.append(_Page(key, self._file(key), view.data_ptr(), view))
+            pages.append(_Page(key, self._file(key), view.data_ptr(), view, digest))
         return pages
 
     def _chunked(self, fn: Callable[[list[_Page]], list[bool]], pages: list[_Page]) -> list[bool]:
@@ -342,7 +346,8 @@ class NixlBackend(StorageBackend):
         try:
             for i, page in enumerate(pages):
                 try:
-                    head = integrity.pack_header(self.page_key_bytes(page.key), fp, page.view)
+                    head = integrity.pack_header(self.page_key_bytes(page.key), fp, page.view,
+                                                 digest=page.digest)
                     self._headers[i * HDR:(i + 1) * HDR].copy_(
                         torch.frombuffer(bytearray(head), dtype=torch.uint8))
                     page.tmp = f"{page.path}{_TMP_MARK}{self._name}"

@@ -205,7 +205,8 @@ def _before_read(pool: HostPagePool, pages: int, target: Path, cold: bool) -> No
 
 
 def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: int,
-               extra: dict[str, Any], cold: bool, name: str = "ours") -> _Case:
+               extra: dict[str, Any], cold: bool, name: str = "ours",
+               pool_sums: bool = False) -> _Case:
     page_bytes = pool.geometry.page_bytes
     ns = KeyNamespace("bench", "uint8", "bench", 64, 1)
     keys = [k.hex() for k in page_keys(ns.seed(), list(range(64 * pages)), 64)]
@@ -227,6 +228,10 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
             state["b"].clear()
             state["b"].close()
         state["b"] = fresh()
+        for slot in range(pages):  # slots holding pages; checksums only when asked
+            pool.set_key(slot, keys[slot].encode())
+        if pool_sums:  # as the store path leaves them (host_pool.py set_checksums)
+            pool.set_checksums(list(range(pages)), _slot_sums(pool, pages))
 
     def write() -> None:
         assert all(state["b"].batch_set_v1(keys, list(range(pages))))
@@ -247,6 +252,14 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
     return _Case(name, write, read, before_write=before_write,
                  before_read=lambda: _before_read(pool, pages, target, cold),
                  after_read=check, finish=finish)
+
+
+def _slot_sums(pool: HostPagePool, pages: int) -> list[int]:
+    from hicache.tiers.l3.integrity import checksums_at
+
+    page = pool.geometry.page_bytes
+    return checksums_at([pool.buffer.data_ptr() + s * page for s in range(pages)],
+                        [pool.read_page(s) for s in range(pages)], page)
 
 
 def _ours_name(verify: str | None) -> str:
@@ -297,7 +310,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         modes: list[str | None] = list(args.verify) if backend == "file" else [None]
         ours = {_ours_name(mode): {"direct_io": args.direct_io, "verify": mode}
                 if mode else {} for mode in modes}
-        cases = [_ours_case(backend, directory, pool, pages, extra, args.cold, name)
+        if backend == "nixl":  # it takes the pool's checksums: a row with them too
+            ours["ours-pool-sums"] = {"variant": "pool-sums"}
+        cases = [_ours_case(backend, directory, pool, pages,
+                            {k: v for k, v in extra.items() if k != "variant"}, args.cold,
+                            name, pool_sums=name == "ours-pool-sums")
                  for name, extra in ours.items()]
         cases += [_raw_case(directory, pool, pages, per_page, args.cold)
                   for per_page in (False, True)]

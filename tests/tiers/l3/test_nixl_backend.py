@@ -277,3 +277,19 @@ def test_lookups_run_on_probe_threads_beside_transfers(store):
         assert backend.batch_get_v1(keys[:4], [4, 5, 6, 7]) == [True] * 4
         assert {f.result() for f in found} == {4}
     assert all(torch.equal(pool.read_page(4 + i), pool.read_page(i)) for i in range(4))
+
+
+def test_writes_take_the_pools_checksums_and_reads_still_check_them(store):
+    """A write takes the checksum the store path left with the slot instead of hashing
+    the page; even a wrong one cannot load wrong KV: the read checks the bytes."""
+    backend, pool, _ = store
+    fill(pool, 9)
+    keys = keys_for(2, salt=9)
+    pool.set_key(0, b"a")
+    pool.set_key(1, b"b")
+    pool.set_checksums([0, 1], [integrity.checksum(pool.read_page(0)),
+                                integrity.checksum(pool.read_page(1)) ^ 1])  # slot 1: wrong
+    assert backend.batch_set_v1(keys, [0, 1]) == [True, True]
+    assert backend.batch_get_v1(keys, [5, 6]) == [True, False]
+    assert torch.equal(pool.read_page(0), pool.read_page(5))
+    assert backend.stats().corrupt_pages == 1
