@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP) lmcache-venv
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=10 $(PYTEST_ARGS)
 
 test-fast: $(STAMP) lmcache-venv
 	$(PY) -m ruff check .

@@ -186,12 +186,14 @@ class TestSlowStoreUnderTimeout:
         got, worker = run
         stats = worker.storage_io.stats
         assert stats.fetches == 3 and stats.fetch_deadline_misses == 3
-        # The wait ended at the deadline plus the one batch in flight (counted,
-        # not timed: the suite never asserts on how busy the machine is).
-        # One batch per request arrived before the deadline passed; the rest was
-        # reported as load errors and recomputed. (vLLM's num_cached_tokens
-        # keeps the promised count even when a load fails, so it is not used.)
-        assert stats.fetched_pages == 3 * BATCH_PAGES
+        # The wait ended at the deadline plus at most the one batch in flight
+        # (counted, not timed: the suite never asserts on how busy the machine is;
+        # a fetch whose thread started past its deadline reads nothing, and the
+        # batch-in-flight rule itself is tests/tiers/l3/test_io_thread.py's, on an
+        # injected clock). The rest was reported as load errors and recomputed.
+        # (vLLM's num_cached_tokens keeps the promised count even when a load
+        # fails, so it is not used.)
+        assert stats.fetched_pages <= 3 * BATCH_PAGES
         assert stats.fetch_failed_pages > 0
         assert worker.stats.load_errors > 0
 
@@ -309,9 +311,9 @@ class TestSlowStorePrefetchUnderTimeout:
         # reached it depends on the machine's speed: a later one may be cancelled
         # while queued behind the one before (its request went on without it).
         assert 1 <= io.fetches <= 3 and io.fetch_deadline_misses == io.fetches
-        # The first read its batch in flight; a later one may have been queued
-        # behind the one before past its own deadline (then it read nothing).
-        assert BATCH_PAGES <= io.fetched_pages <= io.fetches * BATCH_PAGES
+        # Each read at most its batch in flight; one queued behind the one before
+        # past its own deadline read nothing.
+        assert io.fetched_pages <= io.fetches * BATCH_PAGES
 
 
 class TestSlowLookups:

@@ -45,6 +45,10 @@ class FaultyFileBackend(FileBackend):
         self.fail_gets = bool(faults.get("fault_fail_gets", False))
         self.exists_delay_s = float(faults.get("fault_exists_delay_s", 0.0))
         self.exists_threads: list[str] = []
+        # A test may hold every read in a gate: ``get_entered`` is set once a read
+        # waits in it, and it goes on when the test sets ``get_gate``.
+        self.get_gate: threading.Event | None = None
+        self.get_entered = threading.Event()
 
     def batch_exists(self, keys: list[str]) -> int:
         self.exists_threads.append(threading.current_thread().name)
@@ -57,6 +61,9 @@ class FaultyFileBackend(FileBackend):
         return found
 
     def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        if self.get_gate is not None:
+            self.get_entered.set()
+            self.get_gate.wait()
         if self.get_delay_s:
             time.sleep(self.get_delay_s)
         if self.fail_gets:

@@ -44,7 +44,7 @@ def plan(first_slot, n, first_key=0):
                  for i in range(n))
 
 
-def wait_result(io, timeout=10.0):
+def wait_result(io, timeout=60.0):  # a bound for a loaded machine, not a speed check
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         done = io.poll()
@@ -92,17 +92,39 @@ def test_l2_page_lost_means_nothing_after_it_is_loaded(tmp_path):
     io.shutdown()
 
 
+class FakeTime:
+    """The I/O thread's ``time`` module with a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
 @pytest.mark.parametrize("timeout_s", [0.3, 0.0])
-def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, timeout_s):
+def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, monkeypatch, timeout_s):
+    """The first batch is held in the store (a gate) while the deadline passes on an
+    injected clock, or while best effort's second poll cancels the fetch: it stops
+    after that batch, whatever the machine's speed."""
     seed_l3(tmp_path, 40)
-    io, _, _, _ = make(tmp_path, fault_get_delay_s=0.4)
+    clock = FakeTime()
+    monkeypatch.setattr("hicache.tiers.l3.io_thread.time", clock)
+    io, _, backend, _ = make(tmp_path)
+    backend.get_gate = threading.Event()
     io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), timeout_s))
+    assert backend.get_entered.wait(60)  # the first batch is in flight
     if timeout_s == 0.0:
-        time.sleep(0.1)  # the first batch is in flight
         io.poll()  # best effort: stops at the second poll after submission
         io.poll()
+    else:
+        clock.now += timeout_s + 0.1  # past the deadline while the batch runs
+    backend.get_gate.set()
     (result,) = wait_result(io)
-    # Stopped after the batch in flight at the deadline: one batch of 32 pages.
+    # Stopped after the batch in flight: one batch of 32 pages.
     assert result.fetched_pages == 32 and len(result.error_block_ids) == 8
     assert io.stats.fetch_deadline_misses == 1
     io.shutdown()
@@ -118,19 +140,19 @@ def test_failing_store_is_a_miss_not_an_exception(tmp_path):
 
 
 def test_backups_are_written_and_dropped_when_their_slot_is_reused(tmp_path):
-    io, pool, backend, _ = make(tmp_path, fault_get_delay_s=0.0)
+    io, pool, backend, _ = make(tmp_path)
     for i in range(8):
         pool.set_key(i, KEYS[i])
-    # Hold the I/O thread with a slow fetch so the backups stay queued.
-    slow, _, _, _ = make(tmp_path)
-    io.backend.get_delay_s = 0.5
+    # Hold the I/O thread in a fetch (a gate) so the backups stay queued.
+    backend.get_gate = threading.Event()
     io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=30), (), None))
+    assert backend.get_entered.wait(60)
     io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(8)])
     io.release_slots([3, 4])  # the worker is about to overwrite slots 3 and 4
     pool.set_key(3, None)
     pool.set_key(4, None)
+    backend.get_gate.set()
     io.shutdown()
-    slow.shutdown()
     stored = [backend.exists(KEYS[i].hex()) for i in range(8)]
     assert stored == [True, True, True, False, False, True, True, True]
     assert io.stats.backups_dropped == 2 and io.stats.backup_pages == 6
@@ -141,10 +163,12 @@ def test_removal_drops_queued_backups_and_deletes_after_the_running_one(tmp_path
     io, pool, backend, _ = make(tmp_path)
     for i in range(8):
         pool.set_key(40 + i, KEYS[30 + i] if i < 4 else KEYS[i])
-    io.backend.get_delay_s = 0.3  # keep the thread busy with a fetch first
+    backend.get_gate = threading.Event()  # keep the thread in a fetch first
     io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=20), (), None))
+    assert backend.get_entered.wait(60)
     io.submit_backup([(KEYS[30 + i], 40 + i, KEYS[30 + i]) for i in range(4)])
     io.submit_removal([KEYS[30], KEYS[31], KEYS[0]])
+    backend.get_gate.set()
     io.shutdown()
     # The queued backups of 30/31 were dropped (none can land after the flush)
     # and their stored copies deleted with 0's; 32/33 and 1 are untouched.
