@@ -81,7 +81,7 @@ lmcache-server: $(STAMP) lmcache-venv
 # Our tree / file L3 / L2 against SGLang's RadixCache / HiCacheFile and LMCache's
 # engine; BENCH_ARGS=--quick for a smoke run.
 bench-peers: $(STAMP) peer-venvs
-	$(VENV)/bin/hicache bench peers $(BENCH_ARGS)
+	$(PY) -m hicache.integration.bench.peers $(BENCH_ARGS)
 
 clean-peers:
 	rm -rf .venv-peers

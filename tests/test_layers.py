@@ -142,6 +142,31 @@ def test_exceptions_are_still_needed():
     assert EXCEPTIONS <= used, EXCEPTIONS - used
 
 
+def _left_out_of_the_wheel() -> list[str]:
+    """The packages pyproject.toml's setuptools ``exclude`` leaves out of the wheel."""
+    import tomllib
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["exclude"]
+    return [pattern.rstrip("*").rstrip(".") for pattern in found]
+
+
+def test_what_the_wheel_ships_imports_nothing_it_leaves_out():
+    """An installed ``hicache`` command must not reach a module the wheel does not
+    carry (``hicache bench peers`` did): modules outside the excluded packages import
+    none of them, inside functions included."""
+    left_out = _left_out_of_the_wheel()
+    assert "hicache.integration.bench.peers" in left_out  # the rule reads the real list
+
+    def shipped(path: str) -> bool:
+        dotted = "hicache." + path.removesuffix(".py").replace("/", ".")
+        return not any(dotted == x or dotted.startswith(x + ".") for x in left_out)
+
+    bad = [str(i) for i in IMPORTS if shipped(i.path) and not i.typing_only
+           and any(i.module == x or i.module.startswith(x + ".") for x in left_out)]
+    assert bad == []
+
+
 _SIMULATE_WITHOUT_ENGINE = """
 import importlib.abc, json, sys
 
@@ -177,3 +202,12 @@ def test_simulate_runs_where_vllm_and_torch_cannot_be_imported(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
     rows = json.loads((tmp_path / "sim" / "simulate.json").read_text())["rows"]
     assert len(rows) == 2 and any(r["hit_l2"] > 0 for r in rows)
+
+
+def test_the_bench_report_does_not_import_the_client_it_reports_for():
+    """client.py imports report.py; the records both read live in records.py, so no
+    import runs back (not even for the type checker)."""
+    assert [str(i) for i in IMPORTS if i.path == "integration/bench/report.py"
+            and refers_to(i, "integration.bench.client")] == []
+    assert any(i.path == "integration/bench/client.py"
+               and i.module == "hicache.integration.bench.report" for i in IMPORTS)

@@ -1,8 +1,10 @@
-"""``hicache bench run|compare|peers`` and ``hicache simulate``: the typer commands.
+"""``hicache bench run|compare`` and ``hicache simulate``: the typer commands.
 
 They parse options, turn bad input into exit code 2 with a message that
-names the option and the allowed values, and call client.py, compare.py,
-``hicache.integration.bench.peers`` and simulate.py. Heavy imports (vLLM via the
+names the option and the allowed values, and call client.py, compare.py and
+simulate.py. The component benchmarks against SGLang and LMCache need a source
+checkout (peer venvs; the wheel leaves them out): ``make bench-peers`` or
+``python -m hicache.integration.bench.peers``. Heavy imports (vLLM via the
 scheduler, matplotlib) happen inside the commands so ``hicache --help``
 stays fast.
 """
@@ -17,8 +19,9 @@ import typer
 from rich.console import Console
 
 bench_app = typer.Typer(
-    help="Benchmark servers: one workload (run), every system of a config (compare), "
-         "component benchmarks against SGLang and LMCache (peers).",
+    help="Benchmark servers: one workload (run), every system of a config (compare). "
+         "Component benchmarks against SGLang and LMCache: make bench-peers (a source "
+         "checkout).",
     no_args_is_help=True,
 )
 
@@ -140,19 +143,6 @@ def compare_cmd(
     bad = [r for r in report["rows"] if r["status"] == "errors"]
     if bad:
         raise typer.Exit(1)
-
-
-@bench_app.command(
-    "peers", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False)
-def peers_cmd(ctx: typer.Context) -> None:
-    """Our tiers vs SGLang's RadixCache / HiCacheFile and LMCache's engine (peer venvs).
-
-    Options are those of ``python -m hicache.integration.bench.peers`` (--help lists them).
-    """
-    from hicache.integration.bench.peers.__main__ import main as peers_main
-
-    raise typer.Exit(peers_main(list(ctx.args)))
 
 
 def simulate_cmd(

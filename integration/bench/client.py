@@ -48,96 +48,27 @@ generated ids as ``output`` when known).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from hicache.integration.bench.records import BenchResult, RequestRecord
 from hicache.integration.bench.report import summarize
 from hicache.integration.bench.trace import TraceRecord, write_trace
 from hicache.integration.bench.workloads import WorkloadSpec
 
 TIER_NAMES = ("l1", "l2", "l3")
+# The run's records live in records.py (report.py reads them too); named here as well.
+__all__ = ["BenchError", "BenchResult", "RequestRecord", "run_bench", "run_bench_sync",
+           "tier_deltas"]
 
 
 class BenchError(RuntimeError):
     """The benchmark cannot run (no model, or answer ids needed but unavailable)."""
-
-
-@dataclass
-class RequestRecord:
-    """One request of a run; times are seconds since the run began."""
-
-    id: str
-    client: int
-    turn: int
-    arrival: float
-    first_token: float | None = None
-    finish: float | None = None
-    prompt_tokens: int = 0
-    # usage.prompt_tokens_details.cached_tokens; None when the server does not report it.
-    cached_tokens: int | None = None
-    output_tokens: int = 0
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    error: str | None = None
-    # Kept in memory for the trace and for building the next turn; not in JSON.
-    prompt_ids: list[int] = field(default_factory=list, repr=False, compare=False)
-    answer_ids: list[int] | None = field(default=None, repr=False, compare=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("prompt_ids", "answer_ids")}
-        d["itl"] = list(self.itl)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RequestRecord:
-        names = {f.name for f in dataclasses.fields(cls)} - {"prompt_ids", "answer_ids"}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@dataclass
-class BenchResult:
-    """Everything one run measured; ``to_json`` writes it, ``from_dict`` reads it back."""
-
-    spec: WorkloadSpec
-    base_url: str
-    model: str
-    requests: list[RequestRecord]
-    duration_s: float
-    summary: dict[str, Any]
-    tiers: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "spec": self.spec.to_dict(), "base_url": self.base_url, "model": self.model,
-            "duration_s": self.duration_s, "summary": self.summary, "tiers": self.tiers,
-            "requests": [r.to_dict() for r in self.requests],
-        }
-
-    def to_json(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
-        return path
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BenchResult:
-        return cls(
-            spec=WorkloadSpec.from_dict(d["spec"]), base_url=d["base_url"], model=d["model"],
-            requests=[RequestRecord.from_dict(r) for r in d["requests"]],
-            duration_s=float(d["duration_s"]), summary=d["summary"], tiers=d.get("tiers"),
-        )
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> BenchResult:
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 # ---- admin endpoint -------------------------------------------------------------

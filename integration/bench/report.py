@@ -32,7 +32,7 @@ import numpy as np
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from hicache.integration.bench.client import BenchResult, RequestRecord
+    from hicache.integration.bench.records import BenchResult, RequestRecord
 
 
 def _get(r: Any, key: str) -> Any:
