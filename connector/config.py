@@ -119,7 +119,7 @@ class HiCacheConfig(Settings):
         "to be scheduled")
     # A step's L1 -> L2 stores finish during later steps (connector/worker.py);
     # false = each step waits for its own, which measured faster on a CPU
-    # (the copy thread takes a core from the next forward pass; README
+    # (the copy thread takes a core from the next forward pass; docs/concepts.md
     # "Stores across steps"); not yet measured on a GPU. Always off for
     # sliding-window and Mamba models, whose blocks change while a request runs.
     hicache_async_stores: bool = Field(

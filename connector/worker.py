@@ -92,7 +92,7 @@ MAX_STORE_STEPS_IN_FLIGHT = 4
 # save costs the host an enqueue (GPU: an event pair, a stream switch and a kernel
 # launch, ~0.1 ms of Python; CPU: a hand-off to the copy thread): on an H200 with
 # 16-token pages and 32 decoding requests nearly every decode step stores a page or
-# two, and 8 per-layer saves per step cost ~20% throughput (README, "Serving under
+# two, and 8 per-layer saves per step cost ~20% throughput (docs/gpu.md, "Serving under
 # load on a GPU"). 4 MiB copies in ~0.1 ms at 45 GB/s.
 PER_LAYER_SAVE_MIN_BYTES = {"cuda": 4 << 20, "cpu": 256 << 10}
 # On a CPU, when each step waits for its stores, a step's store below this many bytes

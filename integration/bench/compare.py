@@ -10,7 +10,7 @@ row saying ``not run: <reason>`` (the last error line of its log), never a
 missing row.
 
 Outputs under ``out``: ``compare.json`` (every row, every summary),
-``compare.md`` (the table as Markdown, for the README), the client's plots
+``compare.md`` (the table as Markdown, for the docs), the client's plots
 for the systems that ran, one ``<system>.json`` result and
 ``<system>.trace.jsonl`` per run, and ``<system>.log`` with each server's
 output. The headline column is the **returning-turn TTFT** (requests after a

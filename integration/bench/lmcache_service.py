@@ -18,7 +18,7 @@ Contract:
   SIGKILL after a grace period; ``kill()`` SIGKILLs it (fault tests) and
   ``restart()`` starts it again on the same ports and L2 (an empty DRAM
   tier, the same L2). ``extra_config()`` is the lmcache backend's extra
-  config for it; ``command`` the command line, for the README's recipe.
+  config for it; ``command`` the command line, for the docs' recipe.
 """
 
 from __future__ import annotations

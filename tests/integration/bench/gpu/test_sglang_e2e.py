@@ -1,6 +1,6 @@
 """The SGLang side-by-side runner's pure parts (integration/bench/gpu/sglang_e2e.py): its
 workload matches e2e.py's token for token, and its tables. SGLang itself only runs on the
-lent GPU (its HiCache moves KV with CUDA kernels): see README "SGLang side by side"."""
+lent GPU (its HiCache moves KV with CUDA kernels): see docs/gpu.md "SGLang HiCache side by side"."""
 
 from __future__ import annotations
 
