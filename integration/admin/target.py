@@ -11,12 +11,12 @@ be thread-safe.
 
 :class:`TargetCalls` wraps each call and what it returns:
 
-* A target reports a client error by raising
-  :class:`~hicache.tiers.controller.admin.AdminError` ``(status_code, message)``:
-  a status in 400..599 other than 500 is answered as ``status_code`` +
-  ``{"detail": message}`` with the admin token scrubbed from the message (the
-  message is shown to the caller, so it must not contain secrets); 500 or a
-  status outside 400..599 becomes the generic 500 below.
+* A target reports a client error by raising a kind of
+  :class:`~hicache.tiers.controller.admin.AdminError` (the engine-free core
+  knows no HTTP): ``BadRequest`` is answered 400, ``Conflict`` 409,
+  ``NotFound`` 404 (``STATUS``), each with ``{"detail": message}`` and the
+  admin token scrubbed from the message (it is shown to the caller, so it must
+  not contain secrets); any other kind becomes the generic 500 below.
 * Any other exception becomes ``500 {"detail": INTERNAL_ERROR}``; the
   traceback is logged (logger ``hicache.integration.admin.target``) with the
   token scrubbed.
@@ -41,9 +41,11 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from hicache.integration.admin.models import ErrorResponse
 from hicache.integration.admin.redact import scrub, scrub_text
-from hicache.tiers.controller.admin import AdminError
+from hicache.tiers.controller.admin import AdminError, BadRequest, Conflict, NotFound
 
 logger = logging.getLogger(__name__)
+# The HTTP status of each kind of client error the core raises.
+STATUS: dict[type[AdminError], int] = {BadRequest: 400, Conflict: 409, NotFound: 404}
 
 INTERNAL_ERROR = "internal error in the HiCache admin target; see the server log"
 MAX_JSON_DEPTH = 64
@@ -83,7 +85,7 @@ class AdminTarget(Protocol):
 
         ``tiers`` is what the client sent, lower-cased, stripped, de-duplicated
         (e.g. ``["l2", "l3"]`` or ``["all"]``); unknown names raise
-        ``AdminError(400, ...)`` naming the allowed values.
+        ``BadRequest`` naming the allowed values.
         """
         ...
 
@@ -99,13 +101,13 @@ class AdminTarget(Protocol):
         ...
 
     def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
-        """Plan the prompt's L3 pages into L2 (``PrefetchResponse``); ``AdminError(409)``
+        """Plan the prompt's L3 pages into L2 (``PrefetchResponse``); ``Conflict``
         with no L3 or no room in L2."""
         ...
 
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         """Keep the prefix's L2 pages ahead of LRU for ``ttl_s`` (``PinResponse``);
-        ``AdminError(409)`` when pins would pass their share of L2."""
+        ``Conflict`` when pins would pass their share of L2."""
         ...
 
     def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
@@ -115,12 +117,12 @@ class AdminTarget(Protocol):
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
         """Attach an L3 backend at run time: ``{"attached": backend, ...}``.
 
-        ``AdminError(409)`` when one is attached.
+        ``Conflict`` when one is attached.
         """
         ...
 
     def detach_storage(self) -> dict[str, Any]:
-        """Detach the L3 backend: ``{"detached": name, ...}`` (``AdminError(409)`` when none)."""
+        """Detach the L3 backend: ``{"detached": name, ...}`` (``Conflict`` when none)."""
         ...
 
     def tree(self, prefix: list[int] | None, depth: int) -> dict[str, Any]:
@@ -167,8 +169,8 @@ class TargetCalls:
         try:
             return fn()
         except AdminError as e:
-            status = e.status_code if 400 <= e.status_code <= 599 else 500
-            if status == 500:
+            status = next((STATUS[k] for k in type(e).__mro__ if k in STATUS), None)
+            if status is None:
                 raise internal_error() from None
             raise HTTPException(status, scrub(e.message, self._token)) from None
         except Exception:

@@ -110,3 +110,18 @@ def test_stored_pages_carry_their_checksum_for_the_l3_writes(tmp_path):
             assert plain.pool.checksums_of([0]) == [None]  # nothing would take them
         finally:
             plain.shutdown()
+
+
+def test_every_worker_counter_has_its_row_in_the_metrics_table(tmp_path):
+    """The worker names its counters as strings; each must be a row of the one metrics
+    table (tiers/metrics.py), or it would reach /metrics untyped."""
+    from hicache.tiers.metrics import METRICS
+
+    w = make_worker(tmp_path)  # with an L3: its counters too
+    try:
+        rows = {m.key for m in METRICS if m.section == "worker"}
+        assert w.counters() and set(w.counters()) - rows == set()
+        assert set(w.stats.take_observations()) <= {m.key for m in METRICS
+                                                    if m.section == "latency"}
+    finally:
+        w.shutdown()

@@ -29,9 +29,12 @@ Contract:
   pages are dropped and each rank deletes its own shard after any backup
   already running (an idle engine applies them when it next runs). L3
   calls run outside the scheduler lock.
-- Client mistakes raise ``AdminError`` with a 4xx code naming the allowed
-  values; a storage backend that cannot be built for ``attach`` is a 400
-  with its configuration error.
+- Client mistakes raise a kind of ``AdminError`` whose message names the
+  allowed values: ``BadRequest`` (the request names something invalid: a tier,
+  a prefix, a backend, a backend configuration that cannot be built),
+  ``Conflict`` (the cache's state refuses it now: no L3 attached, pins over
+  their share, no room in L2), ``NotFound``. No HTTP here: the admin app
+  (integration/admin/target.py) maps each kind to its status.
 """
 
 from __future__ import annotations
@@ -66,12 +69,24 @@ RATE_WINDOW_S = 10.0
 
 
 class AdminError(Exception):
-    """A client error of an admin action: the admin app answers ``status_code`` + message."""
+    """A client error of an admin action; its kind (below) says which, its message
+    what is wrong and what is allowed."""
 
-    def __init__(self, status_code: int, message: str) -> None:
+    def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.status_code = int(status_code)
         self.message = str(message)
+
+
+class BadRequest(AdminError):
+    """The request names something invalid (a tier, a prefix, a backend)."""
+
+
+class Conflict(AdminError):
+    """The cache's state refuses the action now (no L3 attached, pins over their share)."""
+
+
+class NotFound(AdminError):
+    """What the request names is not in the cache."""
 
 
 class SchedulerAdmin:
@@ -203,19 +218,19 @@ class SchedulerAdmin:
               cache_salt: str | None) -> dict[str, int]:
         unknown = sorted(set(tiers) - set(TIERS))
         if unknown or not tiers:
-            raise AdminError(400, f"unknown tier(s) {unknown or tiers}: allowed values "
+            raise BadRequest(f"unknown tier(s) {unknown or tiers}: allowed values "
                              f"{list(TIERS)} (L1 is vLLM's own cache: use vLLM's "
                              "/reset_prefix_cache)")
         chosen = {"l2", "l3"} if "all" in tiers else set(tiers)
         if "l3" in chosen and self.storage_name is None and "all" not in tiers:
-            raise AdminError(409, "no L3 storage backend is attached")
+            raise Conflict("no L3 storage backend is attached")
         s = self.scheduler
         try:
             with s.lock:
                 counts, l3_op = s.flush(chosen, prefix, cache_salt)
                 storage = s.storage
         except ValueError as exc:  # token ids out of range
-            raise AdminError(400, f"prefix: {exc}") from exc
+            raise BadRequest(f"prefix: {exc}") from exc
         return self._remove_from_l3(counts, l3_op, storage)
 
     def forget(self, prefix: list[int], cache_salt: str | None,
@@ -227,7 +242,7 @@ class SchedulerAdmin:
                 counts, l3_op = s.forget(prefix, cache_salt, keep_tokens=keep_tokens)
                 storage = s.storage
         except ValueError as exc:  # token ids out of range
-            raise AdminError(400, f"prefix: {exc}") from exc
+            raise BadRequest(f"prefix: {exc}") from exc
         return self._remove_from_l3(counts, l3_op, storage)
 
     def lookup(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
@@ -272,17 +287,17 @@ class SchedulerAdmin:
         with s.lock:
             storage = s.storage
         if storage is None:
-            raise AdminError(409, "no L3 storage backend is attached")
+            raise Conflict("no L3 storage backend is attached")
         try:  # outside the lock: a slow store must not stall the engine
             in_l3 = storage.batch_exists([k.hex() for k in keys]) if keys else 0
         except Exception as exc:  # noqa: BLE001 - a failing store holds nothing to read
-            raise AdminError(409, f"the L3 store could not be asked: {exc}") from exc
+            raise Conflict(f"the L3 store could not be asked: {exc}") from exc
         try:
             with s.lock:
                 pages = s.prefetch_prefix(keys, in_l3)
                 in_l2 = s.tree.peek(keys)
         except NoRoom as exc:
-            raise AdminError(409, str(exc)) from exc
+            raise Conflict(str(exc)) from exc
         page = s.page_size
         return {"prefetch_tokens": pages * page, "l3_tokens": in_l3 * page,
                 "l2_tokens": in_l2 * page}
@@ -299,7 +314,7 @@ class SchedulerAdmin:
                 if s.storage is not None:
                     s.retain_in_l3(keys, ttl_s)
         except PinRefused as exc:
-            raise AdminError(409, str(exc)) from exc
+            raise Conflict(str(exc)) from exc
         return {"pinned_pages": pages, "ttl_s": ttl_s}
 
     def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
@@ -320,7 +335,7 @@ class SchedulerAdmin:
             with s.lock:
                 return s.prefix_keys(prefix, cache_salt)
         except ValueError as exc:  # token ids out of range
-            raise AdminError(400, f"prefix: {exc}") from exc
+            raise BadRequest(f"prefix: {exc}") from exc
 
     def _remove_from_l3(self, counts: dict[str, int], l3_op: L3Removal | None,
                         storage: L3Store | None) -> dict[str, int]:
@@ -338,7 +353,7 @@ class SchedulerAdmin:
                 else:
                     counts["l3_pages"] = storage.batch_delete([k.hex() for k in l3_op.keys])
             except NotImplementedError as exc:
-                raise AdminError(400, f"L3 backend {self.storage_name!r} cannot flush a prefix "
+                raise BadRequest(f"L3 backend {self.storage_name!r} cannot flush a prefix "
                                  f"({exc}); flush all of L3 instead") from exc
             # Every worker then drops queued backups of those pages and deletes its shard.
             with self._lock:
@@ -351,13 +366,13 @@ class SchedulerAdmin:
         from hicache.tiers.l3.factory import STORAGE_BACKENDS
 
         if backend not in STORAGE_BACKENDS:
-            raise AdminError(400, f"backend={backend!r}: allowed values {list(STORAGE_BACKENDS)}")
+            raise BadRequest(f"backend={backend!r}: allowed values {list(STORAGE_BACKENDS)}")
         try:
             instance: StorageBackend = self._build_storage(backend, dict(extra_config))
         except StorageConfigError as exc:
-            raise AdminError(400, str(exc)) from exc
+            raise BadRequest(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - unreachable store: the client's problem
-            raise AdminError(400, f"cannot reach the {backend} store: {exc}") from exc
+            raise BadRequest(f"cannot reach the {backend} store: {exc}") from exc
         s = self.scheduler
         with s.lock:
             old, s.storage = s.storage, instance
@@ -372,7 +387,7 @@ class SchedulerAdmin:
         s = self.scheduler
         with s.lock:
             if s.storage is None:
-                raise AdminError(409, "no L3 storage backend is attached")
+                raise Conflict("no L3 storage backend is attached")
             old, s.storage = s.storage, None
             name, self.storage_name = self.storage_name, None
         with self._lock:
@@ -389,7 +404,7 @@ class SchedulerAdmin:
                 keys = s.prefix_keys(prefix)
                 node = s.tree.find(keys)
                 if node is None:
-                    raise AdminError(404, f"the first {len(keys)} pages of prefix are in "
+                    raise NotFound(f"the first {len(keys)} pages of prefix are in "
                                      "neither L2 nor L3 as far as this engine knows")
             assert node is not None
             return {"page_size": s.page_size, "total_pages": s.tree.total_pages(),

@@ -102,8 +102,6 @@ class StorageIOStats:
     backups_dropped: int = 0
     deleted_pages: int = 0
     retained_pages: int = 0
-    backup_queue_pages: int = 0
-    fetch_queue: int = 0
 
 
 @dataclass(frozen=True)

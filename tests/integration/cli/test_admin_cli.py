@@ -19,7 +19,7 @@ from hicache.integration.cli.main import (
     app,
     main,
 )
-from hicache.tiers.controller.admin import AdminError
+from hicache.tiers.controller.admin import BadRequest, Conflict
 
 TOKEN = "cli-t0ken-ABCDEF-123"
 
@@ -54,14 +54,14 @@ class Target:
         with self.lock:
             self.calls.append(("flush", (tiers, prefix, cache_salt)))
             if any(t not in ("l1", "l2", "l3", "all") for t in tiers):
-                raise AdminError(400, "unknown tier; allowed: l1, l2, l3, all")
+                raise BadRequest("unknown tier; allowed: l1, l2, l3, all")
             return {"l2_pages": 3, "l3_pages": 5, "skipped_locked": 0}
 
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             self.calls.append(("attach", (backend, extra_config)))
             if self.backend is not None:
-                raise AdminError(409, f"L3 backend {self.backend!r} is attached; detach it first")
+                raise Conflict(f"L3 backend {self.backend!r} is attached; detach it first")
             self.backend = backend
             return {"attached": backend}
 
@@ -69,7 +69,7 @@ class Target:
         with self.lock:
             self.calls.append(("detach", None))
             if self.backend is None:
-                raise AdminError(409, "no L3 backend is attached")
+                raise Conflict("no L3 backend is attached")
             name, self.backend = self.backend, None
             return {"detached": name}
 
