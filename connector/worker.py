@@ -524,8 +524,8 @@ class HiCacheWorker:
         those pages itself. The job runs in the copy thread's queue: loads queued
         behind it wait for it (about 1 ms per 11 MB here)."""
         pool = self._require_pool()
-        if (self.storage_io is None or not self.l3_writer or self._pipeline.on_cuda
-                or not getattr(self.storage, "uses_pool_checksums", False)
+        if (self.storage is None or self.storage_io is None or not self.l3_writer
+                or self._pipeline.on_cuda or not self.storage.uses_pool_checksums
                 or pool.layout == "layer_first" or not native_io.available()):
             return
         base, page = pool.buffer.data_ptr(), pool.geometry.page_bytes

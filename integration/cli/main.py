@@ -68,6 +68,9 @@ TokenOpt = Annotated[
     ),
 ]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Request timeout, seconds.")]
+SaltOpt = Annotated[
+    str | None, typer.Option("--cache-salt", help="The cache_salt its requests carry.")]
+PromptOpt = Annotated[str, typer.Option(help="The prompt's comma-separated token ids.")]
 
 
 def _out() -> Console:
@@ -355,10 +358,8 @@ def tree(
 
 @admin_app.command()
 def lookup(
-    prefix: Annotated[str, typer.Option(help="The prompt's comma-separated token ids.")],
-    cache_salt: Annotated[
-        str | None, typer.Option("--cache-salt", help="The cache_salt its requests carry.")
-    ] = None,
+    prefix: PromptOpt,
+    cache_salt: SaltOpt = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
     timeout: TimeoutOpt = 10.0,
@@ -392,11 +393,6 @@ def forget(
     body = {"prefix": ids, "cache_salt": cache_salt, "keep_tokens": keep_tokens}
     _print_counts("forgotten", _json(request("POST", url, "/forget", token, timeout,
                                              body=body)))
-
-
-SaltOpt = Annotated[
-    str | None, typer.Option("--cache-salt", help="The cache_salt its requests carry.")]
-PromptOpt = Annotated[str, typer.Option(help="The prompt's comma-separated token ids.")]
 
 
 @admin_app.command()

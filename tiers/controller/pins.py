@@ -105,9 +105,10 @@ class Pins:
         out = []
         up = node.parent
         while up is not None and up.keys:
-            pin = self._pins.get(up.keys[-1].hex())
+            name = self.name_of(up.keys)
+            pin = self._pins.get(name)
             if pin is not None and pin.node is up and pin.expires <= expires:
-                out.append(up.keys[-1].hex())
+                out.append(name)
             up = up.parent
         return out
 

@@ -436,11 +436,11 @@ class HiCacheScheduler:
         """Pin what L2 holds of a finished request's pages for its ``retain_s``, and
         ask every worker's L3 to keep them as long (where the backend can)."""
         req_id = state.request.request_id
+        keys, ttl_s = state.page_keys(), float(state.hints.retain_s or 0)
         if self.storage is not None:
-            self.retain_in_l3(state.page_keys(), float(state.hints.retain_s or 0))
+            self.retain_in_l3(keys, ttl_s)
         try:
-            self._retained[req_id] = self.pins.pin(state.page_keys(),
-                                                   float(state.hints.retain_s or 0))
+            self._retained[req_id] = self.pins.pin(keys, ttl_s)
         except PinRefused as exc:
             self._retained[req_id] = f"kv_transfer_params.hicache.retain_s not applied: {exc}"
 

@@ -6,8 +6,9 @@ Contract (see DESIGN.md "Admin actions"):
   L3 instance at once and queues the matching command; the connector puts
   the queued commands into the next step's plan, and each worker applies
   them once, before that step's loads and fetches (connector/worker.py).
-- The scheduler queues its own (a request's ``retain_s`` reaching L3) the
-  same way: ``HiCacheScheduler.take_commands``.
+- The scheduler queues its own (a request's ``retain_s`` reaching L3,
+  ``HiCacheScheduler.retain_in_l3``) and puts them in the plan it builds,
+  ahead of the admin's.
 - Commands are plain frozen dataclasses (they cross process boundaries with
   the plan). Page keys stay ``bytes`` here; only the backend boundary
   (tiers/l3/) spells them as the store's string keys.
