@@ -55,6 +55,10 @@ class StorageExtraConfig(Settings):
         0.1, description="seconds per 1024 fetched tokens a timeout-policy fetch may wait")
     prefetch_timeout_max: NonNegativeFloat = Field(
         30.0, description="the most seconds a timeout-policy fetch may wait")
+    object_mib: NonNegativeFloat = Field(
+        1.0, description="MiB an L3 object may hold: runs of pages of a request are "
+        "stored as one object of up to this size where the backend can (file); 0 = one "
+        "object per page")
 
 
 # Keys of hicache_storage_backend_extra_config that HiCache consumes, with their defaults.
@@ -162,7 +166,7 @@ class HiCacheConfig(Settings):
             )) from None
 
     def prefetch_setting(self, key: str) -> float:
-        """prefetch_threshold / prefetch_timeout_* with SGLang's defaults."""
+        """prefetch_threshold / prefetch_timeout_* with SGLang's defaults; object_mib."""
         return float(getattr(self.hicache_storage_backend_extra_config, key))
 
     def backend_extra_config(self) -> dict[str, Any]:

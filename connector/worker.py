@@ -579,8 +579,15 @@ class HiCacheWorker:
                 by_slot = dict(zip((p.slot for p in store.pages), store.sums, strict=True))
                 pool.set_checksums([p.slot for p in owned], [by_slot[p.slot] for p in owned])
             if self.storage_io is not None and self.l3_writer and owned:
-                self.storage_io.submit_backup([(p.key, p.slot, at) for p in owned
-                                               for at in _l3_keys(p)])
+                backups = [(p, at) for p in owned for at in _l3_keys(p)]
+                self.storage_io.submit_backup(
+                    [(p.key, p.slot, at) for p, at in backups],
+                    [p.span if at == p.key else None for p, at in backups])
+            if self.storage_io is not None and self.l3_writer and store.plan.backups:
+                # Pages a store cut out of a span, as page objects (plans.py ``backups``);
+                # the I/O thread skips a slot that no longer holds its page.
+                self.storage_io.submit_backup([(p.key, p.slot, p.key)
+                                               for p in store.plan.backups])
             self.stats.saved_pages += len(store.pages)
             seconds = store.clock.take_seconds()
             if seconds is not None:

@@ -9,23 +9,28 @@ Select it like any third-party backend::
         "path": "/tmp/l3", "fault_get_delay_s": 0.5}
 
 Faults (extra-config keys, all optional):
-- ``fault_get_delay_s``: sleep this long in every ``batch_get_v1`` call (a slow store).
+- ``fault_get_delay_s``: sleep this long in every ``batch_get_v1`` and
+  ``batch_get_spans`` call (a slow store; the gate and ``fault_fail_gets`` act on
+  both too).
 - ``fault_exists_delay_s``: sleep this long in every ``batch_exists`` call (a slow
   lookup); the names of the threads that called it are kept in ``exists_threads``.
-- ``fault_delete_after_exists``: delete every page file right after
-  ``batch_exists`` found it (a page vanishing between lookup and read).
+- ``fault_delete_after_exists``: delete every page file right after a
+  ``batch_exists`` found anything (pages vanishing between lookup and read).
 - ``fault_fail_gets``: every read raises ``OSError`` (a store that went down).
 Everything else is the file backend's (``path``, ``capacity_gb``, ``fsync``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import threading
 import time
 
 import torch
 
+from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 
@@ -55,12 +60,15 @@ class FaultyFileBackend(FileBackend):
         if self.exists_delay_s:
             time.sleep(self.exists_delay_s)
         found = super().batch_exists(keys)
-        if self.delete_after_exists:
-            for key in keys[:found]:
-                (self.pages_dir / self._name(key)).unlink(missing_ok=True)
+        if self.delete_after_exists and found:
+            # Everything goes: what was found, and the page objects that may hold the
+            # same pages as a span object found (spans.py: pages a store cut out).
+            for _, path in self._page_files():
+                with contextlib.suppress(FileNotFoundError):  # another thread's lookup
+                    os.unlink(path)
         return found
 
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+    def _read_faults(self) -> None:
         if self.get_gate is not None:
             self.get_entered.set()
             self.get_gate.wait()
@@ -68,7 +76,15 @@ class FaultyFileBackend(FileBackend):
             time.sleep(self.get_delay_s)
         if self.fail_gets:
             raise OSError("injected L3 read failure")
+
+    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+        self._read_faults()
         return super().batch_get_v1(keys, host_slots)
+
+    def batch_get_spans(self, keys: list[str], host_slots: list[int], spans: list[SpanRef],
+                        deadline: float | None = None) -> list[bool]:
+        self._read_faults()
+        return super().batch_get_spans(keys, host_slots, spans, deadline)
 
     def get(self, key: str, target: torch.Tensor) -> bool:
         if self.fail_gets:

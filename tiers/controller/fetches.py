@@ -54,6 +54,7 @@ from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey, body_key
 from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.index.radix_tree import MatchResult, TreeNode
+from hicache.tiers.index.spans import SpanLayout
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,8 @@ class L3Fetches:
         elif (self.probes is not None and not checkpoints
                 and getattr(self.storage, "concurrent_lookups", False)):
             started = self.probes.started
-            answer = self.probes.result(req_id, run[known:], self.storage)
+            answer = self.probes.result(req_id, run[known:], self.storage,
+                                        self._span_count(keys, start + known, end))
             self._stats.l3_lookups += self.probes.started - started
             if answer is None:
                 self._stats.l3_lookups_pending += 1
@@ -167,7 +169,8 @@ class L3Fetches:
                 self._stats.l3_lookup_errors += 1
             found = known + more
         else:
-            found = known + self._ask(run[known:], checkpoints)
+            found = known + self._ask(run[known:], checkpoints,
+                                      self._span_count(keys, start + known, end))
         if found > known:
             self.l2.found_in_l3(keys[: start + found], start + known, source)
         # The fetched pages need L2 slots: never promise more than L2 can hold now
@@ -175,10 +178,23 @@ class L3Fetches:
         found = min(found, self._room())
         return found if found >= threshold else 0
 
-    def _ask(self, run: Sequence[PageKey], checkpoints: bool) -> int:
-        """How many leading pages of ``run`` the store holds, asked inline (0 on error)."""
+    def _span_count(self, keys: Sequence[PageKey], start: int, end: int,
+                    ) -> Callable[[], int] | None:
+        """How to count the run ``keys[start:end]`` through span objects as well as
+        page objects (tiers/index/spans.py); None where L3 objects are single pages."""
+        storage, spans = self.storage, self.l2.spans
+        if storage is None or not spans.enabled or self.l2.groups.has_state:
+            return None
+        return lambda: spans.run_in_store(storage.batch_exists, keys, start, end)
+
+    def _ask(self, run: Sequence[PageKey], checkpoints: bool,
+             count: Callable[[], int] | None = None) -> int:
+        """How many leading pages of ``run`` the store holds, asked inline (0 on error);
+        ``count``: the span-aware question for the same run (``_span_count``)."""
         self._stats.l3_lookups += 1
         try:
+            if count is not None:
+                return count()
             wanted = [body_key(k) if checkpoints else k for k in run]
             found = self.storage.batch_exists([k.hex() for k in wanted])  # type: ignore[union-attr]
             if checkpoints:
@@ -226,8 +242,10 @@ class L3Fetches:
         slots = list(match.host_slots) + l3_slots
         mine = set(l3_slots)
         planned = {p.slot: p for p in pages}
+        spans = self.l2.spans
         l3_plans = tuple(
-            planned.get(slots[page], PagePlan(slots[page], keys[page], 0, ()))
+            dataclasses.replace(planned.get(slots[page], PagePlan(slots[page], keys[page], 0, ())),
+                                span=spans.ref(keys, page))
             for page in range(match.num_pages, len(slots))
         )
         masks: list[int] = []
@@ -255,7 +273,9 @@ class L3Fetches:
         pages after ``match`` (its node locked) into ``slots``, no blocks, for at
         most ``timeout_s`` on the worker; it ends like a fetch (``on_report``), its
         pages entering the tree."""
-        l3_plans = tuple(PagePlan(slot, keys[match.num_pages + i], 0, ())
+        spans = SpanLayout() if self.l2.groups.has_state else self.l2.spans
+        l3_plans = tuple(PagePlan(slot, keys[match.num_pages + i], 0, (),
+                                  span=spans.ref(keys, match.num_pages + i))
                          for i, slot in enumerate(slots))
         fetch = RequestFetch(fetch_id, (), l3_plans, (), timeout_s, prefetch=True)
         self._planned.append(fetch)

@@ -119,9 +119,11 @@ class Flusher:
                 tops = list(node.children.values()) if node is not None else []
             if release is not None and l2:
                 release(tops)
+            spans = self._span_objects(tops, keys, len(keys) - 1 if aligned else len(keys))
             dropped = self.l2.drop(tops, l2=l2, l3=l3)
             if l3:
-                l3_op = self._delete_pages(dropped.keys + ([keys[-1]] if aligned else []))
+                l3_op = self._delete_pages(dropped.keys + ([keys[-1]] if aligned else []),
+                                           spans)
         return self._settle(dropped), l3_op
 
     def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
@@ -141,18 +143,43 @@ class Flusher:
             tops = [top] if top is not None else []
         if release is not None:
             release(tops)
+        spans = self._span_objects(tops, keys, start)
         dropped = self.l2.drop(tops, l2=True, l3=True)
         counts = self._settle(dropped)
         counts["kept_shared_pages"] = start
         doomed = list(keys[start:]) + dropped.keys
-        return counts, self._delete_pages(doomed) if doomed else None
+        return counts, self._delete_pages(doomed, spans) if doomed else None
 
-    def _delete_pages(self, keys: list[PageKey]) -> DeletePages:
-        """The L3 removal of ``keys`` (each once), told to the KV events; with Mamba
-        state groups their bodies too (page_keys.body_key)."""
+    def _span_objects(self, tops: list[TreeNode], keys: Sequence[PageKey],
+                      start: int) -> list[bytes]:
+        """Keys of the L3 span objects (tiers/index/spans.py) holding a page about to go:
+        those ending at a page of ``keys[start:]`` (a prompt's keys from its first page)
+        or of the subtrees under ``tops``. A span object goes whole, also with pages
+        before ``start`` in it: those are then read from their page objects, or miss
+        and are recomputed."""
+        spans = self.l2.spans
+        if not spans.enabled:
+            return []
+        found = [key for p, key in enumerate(keys) if p >= start and spans.ends_span(p)]
+        for top in tops:
+            # Pages above ``top``: its first page's place in every request it serves.
+            depth, node = 0, top.parent
+            while node is not None:
+                depth += len(node.keys)
+                node = node.parent
+            todo = [(top, depth)]
+            while todo:
+                node, first = todo.pop()
+                found.extend(k for i, k in enumerate(node.keys) if spans.ends_span(first + i))
+                todo.extend((child, first + len(node.keys)) for child in node.children.values())
+        return [spans.object_key(k) for k in dict.fromkeys(found)]
+
+    def _delete_pages(self, keys: list[PageKey], spans: Sequence[bytes] = ()) -> DeletePages:
+        """The L3 removal of ``keys`` (each once), told to the KV events, and of the span
+        objects ``spans``; with Mamba state groups their bodies too (page_keys.body_key)."""
         doomed = list(dict.fromkeys(keys))
         self.l2.events.l3_removed(doomed)
-        return DeletePages(tuple(self.l2.groups.l3_page_keys(doomed)))
+        return DeletePages((*self.l2.groups.l3_page_keys(doomed), *map(PageKey, spans)))
 
     def _settle(self, dropped: Dropped) -> dict[str, int]:
         counts = {"l2_pages": len(dropped.freed_slots),

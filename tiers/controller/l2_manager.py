@@ -44,8 +44,15 @@ from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan
-from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY, Dropped, HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import (
+    DEFAULT_PRIORITY,
+    Dropped,
+    HiRadixTree,
+    MatchResult,
+    TreeNode,
+)
 from hicache.tiers.index.slot_allocator import SlotAllocator
+from hicache.tiers.index.spans import SpanLayout, SpanRef
 
 
 class L2Manager:
@@ -66,6 +73,12 @@ class L2Manager:
         self.slots = SlotAllocator(num_slots)
         self.eviction = eviction or LeafFirstLRU()
         self.blocks_per_page = blocks_per_page
+        # How L3 objects group pages (tiers/index/spans.py); set by the scheduler
+        # where its L3 stores spans. Never with state groups (bodies are per page).
+        self.spans = SpanLayout()
+        # Pages in L2 that stores cut out of a span (``_store_spans``): backed up to L3
+        # as page objects with the next plan (``take_backups``).
+        self._backups: list[PagePlan] = []
         self._stats = stats
         self._bad_slots: set[int] = set()
         # Nodes of stores planned but not yet in a plan handed to the workers:
@@ -140,6 +153,8 @@ class L2Manager:
         if leftover:  # cannot happen single-threaded; keep the allocator exact anyway
             self.slots.free(sorted(leftover))
         plans = []
+        spans = self._store_spans(keys, match.num_pages, masks, leftover, slots)
+        self._cut_span_backups(keys, match)
         for i, slot in enumerate(slots):
             if slot in leftover:
                 continue
@@ -147,13 +162,45 @@ class L2Manager:
             self._missing[slot] = masks[i]
             self._stats.stored_partial_pages += masks[i] != 0
             plans.append(PagePlan(slot, keys[page], 0, page_blocks[i],
-                                  l3_keys=self.groups.l3_keys(keys[page], masks[i])))
+                                  l3_keys=self.groups.l3_keys(keys[page], masks[i]),
+                                  span=spans[i]))
         if source is not None:
             self.events.added(source, [(p.slot, match.num_pages + i, p.key)
                                        for i, p in enumerate(plans)])
         self._stats.stored_pages += len(plans)
         self._stats.max_used_slots = max(self._stats.max_used_slots, self.slots.num_used)
         return plans
+
+    def _store_spans(self, keys: Sequence[PageKey], start: int, masks: list[int],
+                     leftover: set[int], slots: list[int]) -> list[SpanRef | None]:
+        """The span object of each page stored from ``start`` on: only spans stored
+        whole in this plan, every page complete (tiers/index/spans.py)."""
+        refs = self.spans.whole_spans(keys, start, len(keys))
+        if not self.spans.enabled or self.groups.has_state:
+            return [None] * len(refs)
+        bad = {ref.key for ref, mask, slot in zip(refs, masks, slots, strict=True)
+               if ref is not None and (mask or slot in leftover)}
+        return [None if ref is None or ref.key in bad else ref for ref in refs]
+
+    def _cut_span_backups(self, keys: Sequence[PageKey], match: MatchResult) -> None:
+        """A store that starts inside a span leaves that span's leading pages (in L2,
+        stored by whichever request came first) inside that request's span object,
+        which a lookup of this request cannot name: they are backed up as page objects
+        too, so the lookup finds them page by page (spans.py ``run_in_store``)."""
+        layout, start = self.spans, match.num_pages
+        if not layout.enabled or self.groups.has_state or not start % layout.pages:
+            return
+        if start >= len(keys) or layout.ref(keys, start) is None:
+            return
+        first = start - start % layout.pages
+        slots = match.host_slots
+        self._backups.extend(PagePlan(slots[p], keys[p], 0, ()) for p in range(first, start)
+                             if not self._missing.get(slots[p], 0))
+
+    def take_backups(self) -> list[PagePlan]:
+        """The L2 pages to back up to L3 as page objects with the next plan."""
+        backups, self._backups = self._backups, []
+        return backups
 
     def publish_fetched(self, node: TreeNode, prefix_keys: Sequence[PageKey],
                         keys: Sequence[PageKey], slots: Sequence[int], fetched: int,

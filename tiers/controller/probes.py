@@ -24,7 +24,7 @@ Contract:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -62,14 +62,19 @@ class L3Probes:
         self._probes: dict[str, _Probe] = {}
         self.started = 0
 
-    def result(self, req_id: str, keys: Sequence[PageKey],
-               store: object) -> tuple[int, bool] | None:
+    def result(self, req_id: str, keys: Sequence[PageKey], store: object,
+               ask: Callable[[], int] | None = None) -> tuple[int, bool] | None:
+        """``ask``: how the run is counted (default: ``store.batch_exists`` of
+        ``keys``), e.g. through span objects (tiers/index/spans.py)."""
         probe = self._probes.get(req_id)
         offset = probe.offset_of(keys, store) if probe is not None else None
         if probe is None or offset is None:
             self.forget(req_id)
-            hex_keys = [k.hex() for k in keys]
-            future = self._pool.submit(store.batch_exists, hex_keys)  # type: ignore[attr-defined]
+            if ask is None:
+                hex_keys = [k.hex() for k in keys]
+                future = self._pool.submit(store.batch_exists, hex_keys)  # type: ignore[attr-defined]
+            else:
+                future = self._pool.submit(ask)
             probe = self._probes[req_id] = _Probe(list(keys), store, future)
             offset = 0
             self.started += 1

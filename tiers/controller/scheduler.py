@@ -76,6 +76,7 @@ from hicache.tiers.index.commands import L3Removal, RetainPages, StorageCommand
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
+from hicache.tiers.index.spans import SpanLayout, pages_per_object
 from hicache.tiers.l2.geometry import PoolGeometry
 
 
@@ -178,6 +179,11 @@ class HiCacheScheduler:
             policy=make_prefetch_policy(prefetch_policy, settings), settings=settings,
             page_size=page_size, tp_size=tp_size,
             probes=L3Probes() if background_lookups else None, yielding=self.pins)
+        # Pages per L3 object where the store keeps spans (tiers/index/spans.py); the
+        # ``object_mib`` storage setting, fixed for the scheduler's life.
+        self._span_pages = 1 if self.groups.has_state else pages_per_object(
+            float(settings.get("object_mib", 0)), geometry.page_bytes)
+        self.storage = storage
         self.prefetches = ArrivalPrefetches(
             self.fetches, self.requests, self.stats, page_size=page_size,
             capacity_pages=geometry.num_slots, clock=clock)
@@ -202,6 +208,8 @@ class HiCacheScheduler:
     @storage.setter
     def storage(self, storage: L3Store | None) -> None:
         self.fetches.storage = storage
+        spans = getattr(storage, "supports_spans", False)
+        self.l2.spans = SpanLayout(self._span_pages if spans else 1)
 
     @property
     def prefetch(self) -> dict[str, float]:
@@ -378,7 +386,7 @@ class HiCacheScheduler:
         # planned: the eviction that makes room for a store must spare them.
         plan = StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,
                         fetches=self.fetches.take(), seq=self._seq, flush_stores=flush,
-                        storage_commands=self._commands)
+                        storage_commands=self._commands, backups=self.l2.take_backups())
         self._commands = []
         self.l2.release_planned_stores()  # their copies are in this plan
         return plan
@@ -448,7 +456,9 @@ class HiCacheScheduler:
         """Queue, for the next plan, the L3 retention of ``keys`` for ``ttl_s`` seconds
         (0: end it now); each worker's backend keeps what it can (base.py ``retain``)."""
         until = time.time() + ttl_s if ttl_s > 0 else 0.0
-        self._commands.append(RetainPages(tuple(self.groups.l3_page_keys(keys)), until))
+        objects = [*self.groups.l3_page_keys(keys),
+                   *map(PageKey, self.l2.spans.object_keys(keys))]
+        self._commands.append(RetainPages(tuple(objects), until))
 
     def take_retained(self, req_id: str) -> int | str | None:
         """A finished request's retain_s outcome: pages pinned, why none, or None."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hicache.tiers.index.commands import StorageCommand
+from hicache.tiers.index.spans import SpanRef
 
 # vLLM's BlockPool takes the first block (id 0) as its null block.
 NULL_BLOCK_ID = 0
@@ -69,6 +70,11 @@ class PagePlan:
     # from (None: its key). See page_keys.body_key.
     l3_keys: tuple[bytes, ...] | None = None
     l3_key: bytes | None = None
+    # The L3 span object the page is stored in (stores: written whole with the
+    # other pages of the span in this plan) or first read from (fetches: a miss
+    # there is then read from its page object); None = its page object only.
+    # See tiers/index/spans.py.
+    span: SpanRef | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,10 @@ class StepPlan:
 
     loads: list[RequestLoad] = field(default_factory=list)
     stores: list[PagePlan] = field(default_factory=list)
+    # Pages already in L2 to back up to L3 as page objects once this plan's stores
+    # are done: the leading pages of a span a store cut (tiers/index/spans.py; they
+    # may sit in another request's span object, which a lookup cannot name).
+    backups: list[PagePlan] = field(default_factory=list)
     # Finished requests whose blocks vLLM keeps until these stores are done;
     # the worker reports them in finished_sending after this step's saves.
     release_after_store: list[str] = field(default_factory=list)

@@ -25,6 +25,10 @@ Contract:
   ``StorageUnavailable`` when the store cannot be reached at start. A
   backend's extra config is a ``Settings`` model next to it, read with
   ``validate_extra``.
+- Span objects (optional, ``supports_spans``): a run of pages in one object
+  under a span key (tiers/index/spans.py), each page's record verified on
+  its own; existence and deletion of a span object go through the same
+  ``batch_exists`` / ``delete`` as pages (a span key is a key).
 - ``retain(keys, until)`` asks a backend to keep pages ahead of its own
   eviction until a deadline; a backend that cannot returns 0 (the default).
 - Thread-safety: a worker calls one backend from one I/O thread; the
@@ -44,6 +48,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from pydantic import ValidationError
 
+from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.settings import Settings, explain
 
@@ -152,6 +157,31 @@ class StorageBackend(ABC):
     # the worker then computes them on its copy thread right after each store.
     # False where the write hashes as it copies anyway (the file batch path).
     uses_pool_checksums: ClassVar[bool] = False
+
+    @property
+    def supports_spans(self) -> bool:
+        """True when the backend stores runs of pages as one object (``batch_set_spans``
+        / ``batch_get_spans``; tiers/index/spans.py): the scheduler then plans span
+        objects of the ``object_mib`` setting. False (the default, and any third-party
+        backend): one object per page."""
+        return False
+
+    def batch_set_spans(self, keys: list[str], host_slots: list[int],
+                        spans: list[SpanRef]) -> list[bool]:
+        """Store pages from pool slots as span objects: ``spans[i]`` is page ``i``'s
+        place; the pages of one object come in order, all of them (index 0 to count
+        - 1). Each page's record carries its own header (key, fingerprint, checksum).
+        An object that exists already is kept (True). False per page not stored (the
+        caller stores those as page objects). Only called where ``supports_spans``."""
+        raise NotImplementedError
+
+    def batch_get_spans(self, keys: list[str], host_slots: list[int], spans: list[SpanRef],
+                        deadline: float | None = None) -> list[bool]:
+        """Read pages from their span objects into pool slots, each record verified on
+        its own: a bad record is a miss for its page only (counted corrupt), a missing
+        object a plain miss. ``deadline`` as ``batch_get_until``. Only called where
+        ``supports_spans``."""
+        raise NotImplementedError
 
     @property
     def timed_batches(self) -> bool:

@@ -92,6 +92,7 @@ import numpy as np
 import torch
 from pydantic import Field, NonNegativeFloat
 
+from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import integrity, native_io
 from hicache.tiers.l3.base import (
@@ -196,6 +197,7 @@ class FileBackend(StorageBackend):
         self._index_bytes = 0
         self._index_lock = threading.Lock()
         self._retained: dict[str, float] = {}  # file name -> keep until (epoch seconds)
+        self._dirs: set[str] = set()  # fan-out folders known to exist
         self._rebuild_index()
 
     # ---- O_DIRECT ----------------------------------------------------------------
@@ -416,6 +418,90 @@ class FileBackend(StorageBackend):
             return super().batch_set_v1(keys, host_slots)
         return self._write_pages(keys, self._slot_views(host_slots))
 
+    # ---- span objects (tiers/index/spans.py) -----------------------------------------
+
+    @property
+    def supports_spans(self) -> bool:
+        # Through the GIL-free batch path only: contiguous slots, buffered I/O. A worker
+        # whose pool is not contiguous answers False per page (stored page by page).
+        return (self.config.mem_layout != "layer_first" and not self.direct_io
+                and native_io.available())
+
+    def _span_rows(self, keys: list[str], spans: list[SpanRef],
+                   ) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Each page's span file name, record offset and the file's size."""
+        names = [self._name(span.key.hex()) for span in spans]
+        rec = self._file_bytes
+        bases = np.array([span.index * rec for span in spans], np.int64)
+        ends = np.array([span.count * rec for span in spans], np.int64)
+        return names, bases, ends
+
+    def batch_set_spans(self, keys: list[str], host_slots: list[int],
+                        spans: list[SpanRef]) -> list[bool]:
+        """One file per span: its pages' records (header padded to 4 KiB, payload)
+        back to back, written to ``tmp/`` and renamed in once."""
+        self._require_pool()
+        if self._pool_np is None or not keys:
+            return [False] * len(keys)
+        start = time.perf_counter()
+        whole = _whole_spans(spans)
+        rows = [i for i in range(len(keys)) if whole[i]]
+        results = [False] * len(keys)
+        if not rows:
+            return results
+        keys_r = [keys[i] for i in rows]
+        spans_r = [spans[i] for i in rows]
+        names, bases, _ = self._span_rows(keys_r, spans_r)
+        for name in dict.fromkeys(names):
+            self._make_dir(name)
+        suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
+        headers = integrity.header_rows([self.page_key_bytes(k) for k in keys_r],
+                                        self._fingerprint, self._page_bytes,
+                                        layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
+        last = np.array([s.index == s.count - 1 for s in spans_r], np.uint8)
+        status = native_io.write_pages(
+            native_io.path_rows([f"{self._tmp}{n.rpartition('/')[2]}{suffix}" for n in names]),
+            native_io.path_rows([self._pages + n for n in names]), self._pool_np,
+            [host_slots[i] * self._page_bytes for i in rows], self._page_bytes, headers,
+            integrity.CHECKSUM_AT, self.fsync, skip_existing=True, bases=bases, last=last)
+        written = skipped = failed = 0
+        for j, code in enumerate(status.tolist()):
+            ok = code in (native_io.OK, native_io.SKIPPED)
+            results[rows[j]] = ok
+            written += code == native_io.OK
+            skipped += code == native_io.SKIPPED
+            failed += not ok
+            if ok and last[j]:
+                self._touch(names[j], spans_r[j].count * self._file_bytes)
+        if failed:
+            logger.warning("HiCache file L3: writing %d pages in span files failed; they "
+                           "are stored page by page", failed)
+        self._make_room(0)
+        self._count(set_pages=written, set_skipped_existing=skipped,
+                    bytes_written=written * self._page_bytes,
+                    write_seconds=time.perf_counter() - start if written else 0.0)
+        return results
+
+    def batch_get_spans(self, keys: list[str], host_slots: list[int], spans: list[SpanRef],
+                        deadline: float | None = None) -> list[bool]:
+        """Each page's record of its span file, through one ``open`` per file and
+        every check of ``batch_get_v1``. A bad record is a miss for its page; the
+        file is then quarantined after this read (the good records of it were
+        served), so the next store writes it anew."""
+        self._require_pool()
+        if self._pool_np is None or not keys:
+            return [False] * len(keys)
+        names, bases, ends = self._span_rows(keys, spans)
+        return self._read_slots_native(keys, host_slots, deadline, names=names,
+                                       records=(bases, ends))
+
+    def _make_dir(self, name: str) -> None:
+        """The fan-out folder of ``name`` (made once per instance)."""
+        folder = name.partition("/")[0]
+        if folder not in self._dirs:
+            os.makedirs(self._pages + folder, exist_ok=True)
+            self._dirs.add(folder)
+
     def _slot_views(self, slots: list[int]) -> list[tuple[memoryview, int]]:
         view, base, size = self._pool_view, self._pool_addr, self._page_bytes
         assert view is not None
@@ -432,19 +518,25 @@ class FileBackend(StorageBackend):
         return self._settle_reads(keys, problems, start)
 
     def _read_slots_native(self, keys: list[str], slots: list[int],
-                           deadline: float | None = None) -> list[bool]:
-        """``_read_pages`` into pool slots: reads and every check in one GIL-free call."""
+                           deadline: float | None = None, names: list[str] | None = None,
+                           records: tuple[np.ndarray, np.ndarray] | None = None,
+                           ) -> list[bool]:
+        """``_read_pages`` into pool slots: reads and every check in one GIL-free call.
+        ``names`` and ``records``: the pages are records of span files (their names,
+        record offsets and file sizes)."""
         assert self._pool_np is not None
         start = time.perf_counter()
-        names = [self._name(key) for key in keys]
+        names = names or [self._name(key) for key in keys]
         page_keys = [self.page_key_bytes(k) for k in keys]
         headers = np.empty((len(keys), FILE_HEADER_BYTES), np.uint8)
         expect = integrity.header_rows(page_keys, self._fingerprint, self._page_bytes,
                                        layout=FILE_LAYOUT, width=integrity.CHECKSUM_AT)
+        bases, ends = records if records is not None else (None, None)
         status, sizes = native_io.read_pages(
             native_io.path_rows([self._pages + n for n in names]), self._pool_np,
             [s * self._page_bytes for s in slots], FILE_HEADER_BYTES, self._page_bytes,
-            headers, expect, integrity.HEADER_BYTES, deadline, self._verify_helper)
+            headers, expect, integrity.HEADER_BYTES, deadline, self._verify_helper,
+            bases=bases, ends=ends)
         problems: list[str | None] = []
         for i, code in enumerate(status.tolist()):
             if code == native_io.OK:
@@ -467,18 +559,24 @@ class FileBackend(StorageBackend):
                 problems.append(integrity.verify(
                     bytes(headers[i, :integrity.HEADER_BYTES]), page_keys[i],
                     self._fingerprint, b"", layout=FILE_LAYOUT) or "header mismatch")
+        if records is not None:
+            return self._settle_reads(keys, problems, start, names, records[1])
         return self._settle_reads(keys, problems, start, names)
 
     def _settle_reads(self, keys: list[str], problems: list[str | None], start: float,
-                      names: list[str] | None = None) -> list[bool]:
-        """Counters, index and quarantine for a batch of reads (None: verified)."""
+                      names: list[str] | None = None,
+                      sizes: np.ndarray | None = None) -> list[bool]:
+        """Counters, index and quarantine for a batch of reads (None: verified);
+        ``sizes``: the files' sizes, where they are span files (several pages each;
+        a file with a bad record is quarantined once its good records were read)."""
         results: list[bool] = []
-        hits: list[str] = []
+        hits: dict[str, int] = {}
+        bad: dict[str, str] = {}
         misses = corrupt = not_read = 0
         for i, (key, problem) in enumerate(zip(keys, problems, strict=True)):
             name = names[i] if names is not None else self._name(key)
             if problem is None:
-                hits.append(name)
+                hits[name] = self._file_bytes if sizes is None else int(sizes[i])
                 results.append(True)
                 continue
             results.append(False)
@@ -490,10 +588,18 @@ class FileBackend(StorageBackend):
                 self._forget(name)
             else:
                 corrupt += 1
-                self._quarantine(name, problem)
-        self._touch_all(hits)
-        self._count(get_pages=len(keys) - not_read, get_hits=len(hits), get_misses=misses,
-                    corrupt_pages=corrupt, bytes_read=len(hits) * self._page_bytes,
+                bad.setdefault(name, f"page {key[:16]}: {problem}")
+        for name, problem in bad.items():
+            hits.pop(name, None)
+            self._quarantine(name, problem)
+        if sizes is None:
+            self._touch_all(list(hits))
+        else:
+            for name, size in hits.items():
+                self._touch(name, size)
+        got = sum(results)
+        self._count(get_pages=len(keys) - not_read, get_hits=got, get_misses=misses,
+                    corrupt_pages=corrupt, bytes_read=got * self._page_bytes,
                     read_seconds=time.perf_counter() - start)
         return results
 
@@ -738,6 +844,23 @@ class FileBackend(StorageBackend):
         logger.warning(
             "HiCache file L3: page %s is corrupt (%s); quarantined", name, reason
         )
+
+
+def _whole_spans(spans: list[SpanRef]) -> list[bool]:
+    """Per row: whether its span's rows are all there, in order (index 0 .. count - 1)."""
+    ok = [False] * len(spans)
+    i = 0
+    while i < len(spans):
+        span = spans[i]
+        j = i + span.count
+        if (span.index == 0 and j <= len(spans)
+                and all(spans[i + r].key == span.key and spans[i + r].index == r
+                        for r in range(span.count))):
+            ok[i:j] = [True] * span.count
+            i = j
+        else:
+            i += 1
+    return ok
 
 
 def _round_up(n: int) -> int:

@@ -20,6 +20,12 @@ Contract:
   body, see tiers/index/page_keys.py ``body_key``) in the background
   (``batch_set_v1``), after pending fetches. A fetched page is read from
   its plan's ``l3_key`` when it has one.
+- Span objects (tiers/index/spans.py), where the backend ``supports_spans``:
+  a backup's pages whose span is there whole are stored as span objects
+  (``batch_set_spans``) and the rest, or what that did not store, page by
+  page; a fetch reads the pages that name a span from it
+  (``batch_get_spans``) and the others, or what the span lacked, from
+  their page objects. A page counts as stored and fetched either way.
   A slot must not be overwritten while its backup reads it: the worker
   calls ``release_slots`` before writing to L2 slots, which drops queued
   backups of those slots and waits for a running one (bounded by the
@@ -55,10 +61,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hicache.tiers.index.plans import PagePlan, RequestFetch
+from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageBackend
 
@@ -104,6 +111,10 @@ class StorageIOStats:
     retained_pages: int = 0
 
 
+# A queued backup: (page key, slot, L3 key, its span object or None).
+_Backup = tuple[bytes, int, bytes, SpanRef | None]
+
+
 @dataclass(frozen=True)
 class _Retention:
     keys: list[bytes]
@@ -136,7 +147,7 @@ class StorageIO:
         self.stats = StorageIOStats()
         self._cv = threading.Condition()
         self._fetch_q: deque[_Job] = deque()
-        self._backup_q: deque[list[tuple[bytes, int, bytes]]] = deque()
+        self._backup_q: deque[list[_Backup]] = deque()
         self._running_backup: set[int] = set()
         # Removals (keys, None = all) and retentions, in the order submitted.
         self._removals: deque[list[bytes] | _Retention | None] = deque()
@@ -162,11 +173,15 @@ class StorageIO:
             self._fetch_q.append(job)
             self._cv.notify_all()
 
-    def submit_backup(self, pages: list[tuple[bytes, int, bytes]]) -> None:
+    def submit_backup(self, pages: list[tuple[bytes, int, bytes]],
+                      spans: Sequence[SpanRef | None] | None = None) -> None:
+        """``spans``: each page's span object (tiers/index/spans.py), if any."""
         if not pages:
             return
+        places = list(spans) if spans is not None else [None] * len(pages)
         with self._cv:
-            self._backup_q.append(list(pages))
+            self._backup_q.append([(k, s, at, span) for (k, s, at), span
+                                   in zip(pages, places, strict=True)])
             self._cv.notify_all()
 
     def release_slots(self, slots: Iterable[int]) -> None:
@@ -247,9 +262,9 @@ class StorageIO:
 
     def _drop_backups(self, drop: Callable[[bytes, int], bool]) -> None:
         """Remove queued (page key, slot) backups for which ``drop`` is true; caller holds _cv."""
-        kept: deque[list[tuple[bytes, int, bytes]]] = deque()
+        kept: deque[list[_Backup]] = deque()
         for batch in self._backup_q:
-            rest = [(k, s, at) for k, s, at in batch if not drop(k, s)]
+            rest = [b for b in batch if not drop(b[0], b[1])]
             self.stats.backups_dropped += len(batch) - len(rest)
             if rest:
                 kept.append(rest)
@@ -268,7 +283,7 @@ class StorageIO:
                     job, backup, removal = None, None, self._removals.popleft()
                 elif self._backup_q:
                     job, backup = None, self._backup_q.popleft()
-                    self._running_backup = {s for _, s, _ in backup}
+                    self._running_backup = {b[1] for b in backup}
                 else:
                     return  # stopping, nothing left
             try:
@@ -329,26 +344,84 @@ class StorageIO:
             return BATCH_PAGES
         return max(BATCH_PAGES, TIMED_BATCH_BYTES // max(1, self.pool.geometry.page_bytes))
 
-    def _backup(self, pages: list[tuple[bytes, int, bytes]]) -> None:
+    def _backup(self, pages: list[_Backup]) -> None:
         per = self._batch_pages()
+        # A slot may have been reused since (dropped backups cover queued ones; this
+        # covers a key the worker invalidated meanwhile).
+        pages = [b for b in pages if self.pool.holds(b[1], b[0])]
+        spans = self._whole(pages) if self._spans() else []
+        if spans:  # span objects first; what they did not store goes page by page
+            done = self._set(spans, [b[3] for b in spans])
+            pages = [b for b in pages if b[3] is None or b[2] not in done]
         for i in range(0, len(pages), per):
-            batch = pages[i : i + per]
-            # A slot may have been reused since (dropped backups cover queued
-            # ones; this covers a key the worker invalidated meanwhile).
-            batch = [(k, s, at) for k, s, at in batch if self.pool.holds(s, k)]
-            if not batch:
-                continue
-            try:
-                ok = self.backend.batch_set_v1([at.hex() for _, _, at in batch],
-                                               [s for _, s, _ in batch])
-            except Exception:  # noqa: BLE001 - a failing L3 never reaches the engine
-                logger.exception("HiCache L3: backup of %d pages failed", len(batch))
-                ok = [False] * len(batch)
-            good = sum(1 for x in ok if x)
-            with self._cv:
-                self._backed_up.extend(at for (_, _, at), x in zip(batch, ok, strict=True) if x)
-            self.stats.backup_pages += good
-            self.stats.backup_failed_pages += len(batch) - good
+            self._set(pages[i : i + per], None)
+
+    def _spans(self) -> bool:
+        try:
+            return bool(self.backend.supports_spans)
+        except Exception:  # noqa: BLE001 - a backend that cannot tell stores pages
+            return False
+
+    @staticmethod
+    def _whole(pages: list[_Backup]) -> list[_Backup]:
+        """The pages of every span all of whose pages are here, each span in order."""
+        by_key: dict[bytes, dict[int, _Backup]] = {}
+        for b in pages:
+            if b[3] is not None:
+                by_key.setdefault(b[3].key, {})[b[3].index] = b
+        out: list[_Backup] = []
+        for members in by_key.values():
+            count = next(iter(members.values()))[3].count  # type: ignore[union-attr]
+            if len(members) == count:
+                out.extend(members[i] for i in range(count))
+        return out
+
+    def _set(self, batch: list[_Backup], spans: list[SpanRef | None] | None) -> set[bytes]:
+        """Store ``batch`` (as span objects where ``spans``); the L3 keys stored."""
+        if not batch:
+            return set()
+        keys, slots = [b[2].hex() for b in batch], [b[1] for b in batch]
+        try:
+            ok = (self.backend.batch_set_spans(keys, slots, spans)  # type: ignore[arg-type]
+                  if spans is not None else self.backend.batch_set_v1(keys, slots))
+        except Exception:  # noqa: BLE001 - a failing L3 never reaches the engine
+            logger.exception("HiCache L3: backup of %d pages failed", len(batch))
+            ok = [False] * len(batch)
+        stored = [b[2] for b, x in zip(batch, ok, strict=True) if x]
+        with self._cv:
+            self._backed_up.extend(stored)
+        self.stats.backup_pages += len(stored)
+        if spans is None:
+            self.stats.backup_failed_pages += len(batch) - len(stored)
+        return set(stored)
+
+    def _get(self, batch: list[PagePlan], deadline: float | None, timed: bool) -> list[bool]:
+        """Read ``batch`` into its slots: from span objects where the pages have one,
+        then, for what those lacked, from page objects."""
+        ok = [False] * len(batch)
+        try:
+            spanned = ([i for i, p in enumerate(batch) if p.span is not None]
+                       if self._spans() else [])
+            if spanned:
+                got = self.backend.batch_get_spans(
+                    [(batch[i].l3_key or batch[i].key).hex() for i in spanned],
+                    [batch[i].slot for i in spanned],
+                    [batch[i].span for i in spanned],  # type: ignore[misc]
+                    deadline)
+                for i, x in zip(spanned, got, strict=True):
+                    ok[i] = x
+            rest = [i for i, x in enumerate(ok) if not x]
+            if rest:
+                keys = [(batch[i].l3_key or batch[i].key).hex() for i in rest]
+                slots = [batch[i].slot for i in rest]
+                got = (self.backend.batch_get_until(keys, slots, deadline) if timed
+                       else self.backend.batch_get_v1(keys, slots))
+                for i, x in zip(rest, got, strict=True):
+                    ok[i] = x
+        except Exception:  # noqa: BLE001 - a failing L3 is a miss
+            logger.exception("HiCache L3: fetch of %d pages failed", len(batch))
+            return [False] * len(batch)
+        return ok
 
     def _fetch(self, job: _Job) -> None:
         fetch = job.fetch
@@ -375,14 +448,7 @@ class StorageIO:
             batch = pages[fetched : fetched + per]
             for page in batch:
                 self.pool.set_key(page.slot, None)
-            keys = [(p.l3_key or p.key).hex() for p in batch]
-            try:
-                slots = [p.slot for p in batch]
-                ok = (self.backend.batch_get_until(keys, slots, deadline) if timed
-                      else self.backend.batch_get_v1(keys, slots))
-            except Exception:  # noqa: BLE001 - a failing L3 is a miss
-                logger.exception("HiCache L3: fetch of %d pages failed", len(batch))
-                ok = [False] * len(batch)
+            ok = self._get(batch, deadline, timed)
             n = 0
             while n < len(batch) and ok[n]:
                 self.pool.set_key(batch[n].slot, batch[n].key)

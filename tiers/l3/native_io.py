@@ -36,6 +36,10 @@ Contract:
   and whichever side claims the batch first (a compare-and-swap) hashes it: a helper
   that has not started when the reads are done finds its job claimed and leaves it,
   so a read never waits for a thread that is busy elsewhere. Same results either way.
+  Records of multi-page files (span objects, tiers/index/spans.py): ``bases[i]`` is
+  the row's record offset in its file (header there, payload right after it) and
+  ``ends[i]`` where the file must end (the one-past probe reads there); consecutive
+  rows of one file share one ``open``.
 - ``write_pages(tmp_paths, paths, src, offsets, length, headers, sum_at, fsync,
   skip_existing)``: for each row: ``SKIPPED`` when ``skip_existing`` and ``paths[i]``
   exists; else the ``xxh3_64`` of ``src[offsets[i]:][:length]`` goes little-endian
@@ -43,7 +47,9 @@ Contract:
   to ``tmp_paths[i]`` (created, truncated, mode 0644), fsynced when asked, closed and
   renamed to ``paths[i]``: ``OK``, or ``OPEN_FAILED``, ``WRITE_FAILED``,
   ``RENAME_FAILED`` (e.g. the destination's folder does not exist yet); a failure
-  removes the temp file.
+  removes the temp file. With ``bases`` and ``last``, rows ``i..j`` (``last[j]``
+  set) are the records of one file (its paths: row j's), written at those offsets
+  and renamed in once; every row of a file gets the file's status.
 - ``path_rows(paths)``: the uint8 rows these functions take.
 - ``warm_up()``: compile everything now. Compiled once per process (the C functions'
   addresses are no constants across processes, so numba's disk cache cannot keep it),
@@ -269,8 +275,10 @@ def _kernels() -> dict[str, Any]:
     @jit
     def read_pages(paths: Any, dest: Any, offsets: Any, head: int, length: int,
                    headers: Any, expect: Any, pad_from: int, deadline_ns: int,
-                   progress: Any, digests: Any, ctl: Any, chunk: int) -> Any:
+                   progress: Any, digests: Any, ctl: Any, chunk: int, bases: Any,
+                   ends: Any, same: Any) -> Any:
         n = paths.shape[0]
+        fd = -1
         # Split: another thread hashes the payloads (follow_hashes) as this one
         # publishes them in progress[i]; else they are hashed here, chunk by chunk.
         split = n > 0 and progress.shape[0] == n
@@ -290,11 +298,15 @@ def _kernels() -> dict[str, Any]:
                             store_release(progress, j, -1)
                     break
             done = 0
-            fd = c_open(paths[i].ctypes.data, o_rdonly, 0)
+            if i == 0 or same[i] == 0:  # a record of the file before: its descriptor
+                if fd >= 0:
+                    c_close(fd)
+                fd = c_open(paths[i].ctypes.data, o_rdonly, 0)
             if fd < 0:
                 status[i] = MISSING
             else:
-                got = c_pread(fd, headers[i].ctypes.data, head, 0)
+                base = bases[i]
+                got = c_pread(fd, headers[i].ctypes.data, head, base)
                 total = got
                 if got == head:
                     # The payload chunk by chunk, each hashed (here or by the helper)
@@ -303,7 +315,7 @@ def _kernels() -> dict[str, Any]:
                     while done < length:
                         want = min(chunk, length - done)
                         at = dest.ctypes.data + offsets[i] + done
-                        got = c_pread(fd, at, want, head + done)
+                        got = c_pread(fd, at, want, base + head + done)
                         if got <= 0:
                             break
                         if split:
@@ -315,11 +327,13 @@ def _kernels() -> dict[str, Any]:
                     if done == length:
                         if not split:
                             digests[i] = s_digest(state)
-                        total += max(c_pread(fd, probe.ctypes.data, 1, head + length), 0)
-                c_close(fd)
+                        # Nothing past where the file should end.
+                        total += max(c_pread(fd, probe.ctypes.data, 1, ends[i]), 0)
                 sizes[i] = total
             if split and done != length:
                 store_release(progress, i, -1)  # nothing (more) to hash in this page
+        if fd >= 0:
+            c_close(fd)
         s_free(state)
         if split:
             if compare_swap(ctl, 0, 0, 2):  # the helper has not started: hash here
@@ -388,32 +402,48 @@ def _kernels() -> dict[str, Any]:
 
     @jit
     def write_pages(tmp_paths: Any, paths: Any, src: Any, offsets: Any, length: int,
-                    headers: Any, sum_at: int, fsync: bool, skip_existing: bool) -> Any:
+                    headers: Any, sum_at: int, fsync: bool, skip_existing: bool,
+                    bases: Any, last: Any) -> Any:
+        # Rows i..j (``last[j]``) are the records of one file, at ``bases``; its
+        # paths are row j's. One temp file, one rename per file.
         n = paths.shape[0]
         status = np.zeros(n, np.int64)
         head = headers.shape[1]
-        for i in range(n):
-            if skip_existing and c_access(paths[i].ctypes.data, 0) == 0:
-                status[i] = SKIPPED
+        i = 0
+        while i < n:
+            j = i
+            while j < n - 1 and last[j] == 0:
+                j += 1
+            if skip_existing and c_access(paths[j].ctypes.data, 0) == 0:
+                status[i:j + 1] = SKIPPED
+                i = j + 1
                 continue
-            digest = c_xxh3(src.ctypes.data + offsets[i], length)
-            for b in range(8):
-                headers[i, sum_at + b] = np.uint8((digest >> np.uint64(8 * b)) & np.uint64(255))
-            fd = c_open(tmp_paths[i].ctypes.data, o_write, 0o644)
+            fd = c_open(tmp_paths[j].ctypes.data, o_write, 0o644)
             if fd < 0:
-                status[i] = OPEN_FAILED
+                status[i:j + 1] = OPEN_FAILED
+                i = j + 1
                 continue
-            ok = c_pwrite(fd, headers[i].ctypes.data, head, 0) == head
-            ok = ok and c_pwrite(fd, src.ctypes.data + offsets[i], length, head) == length
+            ok = True
+            for r in range(i, j + 1):
+                digest = c_xxh3(src.ctypes.data + offsets[r], length)
+                for b in range(8):
+                    headers[r, sum_at + b] = np.uint8((digest >> np.uint64(8 * b))
+                                                      & np.uint64(255))
+                ok = c_pwrite(fd, headers[r].ctypes.data, head, bases[r]) == head
+                ok = ok and c_pwrite(fd, src.ctypes.data + offsets[r], length,
+                                     bases[r] + head) == length
+                if not ok:
+                    break
             if ok and fsync:
                 ok = c_fsync(fd) == 0
             c_close(fd)
             if not ok:
-                c_unlink(tmp_paths[i].ctypes.data)
-                status[i] = WRITE_FAILED
-            elif c_rename(tmp_paths[i].ctypes.data, paths[i].ctypes.data) != 0:
-                c_unlink(tmp_paths[i].ctypes.data)
-                status[i] = RENAME_FAILED
+                c_unlink(tmp_paths[j].ctypes.data)
+                status[i:j + 1] = WRITE_FAILED
+            elif c_rename(tmp_paths[j].ctypes.data, paths[j].ctypes.data) != 0:
+                c_unlink(tmp_paths[j].ctypes.data)
+                status[i:j + 1] = RENAME_FAILED
+            i = j + 1
         return status
 
     return {"checksums": checksums, "checksums_at": checksums_at, "read_pages": read_pages,
@@ -426,6 +456,7 @@ def warm_up() -> None:
     buf = np.zeros(8, np.uint8)
     none = np.zeros(0, np.int64)
     read_pages(empty, buf, none, 1, 1, empty, empty, 1)
+    read_pages(empty, buf, none, 1, 1, empty, empty, 1, bases=none, ends=none)
     _kernels()["follow_hashes"](buf, none, 1, none, np.zeros(0, np.uint64),
                                 np.zeros(2, np.int64))
     write_pages(empty, empty, buf, none, 1, empty, 0)
@@ -450,7 +481,8 @@ def checksums_at(addresses: Sequence[int] | np.ndarray, length: int) -> np.ndarr
 def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: int,
                headers: np.ndarray, expect: np.ndarray, pad_from: int,
                deadline: float | None = None,
-               helper: Executor | None = None) -> tuple[np.ndarray, np.ndarray]:
+               helper: Executor | None = None,
+               bases: Any = None, ends: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """See the module docstring. ``helper``: hash the payloads on one of its threads,
     chunk by chunk right behind the reads (the bytes are still in the shared cache), so
     this thread only moves bytes; if the helper has not started when the reads are
@@ -470,18 +502,39 @@ def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: in
         except RuntimeError:  # shut down: hash here
             pass
     deadline_ns = 0 if deadline is None else max(1, int(deadline * 1e9))
+    at, end, same = _records(paths, bases, ends, head + length)
     status, sizes = kernels["read_pages"](paths, flat, offs, int(head), int(length), headers,
                                           expect, int(pad_from), deadline_ns, progress,
-                                          digests, ctl, READ_CHUNK)
+                                          digests, ctl, READ_CHUNK, at, end, same)
     return status, sizes
+
+
+def _records(paths: np.ndarray, bases: Any, ends: Any, record: int,
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's record offset in its file (default 0), where its file ends (default
+    one record) and whether its file is the previous row's (read through one open)."""
+    n = paths.shape[0]
+    at = np.zeros(n, np.int64) if bases is None else np.asarray(bases, np.int64)
+    end = np.full(n, record, np.int64) if ends is None else np.asarray(ends, np.int64)
+    same = np.zeros(n, np.uint8)
+    if n > 1 and bases is not None:
+        same[1:] = (paths[1:] == paths[:-1]).all(axis=1)
+    return at, end, same
 
 
 def write_pages(tmp_paths: np.ndarray, paths: np.ndarray, src: Any, offsets: Any,
                 length: int, headers: np.ndarray, sum_at: int, fsync: bool = False,
-                skip_existing: bool = False) -> np.ndarray:
+                skip_existing: bool = False, bases: Any = None,
+                last: Any = None) -> np.ndarray:
+    """Write each row's page as a file of its own, or (``bases``, ``last``) rows
+    ``i..j`` with ``last[j]`` as the records of one file at those offsets (its paths
+    are row j's; all rows of a file get one status)."""
+    n = paths.shape[0]
+    at = np.zeros(n, np.int64) if bases is None else np.asarray(bases, np.int64)
+    ends = np.ones(n, np.uint8) if last is None else np.asarray(last, np.uint8)
     status: np.ndarray = _kernels()["write_pages"](
         tmp_paths, paths, _flat(src), np.asarray(offsets, np.int64), int(length), headers,
-        int(sum_at), bool(fsync), bool(skip_existing))
+        int(sum_at), bool(fsync), bool(skip_existing), at, ends)
     return status
 
 

@@ -34,6 +34,10 @@ class RankShards:
     def concurrent_lookups(self) -> bool:
         return all(shard.concurrent_lookups for shard in self.shards)
 
+    @property
+    def supports_spans(self) -> bool:
+        return all(shard.supports_spans for shard in self.shards)
+
     def batch_exists(self, keys: list[str]) -> int:
         found = len(keys)
         for shard in self.shards:

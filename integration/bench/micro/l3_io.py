@@ -36,7 +36,7 @@
 Prints a table with ratio columns, writes ``bench_results/l3.json`` and a
 PNG bar chart::
 
-    python -m hicache.integration.bench.micro.l3_io [--page-mib 1,4] [--total-mib 256] [--backends file,nixl,mooncake,lmcache] [--direct-io off] [--cold]
+    python -m hicache.integration.bench.micro.l3_io [--page-mib 1,4] [--object-mib 1] [--total-mib 256] [--backends file,nixl,mooncake,lmcache] [--direct-io off] [--cold]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ import torch
 from tqdm import tqdm
 
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.index.spans import SpanLayout, pages_per_object
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageBackend, StorageConfig
 from hicache.tiers.l3.factory import create_backend
@@ -206,10 +207,15 @@ def _before_read(pool: HostPagePool, pages: int, target: Path, cold: bool) -> No
 
 def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: int,
                extra: dict[str, Any], cold: bool, name: str = "ours",
-               pool_sums: bool = False) -> _Case:
+               pool_sums: bool = False, span_pages: int = 1) -> _Case:
+    """``span_pages`` > 1: pages in span objects of that many pages (tiers/index/
+    spans.py), through ``batch_set_spans`` / ``batch_get_spans``."""
     page_bytes = pool.geometry.page_bytes
     ns = KeyNamespace("bench", "uint8", "bench", 64, 1)
-    keys = [k.hex() for k in page_keys(ns.seed(), list(range(64 * pages)), 64)]
+    page_ids = page_keys(ns.seed(), list(range(64 * pages)), 64)
+    keys = [k.hex() for k in page_ids]
+    layout = SpanLayout(span_pages)
+    spans = [layout.ref(page_ids, i) for i in range(pages)]
     target = directory / name
     shutil.rmtree(target, ignore_errors=True)
 
@@ -234,9 +240,26 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
             pool.set_checksums(list(range(pages)), _slot_sums(pool, pages))
 
     def write() -> None:
-        assert all(state["b"].batch_set_v1(keys, list(range(pages))))
+        slots = list(range(pages))
+        if layout.enabled:  # whole spans as objects, a tail shorter than one as pages
+            whole = [i for i, span in enumerate(spans) if span is not None]
+            assert all(state["b"].batch_set_spans([keys[i] for i in whole], whole,
+                                                  [spans[i] for i in whole]))  # type: ignore[misc]
+            rest = [i for i, span in enumerate(spans) if span is None]
+            assert all(state["b"].batch_set_v1([keys[i] for i in rest], rest))
+            return
+        assert all(state["b"].batch_set_v1(keys, slots))
 
     def read() -> None:
+        if layout.enabled:
+            whole = [i for i, span in enumerate(spans) if span is not None]
+            assert all(state["b"].batch_get_spans(
+                [keys[i] for i in whole], [pages + i for i in whole],
+                [spans[i] for i in whole]))  # type: ignore[misc]
+            rest = [i for i, span in enumerate(spans) if span is None]
+            assert all(state["b"].batch_get_v1([keys[i] for i in rest],
+                                               [pages + i for i in rest]))
+            return None
         assert all(state["b"].batch_get_v1(keys, list(range(pages, 2 * pages))))
         return None
 
@@ -312,9 +335,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if mode else {} for mode in modes}
         if backend == "nixl":  # it takes the pool's checksums: a row with them too
             ours["ours-pool-sums"] = {"variant": "pool-sums"}
+        span_pages = pages_per_object(args.object_mib, page_bytes)
+        if backend == "file" and span_pages > 1:  # span objects, inline checksums
+            ours["ours-spans"] = {"variant": f"spans of {span_pages}",
+                                  "direct_io": args.direct_io}
         cases = [_ours_case(backend, directory, pool, pages,
                             {k: v for k, v in extra.items() if k != "variant"}, args.cold,
-                            name, pool_sums=name == "ours-pool-sums")
+                            name, pool_sums=name == "ours-pool-sums",
+                            span_pages=span_pages if name == "ours-spans" else 1)
                  for name, extra in ours.items()]
         cases += [_raw_case(directory, pool, pages, per_page, args.cold)
                   for per_page in (False, True)]
@@ -391,6 +419,9 @@ def main() -> None:
                         help="the file backend's verify modes to time (each its own row): "
                         "inline (checksums on the reading thread), helper (on a helper "
                         "thread behind it), auto")
+    parser.add_argument("--object-mib", type=float, default=1.0,
+                        help="file: also time span objects of up to this many MiB "
+                        "(object_mib; a row 'ours-spans' where that is more than one page)")
     parser.add_argument("--cold", action="store_true",
                         help="drop the files from the page cache before every timed read")
     parser.add_argument("--out", default="bench_results")

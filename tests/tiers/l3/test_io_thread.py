@@ -1,6 +1,7 @@
 """The worker's L3 I/O thread with the real file backend: fetch order, deadlines,
 best effort, failures, and backups that never read a slot being overwritten."""
 
+import dataclasses
 import threading
 import time
 
@@ -10,8 +11,11 @@ from support.fault_injection import FaultyFileBackend
 
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestFetch
+from hicache.tiers.index.spans import SpanLayout
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.file_backend import FileBackend
 from hicache.tiers.l3.io_thread import StorageIO
 
 GEOM = PoolGeometry(num_slots=80, num_layers=2, blocks_per_page=1, block_bytes=128)
@@ -309,3 +313,38 @@ def test_retention_reaches_the_backend_in_order_with_removals(tmp_path):
     io.shutdown()
     assert io.stats.retained_pages == 3
     assert set(backend._retained) == {backend._name(KEYS[0].hex())}
+
+
+@pytest.mark.skipif(not native_io.available(), reason="file span objects need the batch path")
+def test_spans_are_backed_up_whole_and_fetched_with_page_objects_where_they_lack(tmp_path):
+    layout = SpanLayout(4)
+    io, pool, backend, _ = make(tmp_path, backend_class=FileBackend)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
+    for i in range(10):
+        pool.set_key(i, KEYS[i])
+    # Pages 0..9 stored in one plan: two whole spans, pages 8 and 9 on their own.
+    spans = layout.whole_spans(KEYS, 0, 10)
+    io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(10)], spans)
+    io.shutdown()
+    assert sorted(io.take_backed_up()) == sorted(KEYS[:10])
+    assert [backend.exists(KEYS[i].hex()) for i in (0, 7, 8, 9)] == [False, False, True, True]
+    assert backend.batch_exists([k.hex() for k in layout.object_keys(KEYS)]) == 2
+    stored = pool.buffer[:10].clone()
+
+    def fetch(req):
+        io, pool, _, _ = make(tmp_path, backend_class=FileBackend)
+        pages = tuple(dataclasses.replace(p, span=layout.ref(KEYS, i))
+                      for i, p in enumerate(plan(40, 10)))
+        io.submit_fetch(RequestFetch(req, (), pages, (), None))
+        (result,) = wait_result(io)
+        io.shutdown()
+        return result, pool
+
+    # Pages 8 and 9 name span [8, 12), which is no object: read from their page objects.
+    result, pool = fetch("r")
+    assert result.fetched_pages == 10
+    assert torch.equal(pool.buffer[40:50], stored)
+    # The second span gone (an operator removed it): the fetch stops at its first page.
+    backend.page_path(layout.object_keys(KEYS)[1].hex()).unlink()
+    result, pool = fetch("r2")
+    assert result.fetched_pages == 4 and torch.equal(pool.buffer[40:44], stored[:4])

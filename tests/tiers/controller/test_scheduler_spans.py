@@ -1,0 +1,127 @@
+"""The scheduler half with L3 span objects (tiers/index/spans.py), without an engine: which
+stores become span objects, lookups through span and page objects, fetch plans that
+name spans, and flushes and retention that reach span objects. The real file backend."""
+
+from __future__ import annotations
+
+import pytest
+from support.fakes import file_store, keys_of, prefill, request
+
+from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.commands import DeletePages, RetainPages
+from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.index.plans import WorkerReport
+from hicache.tiers.index.spans import MIB, SpanLayout
+from hicache.tiers.l2.geometry import PoolGeometry
+from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.l3 import native_io
+
+BS, PAGE = 4, 8
+GEOM = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
+NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+SPAN = 2  # pages per object in these tests
+TOKENS = list(range(500, 500 + 7 * PAGE + 3))  # 7 full pages
+KEYS = keys_of(NS.seed(), TOKENS, PAGE)
+LAYOUT = SpanLayout(SPAN)
+
+pytestmark = pytest.mark.skipif(not native_io.available(),
+                                reason="file span objects need the GIL-free batch path")
+
+
+def scheduler(tmp_path, object_mib: float = SPAN * GEOM.page_bytes / MIB) -> HiCacheScheduler:
+    tables: dict[str, list[int]] = {}
+    sched = HiCacheScheduler(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: [tables[rid]], storage=file_store(tmp_path, NS, GEOM),
+        prefetch={"prefetch_threshold": 0, "object_mib": object_mib})
+    sched.tables = tables  # type: ignore[attr-defined]
+    return sched
+
+
+def writer(tmp_path):
+    store = file_store(tmp_path, NS, GEOM)
+    store.register_host_pool(HostPagePool(GEOM, layout="page_first", pin_memory=False))
+    return store
+
+
+def test_a_prefill_stores_whole_spans_as_span_objects_and_the_tail_as_pages(tmp_path):
+    sched = scheduler(tmp_path)
+    assert sched.l2.spans == LAYOUT
+    meta = prefill(sched, request("a", TOKENS), list(range(1, 16)))
+    spans = [p.span for p in meta.stores]
+    assert [s and (s.index, s.count) for s in spans] == [(0, 2), (1, 2)] * 3 + [None]
+    assert [s.key for s in spans[:6]] == [k for k in LAYOUT.object_keys(KEYS) for _ in (0, 1)]
+
+
+def test_span_objects_are_off_at_object_mib_0_and_for_stores_without_them(tmp_path):
+    assert scheduler(tmp_path, object_mib=0).l2.spans == SpanLayout(1)
+    sched = scheduler(tmp_path)
+    sched.storage = None
+    assert sched.l2.spans == SpanLayout(1)
+    meta = prefill(sched, request("a", TOKENS), list(range(1, 16)))
+    assert all(p.span is None for p in meta.stores)
+
+
+def test_a_lookup_finds_pages_in_span_objects_and_page_objects_and_fetches_name_spans(
+        tmp_path):
+    store = writer(tmp_path)
+    refs = [LAYOUT.ref(KEYS, i) for i in range(4)]
+    # Pages 0..3 in two span objects, 4 and 5 as page objects (a span stored page by
+    # page), page 6 nowhere.
+    assert all(store.batch_set_spans([k.hex() for k in KEYS[:4]], [0, 1, 2, 3], refs))
+    assert all(store.batch_set_v1([k.hex() for k in KEYS[4:6]], [4, 5]))
+    sched = scheduler(tmp_path)
+    req = request("r", TOKENS)
+    assert sched.get_num_new_matched_tokens(req, 0) == (6 * PAGE, True)
+    sched.update_state_after_alloc(req, [list(range(1, 16))], 6 * PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert [p.span and p.span.index for p in fetch.l3_pages] == [0, 1, 0, 1, 0, 1]
+    assert fetch.l3_pages[4].span.key == LAYOUT.object_keys(KEYS)[2]  # not stored: pages
+    sched.on_worker_report(WorkerReport(fetched={"r": [6]}))
+    assert sched.tree.match_prefix(KEYS).num_pages == 6
+
+
+def test_flush_and_forget_delete_the_span_objects_of_what_goes(tmp_path):
+    sched = scheduler(tmp_path)
+    prefill(sched, request("a", TOKENS), list(range(1, 16)))
+    spans = LAYOUT.object_keys(KEYS)
+    # A prefix of 3 pages: pages 2.. go, so do the span objects ending at 3 and 5
+    # (page 2's span holds page 3, the one ending at 1 stays).
+    counts, removal = sched.flusher.flush({"l2", "l3"}, TOKENS[: 3 * PAGE])
+    assert isinstance(removal, DeletePages)
+    assert set(removal.keys) >= {spans[1], spans[2]} and spans[0] not in removal.keys
+    assert set(KEYS[2:]) <= set(removal.keys) and KEYS[1] not in removal.keys
+    # Forget the conversation: every span object of its prompt goes.
+    _, removal = sched.flusher.forget(TOKENS)
+    assert removal is not None and set(spans) <= set(removal.keys)
+
+
+def test_retention_names_the_span_objects_too(tmp_path):
+    sched = scheduler(tmp_path)
+    sched.retain_in_l3(KEYS, 60)
+    (command,) = sched._commands
+    assert isinstance(command, RetainPages)
+    assert set(command.keys) == set(KEYS) | set(LAYOUT.object_keys(KEYS))
+
+
+def test_a_store_that_starts_inside_a_span_backs_its_leading_pages_up_as_page_objects(
+        tmp_path):
+    """Request b shares a's first 3 pages and goes on with its own: its store starts
+    inside the span of pages 2 and 3, whose object (a's) a lookup of b cannot name, so
+    page 2 is backed up as a page object too."""
+    sched = scheduler(tmp_path)
+    prefill(sched, request("a", TOKENS), list(range(1, 16)))
+    other = TOKENS[: 3 * PAGE] + list(range(900, 900 + 4 * PAGE + 3))
+    b = request("b", other)
+    hit, _ = sched.get_num_new_matched_tokens(b, 0)
+    assert hit == 3 * PAGE
+    blocks = list(range(20, 35))
+    sched.update_state_after_alloc(b, [blocks], hit)
+    sched.tables["b"] = blocks  # type: ignore[attr-defined]
+    meta = sched.build_connector_meta({"b": b.num_tokens - hit})
+    b_keys = keys_of(NS.seed(), other, PAGE)
+    assert [p.key for p in meta.backups] == [b_keys[2]] == [KEYS[2]]
+    assert meta.backups[0].slot == sched.tree.match_prefix(KEYS[:3]).host_slots[2]
+    # b's page 3 is stored as a page object (its span began before the store).
+    assert meta.stores[0].key == b_keys[3] and meta.stores[0].span is None
+    assert sched.build_connector_meta({}).backups == []
