@@ -149,7 +149,18 @@ def test_prefetch_defaults_are_sglangs():
     cfg = HiCacheConfig.from_extra_config({})
     assert {k: cfg.prefetch_setting(k) for k in PREFETCH_KEYS} == {
         "prefetch_threshold": 256, "prefetch_timeout_base": 2.0,
-        "prefetch_timeout_per_ki_token": 0.1, "prefetch_timeout_max": 30.0}
+        "prefetch_timeout_per_ki_token": 0.1, "prefetch_timeout_max": 30.0,
+        "object_mib": 1.0}  # ours: L3 objects of up to 1 MiB (tiers/index/spans.py)
+
+
+def test_object_mib_is_checked_and_kept_from_the_backend():
+    cfg = HiCacheConfig.from_extra_config(
+        {"hicache_storage_backend_extra_config": {"object_mib": 4, "path": "/tmp/x"}})
+    assert cfg.prefetch_setting("object_mib") == 4.0
+    assert cfg.backend_extra_config() == {"path": "/tmp/x"}
+    with pytest.raises(HiCacheConfigError, match="object_mib"):
+        HiCacheConfig.from_extra_config(
+            {"hicache_storage_backend_extra_config": {"object_mib": -1}})
 
 
 def test_admin_token_never_shows():

@@ -95,7 +95,9 @@ def run(tiny_model, baseline, tmp_path_factory):
         max_model_len=MAX_MODEL_LEN, in_process=True,
         hicache={"hicache_size": 0.05, "hicache_admin_port": 0,
                  "hicache_storage_backend": "file",
-                 "hicache_storage_backend_extra_config": {"path": str(l3_dir)}},
+                 # One object per page: the flush below counts files as pages.
+                 "hicache_storage_backend_extra_config": {"path": str(l3_dir),
+                                                          "object_mib": 0}},
         extra_args={"kv_events_config": {
             "enable_kv_cache_events": True, "publisher": "zmq",
             "endpoint": endpoint, "topic": "kv"}}))

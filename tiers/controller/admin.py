@@ -254,12 +254,12 @@ class SchedulerAdmin:
         keys = self._prompt_keys(prefix, cache_salt)
         with s.lock:
             l2_pages = s.tree.peek(keys)
-            storage = s.storage
+            storage, spans = s.storage, s.l2.spans
             page, page_bytes = s.page_size, s.geometry.page_bytes
         l3_pages = 0
         if storage is not None and keys:
-            try:
-                l3_pages = storage.batch_exists([k.hex() for k in keys])
+            try:  # through span objects and page objects (tiers/index/spans.py)
+                l3_pages = spans.run_in_store(storage.batch_exists, keys, 0, len(keys))
             except Exception:  # noqa: BLE001 - a failing store holds nothing we can load
                 l3_pages = 0
         with self._lock:

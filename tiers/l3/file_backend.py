@@ -17,6 +17,14 @@ Contract (on top of base.py's):
   layout (128-byte header, flat ``pages/``) are refused as corrupt misses,
   never misread; the flat ones are never looked up, only counted towards
   the capacity (oldest, so evicted first) and removed by ``clear``.
+- Span objects (``batch_set_spans`` / ``batch_get_spans``, tiers/index/spans.py;
+  the GIL-free batch path only): one file per span under its span key's
+  name, its pages' records (the 4 KiB header and the payload each) back to
+  back, written and renamed in at once and read through one ``open``; each
+  record is checked like a page file (its own key, fingerprint, checksum),
+  and the file must be exactly its records long. A bad record is a miss for
+  its page; the file is quarantined after the read that found it, so the
+  next store writes it anew.
 - Writes are atomic: the page is written to ``<dir>/tmp/`` under a name
   unique to this process and thread, then renamed into ``pages/<xx>/``. A
   reader sees the whole page or none of it; a crash leaves at most a temp
