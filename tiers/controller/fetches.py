@@ -242,12 +242,14 @@ class L3Fetches:
         slots = list(match.host_slots) + l3_slots
         mine = set(l3_slots)
         planned = {p.slot: p for p in pages}
-        spans = self.l2.spans
         l3_plans = tuple(
-            dataclasses.replace(planned.get(slots[page], PagePlan(slots[page], keys[page], 0, ())),
-                                span=spans.ref(keys, page))
+            planned.get(slots[page], PagePlan(slots[page], keys[page], 0, ()))
             for page in range(match.num_pages, len(slots))
         )
+        if self.l2.spans.enabled:
+            refs = self.l2.spans.refs(keys, match.num_pages, len(slots))
+            l3_plans = tuple(dataclasses.replace(p, span=ref)
+                             for p, ref in zip(l3_plans, refs, strict=True))
         masks: list[int] = []
         if self.l2.groups.has_state and l3_plans:
             # Bodies, and the run's last page whole (see the module docstring).
@@ -274,8 +276,8 @@ class L3Fetches:
         most ``timeout_s`` on the worker; it ends like a fetch (``on_report``), its
         pages entering the tree."""
         spans = SpanLayout() if self.l2.groups.has_state else self.l2.spans
-        l3_plans = tuple(PagePlan(slot, keys[match.num_pages + i], 0, (),
-                                  span=spans.ref(keys, match.num_pages + i))
+        refs = spans.refs(keys, match.num_pages, match.num_pages + len(slots))
+        l3_plans = tuple(PagePlan(slot, keys[match.num_pages + i], 0, (), span=refs[i])
                          for i, slot in enumerate(slots))
         fetch = RequestFetch(fetch_id, (), l3_plans, (), timeout_s, prefetch=True)
         self._planned.append(fetch)

@@ -175,9 +175,9 @@ class L2Manager:
                      leftover: set[int], slots: list[int]) -> list[SpanRef | None]:
         """The span object of each page stored from ``start`` on: only spans stored
         whole in this plan, every page complete (tiers/index/spans.py)."""
-        refs = self.spans.whole_spans(keys, start, len(keys))
         if not self.spans.enabled or self.groups.has_state:
-            return [None] * len(refs)
+            return [None] * len(slots)
+        refs = self.spans.refs(keys, start, len(keys), whole=True)
         bad = {ref.key for ref, mask, slot in zip(refs, masks, slots, strict=True)
                if ref is not None and (mask or slot in leftover)}
         return [None if ref is None or ref.key in bad else ref for ref in refs]
@@ -190,7 +190,7 @@ class L2Manager:
         layout, start = self.spans, match.num_pages
         if not layout.enabled or self.groups.has_state or not start % layout.pages:
             return
-        if start >= len(keys) or layout.ref(keys, start) is None:
+        if start >= len(keys) or not layout.has_span(keys, start):
             return
         first = start - start % layout.pages
         slots = match.host_slots

@@ -67,28 +67,30 @@ class SpanLayout:
     def ref(self, keys: Sequence[bytes], position: int) -> SpanRef | None:
         """The span object of page ``position`` of ``keys`` (a request's page keys from
         its first page), or None when spans are off or ``keys`` end inside the span."""
-        if self.pages <= 1:
-            return None
-        first = position - position % self.pages
-        last = first + self.pages - 1
-        if last >= len(keys):
-            return None
-        return SpanRef(span_key(keys[last], self.pages), position - first, self.pages)
+        return self.refs(keys, position, position + 1)[0]
 
-    def refs(self, keys: Sequence[bytes], start: int, end: int) -> list[SpanRef | None]:
-        """``ref`` of every position in ``[start, end)``."""
-        return [self.ref(keys, p) for p in range(start, end)]
-
-    def whole_spans(self, keys: Sequence[bytes], start: int, end: int,
-                    ) -> list[SpanRef | None]:
-        """Like ``refs``, but only for spans all of whose pages lie in ``[start, end)``
-        (a store that writes the whole object at once); None elsewhere."""
+    def refs(self, keys: Sequence[bytes], start: int, end: int, whole: bool = False,
+             ) -> list[SpanRef | None]:
+        """``ref`` of every position in ``[start, end)`` (each span's key hashed once);
+        ``whole``: only for spans all of whose pages lie in ``[start, end)`` (a store
+        that writes the whole object at once), None elsewhere."""
         out: list[SpanRef | None] = []
+        known: dict[int, bytes] = {}  # first page of a span -> its key
         for p in range(start, end):
             first = p - p % self.pages
-            whole = first >= start and first + self.pages <= end
-            out.append(self.ref(keys, p) if whole else None)
+            last = first + self.pages - 1
+            if (not self.has_span(keys, p)
+                    or whole and (first < start or last >= end)):
+                out.append(None)
+                continue
+            if first not in known:
+                known[first] = span_key(keys[last], self.pages)
+            out.append(SpanRef(known[first], p - first, self.pages))
         return out
+
+    def has_span(self, keys: Sequence[bytes], position: int) -> bool:
+        """Whether page ``position`` lies in a span ``keys`` reach the end of."""
+        return self.pages > 1 and position - position % self.pages + self.pages <= len(keys)
 
     def object_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """Keys of every span object ``keys`` (from the first page) could be stored in."""
@@ -113,10 +115,12 @@ class SpanLayout:
         span object is missing, and so on: two questions per span stored page by page,
         one for a run of span objects."""
         pos, missing_span = start, -1
+        objects: list[bytes] | None = None
         while pos < end:
             span = pos // self.pages
-            if self.pages > 1 and span != missing_span and self.ref(keys, pos) is not None:
-                spans = self.object_keys(keys)[span:(end - 1) // self.pages + 1]
+            if span != missing_span and self.has_span(keys, pos):
+                objects = objects if objects is not None else self.object_keys(keys)
+                spans = objects[span:(end - 1) // self.pages + 1]
                 found = batch_exists([k.hex() for k in spans])
                 if found:
                     pos = (span + found) * self.pages

@@ -435,8 +435,7 @@ class FileBackend(StorageBackend):
         return (self.config.mem_layout != "layer_first" and not self.direct_io
                 and native_io.available())
 
-    def _span_rows(self, keys: list[str], spans: list[SpanRef],
-                   ) -> tuple[list[str], np.ndarray, np.ndarray]:
+    def _span_rows(self, spans: list[SpanRef]) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Each page's span file name, record offset and the file's size."""
         names = [self._name(span.key.hex()) for span in spans]
         rec = self._file_bytes
@@ -459,7 +458,7 @@ class FileBackend(StorageBackend):
             return results
         keys_r = [keys[i] for i in rows]
         spans_r = [spans[i] for i in rows]
-        names, bases, _ = self._span_rows(keys_r, spans_r)
+        names, bases, _ = self._span_rows(spans_r)
         for name in dict.fromkeys(names):
             self._make_dir(name)
         suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
@@ -499,7 +498,7 @@ class FileBackend(StorageBackend):
         self._require_pool()
         if self._pool_np is None or not keys:
             return [False] * len(keys)
-        names, bases, ends = self._span_rows(keys, spans)
+        names, bases, ends = self._span_rows(spans)
         return self._read_slots_native(keys, host_slots, deadline, names=names,
                                        records=(bases, ends))
 

@@ -215,7 +215,7 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
     page_ids = page_keys(ns.seed(), list(range(64 * pages)), 64)
     keys = [k.hex() for k in page_ids]
     layout = SpanLayout(span_pages)
-    spans = [layout.ref(page_ids, i) for i in range(pages)]
+    spans = layout.refs(page_ids, 0, pages)
     target = directory / name
     shutil.rmtree(target, ignore_errors=True)
 

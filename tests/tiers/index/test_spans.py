@@ -34,9 +34,9 @@ def test_a_span_key_names_the_pages_before_it() -> None:
     assert span_key(KEYS[7], 8) != span_key(KEYS[7], 4)
 
 
-def test_whole_spans_needs_every_page_of_the_span_in_the_range() -> None:
+def test_whole_refs_need_every_page_of_the_span_in_the_range() -> None:
     layout = SpanLayout(4)
-    refs = layout.whole_spans(KEYS, 2, 13)
+    refs = layout.refs(KEYS, 2, 13, whole=True)
     # Pages 2..12: span [4, 8) and [8, 12) are whole; 2, 3 and 12 are not.
     assert [r is not None for r in refs] == [False, False] + [True] * 8 + [False]
     assert {r.key for r in refs if r is not None} == set(layout.object_keys(KEYS)[1:3])

@@ -323,7 +323,7 @@ def test_spans_are_backed_up_whole_and_fetched_with_page_objects_where_they_lack
     for i in range(10):
         pool.set_key(i, KEYS[i])
     # Pages 0..9 stored in one plan: two whole spans, pages 8 and 9 on their own.
-    spans = layout.whole_spans(KEYS, 0, 10)
+    spans = layout.refs(KEYS, 0, 10, whole=True)
     io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(10)], spans)
     io.shutdown()
     assert sorted(io.take_backed_up()) == sorted(KEYS[:10])
