@@ -685,6 +685,7 @@ class HiCacheWorker:
                 "l3_backup_pages": io.backup_pages, "l3_backup_failed_pages": io.backup_failed_pages,
                 "l3_bytes_read": backend.bytes_read, "l3_bytes_written": backend.bytes_written,
                 "l3_corrupt_pages": backend.corrupt_pages, "l3_errors": backend.errors,
+                "l3_pages_in_place": backend.pages_in_place,
                 "l3_flushed_pages": io.deleted_pages, "l3_retained_pages": io.retained_pages,
             })
         return out

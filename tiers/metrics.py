@@ -153,6 +153,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _worker("l3_bytes_written", "Payload bytes written to the HiCache L3 store"),
     _worker("l3_corrupt_pages", "L3 pages rejected by the page key or checksum check"),
     _worker("l3_errors", "Errors raised by the HiCache L3 store"),
+    _worker("l3_pages_in_place", "L3 pages read from store memory of this process (a "
+            "Mooncake segment it holds), copied and checked in one pass"),
     _worker("l3_flushed_pages", "Pages deleted from the HiCache L3 store by an admin flush"),
     _worker("l3_retained_pages",
             "Pages the HiCache L3 store agreed to keep ahead of its eviction (retain_s, pins)"),

@@ -134,3 +134,24 @@ class SpanLayout:
             if pos < stop:
                 break
         return max(0, min(pos, end) - start)
+
+
+def whole_spans(spans: Sequence[SpanRef | None]) -> list[bool]:
+    """Per row of a store batch: whether its span's rows are all there, in order
+    (index 0 .. count - 1), so the span can be written as one object."""
+    ok = [False] * len(spans)
+    i = 0
+    while i < len(spans):
+        span = spans[i]
+        if span is None:
+            i += 1
+            continue
+        j = i + span.count
+        if (span.index == 0 and j <= len(spans)
+                and all((r := spans[i + k]) is not None and r.key == span.key and r.index == k
+                        for k in range(span.count))):
+            ok[i:j] = [True] * span.count
+            i = j
+        else:
+            i += 1
+    return ok

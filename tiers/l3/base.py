@@ -135,6 +135,9 @@ class StorageStats:
     write_seconds: float = 0.0
     evicted_pages: int = 0
     errors: int = 0
+    # pages read straight from store memory this process holds (Mooncake: its own
+    # segment), copied and checked in one pass instead of a transfer and a check
+    pages_in_place: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

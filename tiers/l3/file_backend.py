@@ -100,7 +100,7 @@ import numpy as np
 import torch
 from pydantic import Field, NonNegativeFloat
 
-from hicache.tiers.index.spans import SpanRef
+from hicache.tiers.index.spans import SpanRef, whole_spans
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import integrity, native_io
 from hicache.tiers.l3.base import (
@@ -451,7 +451,7 @@ class FileBackend(StorageBackend):
         if self._pool_np is None or not keys:
             return [False] * len(keys)
         start = time.perf_counter()
-        whole = _whole_spans(spans)
+        whole = whole_spans(spans)
         rows = [i for i in range(len(keys)) if whole[i]]
         results = [False] * len(keys)
         if not rows:
@@ -851,23 +851,6 @@ class FileBackend(StorageBackend):
         logger.warning(
             "HiCache file L3: page %s is corrupt (%s); quarantined", name, reason
         )
-
-
-def _whole_spans(spans: list[SpanRef]) -> list[bool]:
-    """Per row: whether its span's rows are all there, in order (index 0 .. count - 1)."""
-    ok = [False] * len(spans)
-    i = 0
-    while i < len(spans):
-        span = spans[i]
-        j = i + span.count
-        if (span.index == 0 and j <= len(spans)
-                and all(spans[i + r].key == span.key and spans[i + r].index == r
-                        for r in range(span.count))):
-            ok[i:j] = [True] * span.count
-            i = j
-        else:
-            i += 1
-    return ok
 
 
 def _round_up(n: int) -> int:

@@ -72,6 +72,7 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -79,8 +80,9 @@ import numpy as np
 import torch
 from pydantic import BeforeValidator, Field, field_validator
 
+from hicache.tiers.index.spans import SpanRef, whole_spans
 from hicache.tiers.l2.host_pool import HostPagePool
-from hicache.tiers.l3 import integrity
+from hicache.tiers.l3 import integrity, mooncake_local, native_io
 from hicache.tiers.l3.base import (
     EXTRA_CONFIG,
     StorageBackend,
@@ -89,6 +91,8 @@ from hicache.tiers.l3.base import (
     StorageUnavailable,
     validate_extra,
 )
+from hicache.tiers.l3.verify import Verify, verify_field
+from hicache.tiers.l3.verify import helpers as verify_helpers
 from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -172,6 +176,7 @@ class MooncakeExtraConfig(Settings):
     device_name: str = Field(
         "", description="device name, '' (auto) or a JSON object mapping TP rank to "
         f"device name; {_env('device_name')}")
+    verify: Verify = verify_field()
 
     @field_validator("device_name")
     @classmethod
@@ -198,6 +203,8 @@ class MooncakeSettings:
     protocol: str
     # this rank's device ('' = auto)
     device_name: str
+    # where checksums of reads in place run (verify.py)
+    verify: Verify = "auto"
 
     @classmethod
     def from_config(cls, config: StorageConfig) -> MooncakeSettings:
@@ -211,7 +218,7 @@ class MooncakeSettings:
             device = str(json.loads(device).get(str(config.tp_rank), ""))
         return cls(extra.master_server_address, extra.local_hostname, extra.metadata_server,
                    extra.global_segment_size // max(config.tp_size, 1), extra.local_buffer_size,
-                   extra.protocol, device)
+                   extra.protocol, device, extra.verify)
 
 
 def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
@@ -225,6 +232,52 @@ def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
 
 def _ptr(t: torch.Tensor) -> int:
     return int(t.data_ptr())
+
+
+# A page's place in the store: its object's key, its record there and the object's
+# number of records (a page object: record 0 of 1; a span object: tiers/index/spans.py).
+Place = tuple[str, int, int]
+
+
+def _objects(places: list[Place]) -> dict[str, tuple[int, list[tuple[int, int]]]]:
+    """Object key -> (its record count, [(record, page row)]), in first-seen order."""
+    out: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+    for i, (okey, record, count) in enumerate(places):
+        out.setdefault(okey, (count, []))[1].append((record, i))
+    return out
+
+
+def _header_rows(objects: dict[str, tuple[int, list[tuple[int, int]]]]) -> dict[str, int]:
+    """Each object's first row in a header arena that holds all records of all objects."""
+    rows, at = {}, 0
+    for okey, (count, _) in objects.items():
+        rows[okey] = at
+        at += count
+    return rows
+
+
+def _chunks(places: list[Place]) -> list[tuple[int, int]]:
+    """Cut a batch into calls: at most ``ARENA_PAGES`` records each (an object larger
+    than that is a call of its own), objects never split, no place twice in a call
+    (a page asked twice goes in the next call)."""
+    out: list[tuple[int, int]] = []
+    lo, records = 0, 0
+    seen: set[Place] = set()
+    objects: set[str] = set()
+    for i, place in enumerate(places):
+        okey, _, count = place
+        new = okey not in objects
+        if i > lo and (place in seen or new and records + count > ARENA_PAGES):
+            out.append((lo, i))
+            lo, records, seen, objects = i, 0, set(), set()
+            new = True
+        seen.add(place)
+        if new:
+            objects.add(okey)
+            records += count
+    if lo < len(places):
+        out.append((lo, len(places)))
+    return out
 
 
 class MooncakeBackend(StorageBackend):
@@ -278,6 +331,9 @@ class MooncakeBackend(StorageBackend):
         self._local = threading.local()
         self._pool_base = 0
         self._pool_rows: np.ndarray | None = None
+        # where this instance's own segment lies, once mounted (mooncake_local.py)
+        self._segment: mooncake_local.LocalSegment | None = None
+        self._verify_helper: ThreadPoolExecutor | None = None
 
     # ---- setup helpers ------------------------------------------------------------
 
@@ -297,15 +353,27 @@ class MooncakeBackend(StorageBackend):
             self._buffers.append(t)
         return True
 
-    def _arena(self) -> tuple[torch.Tensor, np.ndarray] | None:
-        """This thread's registered header arena (calls from several threads never share)."""
+    def _arena(self, rows: int = ARENA_PAGES) -> tuple[torch.Tensor, np.ndarray] | None:
+        """This thread's registered header arena of at least ``rows`` headers (calls
+        from several threads never share one)."""
         arena = getattr(self._local, "arena", None)
-        if arena is None:
-            arena = torch.zeros(ARENA_PAGES * HEADER, dtype=torch.uint8)
+        if arena is None or arena.numel() < rows * HEADER:
+            arena = torch.zeros(max(rows, ARENA_PAGES) * HEADER, dtype=torch.uint8)
             if not self._register(arena, "header arena"):
                 return None
             self._local.arena = arena
         return arena, arena.numpy()
+
+    def _scratch(self) -> int | None:
+        """This thread's registered page of scratch: where the records of a span object
+        that a read does not want land (their bytes are ignored)."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = torch.zeros(self.config.page_bytes, dtype=torch.uint8)
+            if not self._register(scratch, "scratch page"):
+                return None
+            self._local.scratch = scratch
+        return _ptr(scratch)
 
     def _staging_buffer(self) -> torch.Tensor | None:
         """This thread's registered one-object staging buffer (header slot + payload)."""
@@ -321,9 +389,12 @@ class MooncakeBackend(StorageBackend):
         """Mount this rank's share of the global segment once (before the first write)."""
         if self._mounted or self.settings.global_segment_size == 0:
             return True
+        arena = self._arena() if native_io.available() else None
+        probe = None if arena is None else (
+            _ptr(arena[0]), f"hicache-segment-probe_{self.config.key_suffix}_{os.getpid()}")
         try:
-            res = self._store.allocate_and_mount_segment(self.settings.global_segment_size,
-                                                         self.settings.protocol)
+            res, self._segment = mooncake_local.LocalSegment.mount(
+                self._store, self.settings.global_segment_size, self.settings.protocol, probe)
         except Exception as exc:
             logger.warning("mooncake allocate_and_mount_segment raised: %s", exc)
             self._count(errors=1)
@@ -344,6 +415,10 @@ class MooncakeBackend(StorageBackend):
         if pool.layout != "layer_first":  # slot-major: slot s is bytes [s*pb, (s+1)*pb)
             self._pool_base = _ptr(pool.buffer)
             self._pool_rows = pool.buffer.numpy().reshape(pool.geometry.num_slots, -1)
+        if native_io.available():
+            native_io.warm_up()  # compile now, not in the first fetch
+            if self._verify_helper is None:
+                self._verify_helper = verify_helpers(self.settings.verify, pool)
         if not self._ensure_segment():
             raise StorageUnavailable(
                 f"mooncake could not mount a {self.settings.global_segment_size}-byte segment "
@@ -412,16 +487,16 @@ class MooncakeBackend(StorageBackend):
             return None
         return flags
 
-    def _wrong_size(self, okey: str, rc: int) -> bool:
+    def _wrong_size(self, okey: str, rc: int, size: int) -> bool:
         """After a failed read (e.g. TRANSFER_FAIL for an object shorter than the
-        buffers): whether the object exists with a size other than a page's."""
+        buffers): whether the object exists with a size other than ``size``."""
         if rc == RC_OBJECT_NOT_FOUND or _is_rpc_failure(rc):
             return False
         try:
-            size = int(self._store.get_size(okey))
+            found = int(self._store.get_size(okey))
         except Exception:
             return False
-        return size >= 0 and size != HEADER + self.config.page_bytes
+        return found >= 0 and found != size
 
     def _remove_corrupt(self, okeys: list[str]) -> None:
         try:
@@ -430,130 +505,208 @@ class MooncakeBackend(StorageBackend):
             logger.warning("mooncake batch_remove raised: %s", exc)
             self._count(errors=1)
 
-    def _read(self, keys: list[str], ptrs: list[int], payloads: list[memoryview]) -> list[bool]:
+    def _read(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
+              places: list[Place] | None = None) -> list[bool]:
         """Read pages into registered payload buffers (``ptrs``, same memory as
-        ``payloads``), verifying each."""
+        ``payloads``), verifying each; ``places[i]``: page i's object and record there
+        (default: its page object)."""
+        places = places or [(self.object_key(k), 0, 1) for k in keys]
         results: list[bool] = []
-        for lo in range(0, len(keys), ARENA_PAGES):
-            hi = lo + ARENA_PAGES
-            results += self._read_chunk(keys[lo:hi], ptrs[lo:hi], payloads[lo:hi])
+        for lo, hi in _chunks(places):
+            results += self._read_chunk(keys[lo:hi], ptrs[lo:hi], payloads[lo:hi],
+                                        places[lo:hi])
         return results
 
-    def _read_chunk(self, keys: list[str], ptrs: list[int],
-                    payloads: list[memoryview]) -> list[bool]:
+    def _read_chunk(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
+                    places: list[Place]) -> list[bool]:
         n, pb = len(keys), self.config.page_bytes
         self._count(get_pages=n)
-        if not self._available():
-            self._count(get_misses=n)
-            return [False] * n
-        arena = self._arena()
-        if arena is None:
+        objects = _objects(places)  # object key -> its record count and pages there
+        first = _header_rows(objects)  # object key -> its first header row
+        arena = self._arena(sum(c for c, _ in objects.values())) if self._available() else None
+        partial = any(count > len(pages) for count, pages in objects.values())
+        scratch = self._scratch() if arena is not None and partial else 0
+        if arena is None or scratch is None:
             self._count(get_misses=n)
             return [False] * n
         base, headers = _ptr(arena[0]), arena[1]
-        okeys = [self.object_key(k) for k in keys]
         t0 = time.perf_counter()
-        try:
-            rcs = list(self._store.batch_get_into_multi_buffers(
-                okeys, [[base + i * HEADER, p] for i, p in enumerate(ptrs)],
-                [[HEADER, pb]] * n))
-        except Exception as exc:
-            logger.warning("mooncake batch_get_into_multi_buffers raised: %s", exc)
-            rcs = [-1] * n
-        whole = [i for i, rc in enumerate(rcs) if rc == HEADER + pb]
-        # Every page read whole, checked in one batch (checksums without the GIL).
-        checked = dict(zip(whole, integrity.check_headers(
-            headers[:n * HEADER].reshape(n, HEADER)[whole],
-            [self.page_key_bytes(keys[i]) for i in whole], self._fp, pb,
-            integrity.checksums_at([ptrs[i] for i in whole], [payloads[i] for i in whole],
-                                   pb)), strict=True)) if whole else {}
-        results, corrupt = [], []
-        for i, rc in enumerate(rcs):
-            if rc == HEADER + pb:
-                why = checked[i]
-                if why is None:
-                    results.append(True)
-                    continue
-                logger.warning("mooncake page %s is corrupt (%s); removed", okeys[i], why)
-                corrupt.append(okeys[i])
-            elif rc == RC_BUFFER_OVERFLOW or 0 <= rc < HEADER + pb or self._wrong_size(okeys[i], rc):
-                logger.warning("mooncake page %s has the wrong size (rc=%d); removed",
-                               okeys[i], rc)
-                corrupt.append(okeys[i])
-            elif rc != RC_OBJECT_NOT_FOUND:
-                self._failed(rc)
-            results.append(False)
+        okeys = list(objects)
+        arrived: dict[int, int] = {}  # page -> checksum of its payload as read
+        remote = okeys
+        if self._segment is not None:
+            remote = self._read_in_place(objects, first, base, ptrs, arrived)
+            # what failed its check in place is read again through Mooncake
+            bad_here = self._checked(keys, arrived, headers, first, places)
+            for i in [i for i, why in bad_here.items() if why is not None]:
+                del arrived[i]
+                if places[i][0] not in remote:
+                    remote = [*remote, places[i][0]]
+        failed_objects: dict[str, str] = {}
+        if remote:
+            self._read_through_mooncake(remote, objects, first, base, scratch, ptrs,
+                                        payloads, arrived, failed_objects)
+        why_bad = self._checked(keys, arrived, headers, first, places)
+        results = [False] * n
+        corrupt = dict(failed_objects)  # object -> why (its pages: misses)
+        bad_pages = sum(1 for p in places if p[0] in failed_objects)
+        for i, why in why_bad.items():
+            if why is None:
+                results[i] = True
+            else:  # a miss for this page only; the object goes, the next store rewrites it
+                logger.warning("mooncake page %s in object %s is corrupt (%s)", keys[i],
+                               places[i][0], why)
+                corrupt.setdefault(places[i][0], why)
+                bad_pages += 1
         if corrupt:
-            self._count(corrupt_pages=len(corrupt))
-            self._remove_corrupt(corrupt)
+            self._count(corrupt_pages=bad_pages)
+            self._remove_corrupt(list(corrupt))
         hits = sum(results)
         self._count(get_hits=hits, get_misses=n - hits, bytes_read=hits * pb,
                     read_seconds=time.perf_counter() - t0)
         return results
 
+    def _read_in_place(self, objects: dict[str, tuple[int, list[tuple[int, int]]]],
+                       first: dict[str, int], base: int, ptrs: list[int],
+                       arrived: dict[int, int]) -> list[str]:
+        """Objects in this process's own segment: copied and hashed in one pass
+        (mooncake_local.py). Returns the objects to read through Mooncake."""
+        assert self._segment is not None
+        rec = HEADER + self.config.page_bytes
+        okeys = list(objects)
+        where = self._segment.addresses(self._store, okeys,
+                                        [objects[o][0] * rec for o in okeys])
+        remote = [o for o, at in zip(okeys, where, strict=True) if at == mooncake_local.ELSEWHERE]
+        sources, hdrs, dests, pages = [], [], [], []
+        for okey, at in zip(okeys, where, strict=True):
+            if at > 0:
+                for r, i in objects[okey][1]:
+                    sources.append(at + r * rec)
+                    hdrs.append(base + (first[okey] + r) * HEADER)
+                    dests.append(ptrs[i])
+                    pages.append(i)
+        if pages:
+            sums = native_io.copy_records(sources, hdrs, dests, HEADER, self.config.page_bytes,
+                                          self._verify_helper)
+            arrived.update(zip(pages, (int(x) for x in sums.tolist()), strict=True))
+            self._count(pages_in_place=len(pages))
+        return remote
+
+    def _read_through_mooncake(self, okeys: list[str],
+                               objects: dict[str, tuple[int, list[tuple[int, int]]]],
+                               first: dict[str, int], base: int, scratch: int,
+                               ptrs: list[int], payloads: list[memoryview],
+                               arrived: dict[int, int], failed: dict[str, str]) -> None:
+        """Mooncake's multi-buffer get of whole objects: each record's header into the
+        arena, its payload into the page's buffer (records not asked for: scratch)."""
+        pb = self.config.page_bytes
+        rec = HEADER + pb
+        buffers, sizes = [], []
+        for okey in okeys:
+            count, pages = objects[okey]
+            dest = dict(pages)
+            row = base + first[okey] * HEADER
+            buffers.append([a for r in range(count)
+                            for a in (row + r * HEADER, ptrs[dest[r]] if r in dest else scratch)])
+            sizes.append([HEADER, pb] * count)
+        try:
+            rcs = list(self._store.batch_get_into_multi_buffers(okeys, buffers, sizes))
+        except Exception as exc:
+            logger.warning("mooncake batch_get_into_multi_buffers raised: %s", exc)
+            rcs = [-1] * len(okeys)
+        whole: list[int] = []
+        for okey, rc in zip(okeys, rcs, strict=True):
+            size = objects[okey][0] * rec
+            if rc == size:
+                whole += [i for _, i in objects[okey][1]]
+            elif (rc == RC_BUFFER_OVERFLOW or 0 <= rc < size
+                  or self._wrong_size(okey, rc, size)):
+                logger.warning("mooncake object %s has the wrong size (rc=%d)", okey, rc)
+                failed[okey] = "wrong size"
+            elif rc != RC_OBJECT_NOT_FOUND:
+                self._failed(rc)
+        if whole:  # every page read whole, hashed in one call without the GIL
+            sums = integrity.checksums_at([ptrs[i] for i in whole],
+                                          [payloads[i] for i in whole], pb)
+            arrived.update(zip(whole, sums, strict=True))
+
+    def _checked(self, keys: list[str], arrived: dict[int, int], headers: np.ndarray,
+                 first: dict[str, int], places: list[Place]) -> dict[int, str | None]:
+        """Header and checksum check of every page in ``arrived``: None when good, else
+        why not."""
+        if not arrived:
+            return {}
+        pages = list(arrived)
+        rows = [first[places[i][0]] + places[i][1] for i in pages]
+        why = integrity.check_headers(
+            headers[:(max(rows) + 1) * HEADER].reshape(-1, HEADER)[rows],
+            [self.page_key_bytes(keys[i]) for i in pages], self._fp, self.config.page_bytes,
+            [arrived[i] for i in pages])
+        return dict(zip(pages, why, strict=True))
+
     def _write(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
-               known: list[int | None] | None = None) -> list[bool]:
+               known: list[int | None] | None = None,
+               places: list[Place] | None = None) -> list[bool]:
         """Store pages from registered memory (``ptrs``, same memory as ``payloads``;
-        ``known``: their checksums where the pool has them); skip existing ones."""
+        ``known``: their checksums where the pool has them) into their objects
+        (``places``: whole objects, records in order; default one per page); objects
+        that exist already are skipped."""
+        places = places or [(self.object_key(k), 0, 1) for k in keys]
         results: list[bool] = []
-        for lo in range(0, len(keys), ARENA_PAGES):
-            hi = lo + ARENA_PAGES
+        for lo, hi in _chunks(places):
             results += self._write_chunk(keys[lo:hi], ptrs[lo:hi], payloads[lo:hi],
-                                         None if known is None else known[lo:hi])
+                                         None if known is None else known[lo:hi],
+                                         places[lo:hi])
         return results
 
     def _write_chunk(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
-                     known: list[int | None] | None = None) -> list[bool]:
+                     known: list[int | None] | None, places: list[Place]) -> list[bool]:
         n, pb = len(keys), self.config.page_bytes
-        arena = self._arena() if self._available() and self._ensure_segment() else None
+        objects = _objects(places)
+        usable = self._available() and self._ensure_segment()
+        arena = self._arena(n) if usable else None
         if arena is None:
             self._count(set_failures=n)
             return [False] * n
         base, headers = _ptr(arena[0]), arena[1]
         t0 = time.perf_counter()
-        okeys = [self.object_key(k) for k in keys]
+        okeys = list(objects)
         flags = self._exist_flags(okeys)
         if flags is None:
             self._count(set_failures=n)
             return [False] * n
-        results = [bool(f) for f in flags]
-        todo: list[int] = []
-        first: dict[str, int] = {}
-        for i, ok in enumerate(results):
-            if not ok and okeys[i] not in first:  # a key twice in one batch: write once
-                first[okeys[i]] = i
-                todo.append(i)
-        skipped = n - len(todo)
-        if todo:  # every header of the batch, checksums in one call without the GIL
-            rows = integrity.header_rows([self.page_key_bytes(keys[i]) for i in todo],
+        todo = [o for o, f in zip(okeys, flags, strict=True) if not f]
+        pages = [i for o in todo for _, i in objects[o][1]]
+        stored: set[str] = {o for o, f in zip(okeys, flags, strict=True) if f}
+        skipped = sum(len(objects[o][1]) for o in stored)
+        if pages:  # every header of the batch, checksums in one call without the GIL
+            rows = integrity.header_rows([self.page_key_bytes(keys[i]) for i in pages],
                                          self._fp, pb, width=HEADER)
             digests = integrity.checksums_at(
-                [ptrs[i] for i in todo], [payloads[i] for i in todo], pb,
-                None if known is None else [known[i] for i in todo])
+                [ptrs[i] for i in pages], [payloads[i] for i in pages], pb,
+                None if known is None else [known[i] for i in pages])
             at = integrity.CHECKSUM_AT
             rows[:, at:at + 8] = np.asarray(digests, "<u8").view(np.uint8).reshape(-1, 8)
-            headers[:len(todo) * HEADER] = rows.reshape(-1)
-        stored = 0
-        if todo:
+            headers[:len(pages) * HEADER] = rows.reshape(-1)
+            row = dict(zip(pages, range(len(pages)), strict=True))
             try:
                 rcs = list(self._store.batch_put_from_multi_buffers(
-                    [okeys[i] for i in todo],
-                    [[base + j * HEADER, ptrs[i]] for j, i in enumerate(todo)],
-                    [[HEADER, pb]] * len(todo)))
+                    todo,
+                    [[a for _, i in objects[o][1] for a in (base + row[i] * HEADER, ptrs[i])]
+                     for o in todo],
+                    [[HEADER, pb] * len(objects[o][1]) for o in todo]))
             except Exception as exc:
                 logger.warning("mooncake batch_put_from_multi_buffers raised: %s", exc)
                 rcs = [-1] * len(todo)
-            for i, rc in zip(todo, rcs, strict=True):
+            for okey, rc in zip(todo, rcs, strict=True):
                 if rc == 0:
-                    results[i] = True
-                    stored += 1
+                    stored.add(okey)
                 else:
                     self._failed(rc)
-        for i in range(n):  # duplicates in the batch follow their first occurrence
-            if not results[i] and okeys[i] in first and first[okeys[i]] != i:
-                results[i] = results[first[okeys[i]]]
-        self._count(set_pages=stored, set_skipped_existing=skipped,
-                    set_failures=n - sum(results), bytes_written=stored * pb,
+        results = [p[0] in stored for p in places]
+        written = sum(len(objects[o][1]) for o in todo if o in stored)
+        self._count(set_pages=written, set_skipped_existing=skipped,
+                    set_failures=n - sum(results), bytes_written=written * pb,
                     write_seconds=time.perf_counter() - t0)
         return results
 
@@ -614,6 +767,47 @@ class MooncakeBackend(StorageBackend):
         ptrs, payloads = self._slots(host_slots)
         return self._write(keys, ptrs, payloads, pool.checksums_of(host_slots))
 
+    # ---- span objects (tiers/index/spans.py) -------------------------------------------
+
+    @property
+    def supports_spans(self) -> bool:
+        # Slot-major pools only (the records come straight from and into pool slots).
+        return self.config.mem_layout != "layer_first"
+
+    def batch_set_spans(self, keys: list[str], host_slots: list[int],
+                        spans: list[SpanRef]) -> list[bool]:
+        """One object per span: its pages' records (header, payload) back to back, put
+        from the header arena and the pool slots in one multi-buffer call."""
+        pool = self._require_pool()
+        if pool.layout == "layer_first" or not keys:
+            return [False] * len(keys)
+        whole = whole_spans(spans)
+        rows = [i for i in range(len(keys)) if whole[i]]
+        results = [False] * len(keys)
+        if rows:
+            slots = [host_slots[i] for i in rows]
+            ptrs, payloads = self._slots(slots)
+            done = self._write([keys[i] for i in rows], ptrs, payloads, pool.checksums_of(slots),
+                               [self._place(spans[i]) for i in rows])
+            for i, ok in zip(rows, done, strict=True):
+                results[i] = ok
+        return results
+
+    def batch_get_spans(self, keys: list[str], host_slots: list[int], spans: list[SpanRef],
+                        deadline: float | None = None) -> list[bool]:
+        """Each page's record of its span object. Mooncake has no deadline: a batch
+        runs whole (``deadline`` is not looked at)."""
+        pool = self._require_pool()
+        if pool.layout == "layer_first" or not keys:
+            return [False] * len(keys)
+        if len(keys) != len(host_slots) or len(keys) != len(spans):
+            raise ValueError("keys, host_slots and spans differ in length")
+        ptrs, payloads = self._slots(host_slots)
+        return self._read(keys, ptrs, payloads, [self._place(span) for span in spans])
+
+    def _place(self, span: SpanRef) -> Place:
+        return self.object_key(span.key.hex()), span.index, span.count
+
     def _slots(self, host_slots: list[int]) -> tuple[list[int], list[memoryview]]:
         """Addresses and byte views of pool slots (page_first layouts: slot-major pages)."""
         rows = self._pool_rows
@@ -652,6 +846,9 @@ class MooncakeBackend(StorageBackend):
                 return
             self._closed = True
             down = self._down
+        if self._verify_helper is not None:  # a read whose job is cancelled hashes itself
+            self._verify_helper.shutdown(wait=False, cancel_futures=True)
+            self._verify_helper = None
         if down or not _tcp_reachable(self.settings.master_server_address, timeout_s=1.0):
             # Mooncake's close would block 10-20 s (holding the GIL) trying to unmount
             # from a dead master; keep the client alive until process exit instead.

@@ -50,6 +50,10 @@ Contract:
   removes the temp file. With ``bases`` and ``last``, rows ``i..j`` (``last[j]``
   set) are the records of one file (its paths: row j's), written at those offsets
   and renamed in once; every row of a file gets the file's status.
+- ``copy_records(sources, header_dests, dests, head, length, helper)``: records in
+  this process's memory (e.g. a Mooncake segment it mounted) copied out, header and
+  payload, with each payload's ``xxh3_64`` computed in the same pass (or by
+  ``helper`` right behind it, as in ``read_pages``).
 - ``path_rows(paths)``: the uint8 rows these functions take.
 - ``warm_up()``: compile everything now. Compiled once per process (the C functions'
   addresses are no constants across processes, so numba's disk cache cannot keep it),
@@ -96,7 +100,7 @@ def _libc() -> Any:
            "pread": ([cint, u64, u64, i64], i64), "pwrite": ([cint, u64, u64, i64], i64),
            "fsync": ([cint], cint), "rename": ([u64, u64], cint), "unlink": ([u64], cint),
            "access": ([u64, cint], cint), "clock_gettime": ([cint, u64], cint),
-           "usleep": ([ctypes.c_uint], cint)}
+           "usleep": ([ctypes.c_uint], cint), "memcpy": ([u64, u64, ctypes.c_size_t], u64)}
     for fn, (args, res) in sig.items():
         getattr(lib, fn).argtypes = args
         getattr(lib, fn).restype = res
@@ -252,7 +256,7 @@ def _kernels() -> dict[str, Any]:
     s_create, s_reset, s_update, s_digest, s_free = _xxh3_stream()
     c_open, c_close, c_pread, c_pwrite = lib.open, lib.close, lib.pread, lib.pwrite
     c_fsync, c_rename, c_unlink, c_access = lib.fsync, lib.rename, lib.unlink, lib.access
-    c_clock, c_usleep = lib.clock_gettime, lib.usleep
+    c_clock, c_usleep, c_memcpy = lib.clock_gettime, lib.usleep, lib.memcpy
     load_acquire, store_release, compare_swap = _atomics()
     monotonic = time.CLOCK_MONOTONIC  # the clock of time.monotonic() on Linux
     o_rdonly, o_write = os.O_RDONLY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -374,10 +378,11 @@ def _kernels() -> dict[str, Any]:
         return status, sizes
 
     @jit
-    def follow_hashes(dest: Any, offsets: Any, length: int, progress: Any, digests: Any,
+    def follow_hashes(addresses: Any, length: int, progress: Any, digests: Any,
                       ctl: Any) -> bool:
-        """The helper's side of a split read: hash each page's bytes as the reader
-        publishes them. Unless the reader has finished and hashed them itself."""
+        """The helper's side of a split read or copy: hash each page's bytes (at
+        ``addresses[i]``) as the mover publishes them. Unless the mover has finished
+        and hashed them itself."""
         if not compare_swap(ctl, 0, 0, 1):
             return False
         state = s_create()
@@ -389,7 +394,7 @@ def _kernels() -> dict[str, Any]:
                 if ready < 0:
                     break
                 if ready > done:
-                    s_update(state, dest.ctypes.data + offsets[i] + done, ready - done)
+                    s_update(state, addresses[i] + done, ready - done)
                     done = ready
                     if done == length:
                         digests[i] = s_digest(state)
@@ -446,8 +451,41 @@ def _kernels() -> dict[str, Any]:
             i = j + 1
         return status
 
+    @jit
+    def copy_records(sources: Any, header_dests: Any, dests: Any, head: int, length: int,
+                     chunk: int, progress: Any, digests: Any, ctl: Any) -> None:
+        # One pass over each record: header, then the payload chunk by chunk, each
+        # chunk hashed right after its copy while in the CPU cache: here, or (split)
+        # by the helper (follow_hashes) as this thread publishes it in progress[i].
+        n = sources.shape[0]
+        split = n > 0 and progress.shape[0] == n
+        state = s_create()
+        for i in range(n):
+            c_memcpy(header_dests[i], sources[i], head)
+            s_reset(state)
+            done = 0
+            while done < length:
+                want = min(chunk, length - done)
+                c_memcpy(dests[i] + done, sources[i] + head + done, want)
+                done += want
+                if split:
+                    store_release(progress, i, done)
+                else:
+                    s_update(state, dests[i] + done - want, want)
+            if not split:
+                digests[i] = s_digest(state)
+        s_free(state)
+        if split:
+            if compare_swap(ctl, 0, 0, 2):  # the helper has not started: hash here
+                for i in range(n):
+                    digests[i] = c_xxh3(dests[i], length)
+            else:
+                while load_acquire(ctl, 1) == 0:
+                    c_usleep(POLL_US)
+
     return {"checksums": checksums, "checksums_at": checksums_at, "read_pages": read_pages,
-            "follow_hashes": follow_hashes, "write_pages": write_pages}
+            "follow_hashes": follow_hashes, "write_pages": write_pages,
+            "copy_records": copy_records}
 
 
 def warm_up() -> None:
@@ -457,11 +495,12 @@ def warm_up() -> None:
     none = np.zeros(0, np.int64)
     read_pages(empty, buf, none, 1, 1, empty, empty, 1)
     read_pages(empty, buf, none, 1, 1, empty, empty, 1, bases=none, ends=none)
-    _kernels()["follow_hashes"](buf, none, 1, none, np.zeros(0, np.uint64),
+    _kernels()["follow_hashes"](np.zeros(0, np.uint64), 1, none, np.zeros(0, np.uint64),
                                 np.zeros(2, np.int64))
     write_pages(empty, empty, buf, none, 1, empty, 0)
     checksums(buf, none, 1)
     checksums_at(np.zeros(0, np.uint64), 1)
+    copy_records([], [], [], 1, 1)
 
 
 def checksums(buf: Any, offsets: Any, length: int) -> np.ndarray:
@@ -476,6 +515,33 @@ def checksums_at(addresses: Sequence[int] | np.ndarray, length: int) -> np.ndarr
     result: np.ndarray = _kernels()["checksums_at"](np.asarray(addresses, np.uint64),
                                                     int(length))
     return result
+
+
+def copy_records(sources: Sequence[int], header_dests: Sequence[int],
+                 dests: Sequence[int], head: int, length: int,
+                 helper: Executor | None = None) -> np.ndarray:
+    """Copy records (``head`` header bytes, then ``length`` payload bytes) from memory
+    at ``sources`` (this process's own, alive through the call): each header to
+    ``header_dests[i]``, each payload to ``dests[i]``, and return the ``xxh3_64`` of
+    every payload as copied, hashed chunk by chunk while in the CPU cache: one pass
+    over the bytes, where a copy and then a check would be two. ``helper``: hash on
+    one of its threads right behind the copy (as ``read_pages``)."""
+    kernels = _kernels()
+    n = len(sources)
+    dest = np.asarray(dests, np.uint64)
+    digests = np.zeros(n, np.uint64)
+    ctl = np.zeros(2, np.int64)
+    progress = np.zeros(0, np.int64)
+    if helper is not None and n > 0:
+        split = np.zeros(n, np.int64)
+        try:
+            helper.submit(kernels["follow_hashes"], dest, int(length), split, digests, ctl)
+            progress = split
+        except RuntimeError:  # shut down: hash here
+            pass
+    kernels["copy_records"](np.asarray(sources, np.uint64), np.asarray(header_dests, np.uint64),
+                            dest, int(head), int(length), READ_CHUNK, progress, digests, ctl)
+    return digests
 
 
 def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: int,
@@ -496,8 +562,10 @@ def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: in
     if helper is not None and n > 0:
         split = np.zeros(n, np.int64)
         try:  # the job keeps its arrays alive until it has run
-            helper.submit(kernels["follow_hashes"], flat, offs, int(length), split,
-                          digests, ctl)
+            # (flat stays alive: this call waits for a helper that claimed the job)
+            addresses = (offs + flat.ctypes.data).astype(np.uint64)
+            helper.submit(kernels["follow_hashes"], addresses, int(length), split, digests,
+                          ctl)
             progress = split
         except RuntimeError:  # shut down: hash here
             pass

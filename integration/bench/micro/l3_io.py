@@ -302,19 +302,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         pages = max(1, int(args.total_mib // mib))
         payload = pages * page_bytes
         if backend == "mooncake":
-            from hicache.integration.bench.micro.l3_mooncake import bench_mooncake
-
-            res = bench_mooncake(page_bytes, pages, args.repeats)
-            for variant, put in (("", res["ours_put_gbps"]),
-                                 ("pool-sums", res["ours_put_pool_sums_gbps"])):
-                rows.append({
-                    "backend": backend, "page_mib": mib, "pages": pages,
-                    **({"variant": variant} if variant else {}),
-                    "ours_write_gbs": put, "ours_read_gbs": res["ours_get_gbps"],
-                    "raw": "raw-client",  # MooncakeDistributedStore calls on the same buffer
-                    "raw_write_gbs": res["raw_put_gbps"], "raw_read_gbs": res["raw_get_gbps"],
-                    "l2_checksum_gbps": res["l2_checksum_gbps"],
-                })
+            rows += _mooncake_rows(mib, page_bytes, pages, args)
             continue
         if backend == "lmcache":
             from hicache.integration.bench.micro.l3_lmcache import bench_lmcache
@@ -368,15 +356,50 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _mooncake_rows(mib: float, page_bytes: int, pages: int,
+                   args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One Mooncake run per verify mode (its own master), each against the raw client."""
+    from hicache.integration.bench.micro.l3_mooncake import bench_mooncake
+
+    rows: list[dict[str, Any]] = []
+    for mode in args.verify:
+        res = bench_mooncake(page_bytes, pages, args.repeats, verify=mode,
+                             span_pages=pages_per_object(args.object_mib, page_bytes))
+        variants = [("", res["ours_put_gbps"], res["ours_get_gbps"]),
+                    ("pool-sums", res["ours_put_pool_sums_gbps"], res["ours_get_gbps"]),
+                    ("pool-sums, via transfer", res["ours_put_pool_sums_gbps"],
+                     res["ours_get_transfer_gbps"])]
+        if res["span_pages"] > 1:
+            variants.append((f"spans of {res['span_pages']}", res["ours_span_put_gbps"],
+                             res["ours_span_get_gbps"]))
+        for variant, put, get in variants:
+            spans = variant.startswith("spans")
+            label = ", ".join(v for v in (variant, "" if mode == "inline" else f"verify {mode}")
+                              if v)
+            rows.append({
+                "backend": "mooncake", "page_mib": mib, "pages": pages,
+                **({"variant": label} if label else {}), "verify": mode,
+                "ours_write_gbs": put, "ours_read_gbs": get,
+                # MooncakeDistributedStore calls on the same buffer (for span rows:
+                # objects of the same span's slots)
+                "raw": "raw-client-spans" if spans else "raw-client",
+                "raw_write_gbs": res["raw_span_put_gbps" if spans else "raw_put_gbps"],
+                "raw_read_gbs": res["raw_span_get_gbps" if spans else "raw_get_gbps"],
+                "l2_checksum_gbps": res["l2_checksum_gbps"],
+            })
+    return rows
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'backend':<15} {'page':>6} {'pages':>5} {'baseline':<25} {'write GB/s':>10} "
+    head = (f"{'backend':<40} {'page':>6} {'pages':>5} {'baseline':<18} {'write GB/s':>10} "
             f"{'raw':>6} {'ratio':>6} {'read GB/s':>9} {'raw':>6} {'ratio':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        side = r.get("verify") or r.get("variant")
+        side = ", ".join(str(r[k]) for k in ("verify", "variant") if r.get(k)
+                         and (k == "variant" or r["backend"] != "mooncake"))
         backend = r["backend"] + (f"/{side}" if side else "")
-        print(f"{backend:<15} {r['page_mib']:>4g}Mi {r['pages']:>5} {r['raw']:<25} "
+        print(f"{backend:<40} {r['page_mib']:>4g}Mi {r['pages']:>5} {r['raw']:<18} "
               f"{r['ours_write_gbs']:>10.2f} {r['raw_write_gbs']:>6.2f} {r['write_ratio']:>5.2f}x "
               f"{r['ours_read_gbs']:>9.2f} {r['raw_read_gbs']:>6.2f} {r['read_ratio']:>5.2f}x")
 
@@ -416,7 +439,8 @@ def main() -> None:
     parser.add_argument("--direct-io", choices=["off", "auto", "on"], default="off",
                         help="the file backend's direct_io (O_DIRECT)")
     parser.add_argument("--verify", type=lambda s: s.split(","), default=["inline", "helper"],
-                        help="the file backend's verify modes to time (each its own row): "
+                        help="the file and Mooncake backends' verify modes to time (each "
+                        "its own row): "
                         "inline (checksums on the reading thread), helper (on a helper "
                         "thread behind it), auto")
     parser.add_argument("--object-mib", type=float, default=1.0,

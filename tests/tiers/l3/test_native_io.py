@@ -32,6 +32,31 @@ def test_checksums_are_xxh3_64_of_each_slice():
             xxhash.xxh3_64_intdigest(buf[o:o + length].tobytes()) for o in offsets], length
 
 
+@pytest.mark.parametrize("helper", [False, True], ids=["inline", "helper"])
+def test_copied_records_arrive_whole_with_the_checksum_of_what_was_copied(helper):
+    rng = np.random.default_rng(1)
+    # three records (header then payload) back to back, payloads longer than a chunk
+    length = native_io.READ_CHUNK + 12_345
+    record = HEAD + length
+    src = rng.integers(0, 256, 3 * record, dtype=np.uint8)
+    headers = np.zeros((2, HEAD), np.uint8)
+    dest = np.zeros(2 * length, np.uint8)
+    base = src.ctypes.data
+    # records 2 and 0, in that order
+    with ThreadPoolExecutor(1) as pool:
+        got = native_io.copy_records(
+            [base + 2 * record, base], [headers[0].ctypes.data, headers[1].ctypes.data],
+            [dest.ctypes.data, dest.ctypes.data + length], HEAD, length,
+            pool if helper else None)
+    for row, r in enumerate((2, 0)):
+        at = r * record
+        assert np.array_equal(headers[row], src[at:at + HEAD])
+        payload = src[at + HEAD:at + record]
+        assert np.array_equal(dest[row * length:(row + 1) * length], payload)
+        assert int(got[row]) == xxhash.xxh3_64_intdigest(payload.tobytes())
+    assert len(native_io.copy_records([], [], [], HEAD, length)) == 0
+
+
 def _headers(n: int) -> np.ndarray:
     """Header rows: a per-page prefix, the checksum field (zero), zero padding."""
     rows = np.zeros((n, HEAD), np.uint8)
@@ -165,7 +190,8 @@ def test_the_helper_hashes_what_the_reader_publishes_as_it_does():
     digests = np.zeros(3, np.uint64)
     ctl = np.zeros(2, np.int64)
     with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(follow, dest, offsets, LENGTH, progress, digests, ctl)
+        addresses = (offsets + dest.ctypes.data).astype(np.uint64)
+        job = pool.submit(follow, addresses, LENGTH, progress, digests, ctl)
         progress[0] = LENGTH // 3  # a first chunk of page 0
         progress[0] = LENGTH
         progress[1] = -1  # page 1: unreadable, nothing to hash
@@ -177,7 +203,7 @@ def test_the_helper_hashes_what_the_reader_publishes_as_it_does():
     assert digests[1] == 0
     assert int(digests[2]) == xxhash.xxh3_64_intdigest(dest[2 * LENGTH:].tobytes())
     # A job the reader claimed first is left alone.
-    assert follow(dest, offsets, LENGTH, progress, digests, np.array([2, 0])) is False
+    assert follow(addresses, LENGTH, progress, digests, np.array([2, 0])) is False
 
 
 GIL_CHILD = """
