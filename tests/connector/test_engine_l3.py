@@ -425,6 +425,34 @@ def test_mooncake_master_killed_mid_run(tiny_model, baseline, mooncake):
     # checked call by call in tests/tiers/l3/test_mooncake_backend.py.
 
 
+def test_mooncake_reads_from_the_engines_own_segment_in_place(tiny_model, baseline, mooncake):
+    """An engine that contributes store memory: the master places some of its pages in
+    the engine's own segment (read in place: one copy-and-check pass) and some in the
+    holder's (read through Mooncake's transfer). With L2 flushed, the returning turn
+    comes from both, and tokens equal the baseline."""
+    want0, want1 = baseline.turns[0], baseline.turns[1]
+    llm = engine(tiny_model, "mooncake", mooncake.extra_config(global_segment_size=256 << 20),
+                 in_process=True, hicache_storage_prefetch_policy="wait_complete")
+    try:
+        first = run_turns(llm, want0.prompts[6:9], WORKLOAD.answer_tokens)
+        worker = worker_connector().hicache_worker
+        assert worker.storage_io is not None
+        # Every backup handed over (a gate on the queue, not a timer; the bound only
+        # turns a hang into a failure).
+        assert worker.storage_io.wait_backups(timeout_s=120)
+        scheduler_connector(llm)._admin.flush(["l2"], None, None)
+        second = run_turns(llm, want1.prompts[6:9], WORKLOAD.answer_tokens)
+        counters = worker.counters()
+    finally:
+        close_llm(llm)
+    assert first.outputs == want0.outputs[6:9]
+    assert second.outputs == want1.outputs[6:9]
+    assert sum(p["hicache"]["cached_tokens"]["l3"] for p in second.kv_transfer_params) > 0
+    assert counters["l3_pages_in_place"] > 0
+    assert counters["l3_fetched_pages"] > counters["l3_pages_in_place"]  # some elsewhere
+    assert counters["l3_corrupt_pages"] == 0
+
+
 @pytest.fixture(scope="module")
 def lmcache(tmp_path_factory):
     """A stock ``lmcache server`` (its own venv) with an fs L2, on 127.0.0.1."""

@@ -45,6 +45,8 @@ Contract:
   threads take fetches only, each after any running backup of its slots),
   so the prefetches of many queued requests overlap their store latency.
 - Nothing raises into the engine: a backend exception fails that batch.
+- ``wait_backups(timeout_s)``: blocks until every backup handed over is done
+  (tests and shutdown-minded callers; not on the engine's path).
 - ``wait_results(timeout_s)`` blocks the caller, the GIL released, until a
   submitted fetch has finished or the timeout passed. The worker calls it
   at the end of an engine step in which nothing computes (``IDLE_WAIT_S``):
@@ -240,6 +242,12 @@ class StorageIO:
         """Forget every queued backup (detaching the store)."""
         with self._cv:
             self._drop_backups(lambda _k, _s: True)
+
+    def wait_backups(self, timeout_s: float) -> bool:
+        """Until no backup is queued or running (True), or ``timeout_s`` passed."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: not self._backup_q and not self._running_backup, timeout_s)
 
     def queue_depths(self) -> tuple[int, int]:
         with self._cv:
