@@ -98,7 +98,7 @@ def _backend_models() -> list[tuple[str, type[BaseModel]]]:
     from hicache.tiers.l3.factory import DynamicLoaderConfig
     from hicache.tiers.l3.file_backend import FileExtraConfig
     from hicache.tiers.l3.lmcache_backend import LMCacheExtraConfig
-    from hicache.tiers.l3.mooncake_backend import MooncakeExtraConfig
+    from hicache.tiers.l3.mooncake_config import MooncakeExtraConfig
     from hicache.tiers.l3.nixl_backend import NixlExtraConfig
 
     return [("file", FileExtraConfig), ("mooncake", MooncakeExtraConfig),

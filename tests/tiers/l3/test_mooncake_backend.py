@@ -46,9 +46,9 @@ from hicache.tiers.l3.base import (  # noqa: E402
     StorageUnavailable,
 )
 from hicache.tiers.l3.factory import create_backend  # noqa: E402
-from hicache.tiers.l3.mooncake_backend import (  # noqa: E402
+from hicache.tiers.l3.mooncake_backend import MooncakeBackend  # noqa: E402
+from hicache.tiers.l3.mooncake_config import (  # noqa: E402
     ENV_VARS,
-    MooncakeBackend,
     MooncakeSettings,
     parse_size,
 )
