@@ -242,3 +242,19 @@ def test_reads_in_place_hash_on_a_helper_thread_when_asked():
             assert st.pages_in_place == 8 and st.corrupt_pages == 1
         finally:
             backend.close()
+
+
+def test_batches_are_cut_into_calls_without_splitting_an_object():
+    from hicache.tiers.l3.mooncake_backend import ARENA_PAGES, _chunks
+
+    span = [("s", r, 4) for r in range(4)]
+    pages = [(f"p{i}", 0, 1) for i in range(ARENA_PAGES)]
+    # a batch that overflows the arena is cut before the object that does not fit
+    assert _chunks(pages[:-2] + span) == [(0, ARENA_PAGES - 2), (ARENA_PAGES - 2,
+                                                                 ARENA_PAGES + 2)]
+    # a page asked twice goes in the next call
+    assert _chunks([("a", 0, 1), ("b", 0, 1), ("a", 0, 1)]) == [(0, 2), (2, 3)]
+    # an object larger than the arena is a call of its own
+    big = [("big", r, ARENA_PAGES + 8) for r in range(ARENA_PAGES + 8)]
+    assert _chunks([("a", 0, 1), *big, ("b", 0, 1)]) == [
+        (0, 1), (1, ARENA_PAGES + 9), (ARENA_PAGES + 9, ARENA_PAGES + 10)]
