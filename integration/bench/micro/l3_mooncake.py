@@ -42,7 +42,7 @@ import torch
 
 from hicache.integration.bench.micro.store_rounds import ours_round, source_pool, timed
 from hicache.integration.bench.mooncake_service import apply_client_env, start_mooncake
-from hicache.tiers.index.spans import SpanLayout
+from hicache.tiers.index.spans import SpanLayout, SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
@@ -56,19 +56,21 @@ def _span_round(backend: MooncakeBackend, pool: HostPagePool, keys: list[str],
     """One timed store of slots [0, n) as span objects (the pool's checksums with the
     slots, as the store path leaves them) and one timed load of them into [n, 2n)."""
     n, nb = len(keys), pool.geometry.page_bytes
-    refs = SpanLayout(span_pages).refs([bytes.fromhex(k) for k in keys], 0, n)
+    refs: list[SpanRef] = [r for r in SpanLayout(span_pages).refs(
+        [bytes.fromhex(k) for k in keys], 0, n) if r is not None]
+    assert len(refs) == n  # n is whole spans
     per = max(span_pages, batch_pages - batch_pages % span_pages)
     batches = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
     backend.clear()
     secs, ok = timed(lambda: sum(sum(backend.batch_set_spans(
-        keys[lo:hi], list(range(lo, hi)), refs[lo:hi])) for lo, hi in batches))  # type: ignore[arg-type]
+        keys[lo:hi], list(range(lo, hi)), refs[lo:hi])) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"MooncakeBackend stored {ok}/{n} pages in span objects")
     samples["ours_span_put"].append(n * nb / secs / 1e9)
     total = pool.geometry.num_slots // 2
     pool.buffer[total:].zero_()
     secs, ok = timed(lambda: sum(sum(backend.batch_get_spans(
-        keys[lo:hi], [total + s for s in range(lo, hi)], refs[lo:hi])) for lo, hi in batches))  # type: ignore[arg-type]
+        keys[lo:hi], [total + s for s in range(lo, hi)], refs[lo:hi])) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"MooncakeBackend loaded {ok}/{n} pages from span objects")
     samples["ours_span_get"].append(n * nb / secs / 1e9)
