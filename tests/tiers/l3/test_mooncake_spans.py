@@ -133,12 +133,17 @@ def flip(raw, okey: str, at: int) -> None:
     assert raw.upsert(okey, bytes(data)) == 0
 
 
+def written(store, who: str, seed: int):
+    """Two spans the writer stored; the backend that reads them (``who``)."""
+    writer, reader, raw, _ = store
+    hexes, spans = spans_of(seed)
+    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    return writer, writer if who == "writer" else reader, raw, hexes, spans
+
+
 @pytest.mark.parametrize("who", ["writer", "reader"])
 def test_a_damaged_record_is_a_miss_for_its_page_only(store, who):
-    writer, reader, raw, _ = store
-    backend = writer if who == "writer" else reader
-    hexes, spans = spans_of(4000 if who == "writer" else 5000)
-    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    writer, backend, raw, hexes, spans = written(store, who, 4000 if who == "writer" else 5000)
     okey = writer.object_key(spans[0].key.hex())
     flip(raw, okey, 2 * RECORD + integrity.HEADER_BYTES + 5)  # record 2's payload
     before = backend.stats()
@@ -158,10 +163,7 @@ def test_a_damaged_record_is_a_miss_for_its_page_only(store, who):
 
 @pytest.mark.parametrize("who", ["writer", "reader"])
 def test_a_truncated_or_foreign_object_is_a_miss_for_all_its_pages(store, who):
-    writer, reader, raw, _ = store
-    backend = writer if who == "writer" else reader
-    hexes, spans = spans_of(6000 if who == "writer" else 7000)
-    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    writer, backend, raw, hexes, spans = written(store, who, 6000 if who == "writer" else 7000)
     first, second = (writer.object_key(spans[i].key.hex()) for i in (0, 4))
     data = raw.get(first)
     assert raw.upsert(first, data[:-100]) == 0  # truncated
