@@ -81,6 +81,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.l3.io_thread import FetchResult, StorageIO
+from hicache.tiers.metrics import WorkerKey as K
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,8 @@ MAX_STORE_STEPS_IN_FLIGHT = 4
 # load on a GPU"). 4 MiB copies in ~0.1 ms at 45 GB/s.
 PER_LAYER_SAVE_MIN_BYTES = {"cuda": 4 << 20, "cpu": 256 << 10}
 # On a CPU, when each step waits for its stores, a step's store below this many bytes
-# (all layers) is copied in the calling thread when the copy thread is idle: handing a few KiB to the thread and waiting for
-# it costs more than the copy (a pool submit, a future, a condition wait: ~4% of a
+# (all layers) is copied in the calling thread when the copy thread is idle: handing a
+# few KiB to the thread and waiting for it costs more than the copy (a pool submit, a future, a condition wait: ~4% of a
 # decode step of the tiny model, py-spy).
 INLINE_STORE_MAX_BYTES = 1 << 20
 
@@ -467,7 +468,7 @@ class HiCacheWorker:
             self._load_errors.update(self._loading)
         else:
             if load_seconds is not None:
-                self.stats.observe("l2_load_seconds", load_seconds)
+                self.stats.observe(K.L2_LOAD_SECONDS, load_seconds)
             self.stats.loaded_blocks += len(self._loading)
             self.stats.loaded_bytes += self._loading_bytes
         for store, block_ids in self._load_deps:
@@ -591,7 +592,7 @@ class HiCacheWorker:
             self.stats.saved_pages += len(store.pages)
             seconds = store.clock.take_seconds()
             if seconds is not None:
-                self.stats.observe("l2_store_seconds", seconds)
+                self.stats.observe(K.L2_STORE_SECONDS, seconds)
             self.stats.saved_bytes += len(store.pages) * pool.geometry.page_bytes
         self._released.update(store.release)
         self._done_seq = max(self._done_seq, store.plan.seq)
@@ -651,7 +652,7 @@ class HiCacheWorker:
         if self.storage_io is not None:
             results.extend(self.storage_io.poll())
         for result in results:
-            self.stats.observe("l3_fetch_seconds", result.seconds)
+            self.stats.observe(K.L3_FETCH_SECONDS, result.seconds)
             if result.prefetch:  # L3 -> L2 for a request vLLM has not admitted
                 self._fetched[result.req_id] = [result.fetched_pages]
                 continue
@@ -664,10 +665,10 @@ class HiCacheWorker:
         attached since start); keys are the ``worker`` rows of tiers/metrics.py."""
         st = self.stats
         out: dict[str, float] = {
-            "loaded_blocks": st.loaded_blocks, "loaded_bytes": st.loaded_bytes,
-            "saved_pages": st.saved_pages, "saved_bytes": st.saved_bytes,
-            "load_errors": st.load_errors, "save_errors": st.save_errors,
-            "store_waits": st.store_waits,
+            K.LOADED_BLOCKS: st.loaded_blocks, K.LOADED_BYTES: st.loaded_bytes,
+            K.SAVED_PAGES: st.saved_pages, K.SAVED_BYTES: st.saved_bytes,
+            K.LOAD_ERRORS: st.load_errors, K.SAVE_ERRORS: st.save_errors,
+            K.STORE_WAITS: st.store_waits,
         }
         out.update(self._l3_retired)
         for name, value in self._l3_counters().items():
@@ -680,13 +681,15 @@ class HiCacheWorker:
         if self.storage_io is not None and self.storage is not None:
             io, backend = self.storage_io.stats, self.storage.stats()
             out.update({
-                "l3_fetched_pages": io.fetched_pages, "l3_fetch_failed_pages": io.fetch_failed_pages,
-                "l3_fetch_deadline_misses": io.fetch_deadline_misses,
-                "l3_backup_pages": io.backup_pages, "l3_backup_failed_pages": io.backup_failed_pages,
-                "l3_bytes_read": backend.bytes_read, "l3_bytes_written": backend.bytes_written,
-                "l3_corrupt_pages": backend.corrupt_pages, "l3_errors": backend.errors,
-                "l3_pages_in_place": backend.pages_in_place,
-                "l3_flushed_pages": io.deleted_pages, "l3_retained_pages": io.retained_pages,
+                K.L3_FETCHED_PAGES: io.fetched_pages,
+                K.L3_FETCH_FAILED_PAGES: io.fetch_failed_pages,
+                K.L3_FETCH_DEADLINE_MISSES: io.fetch_deadline_misses,
+                K.L3_BACKUP_PAGES: io.backup_pages,
+                K.L3_BACKUP_FAILED_PAGES: io.backup_failed_pages,
+                K.L3_BYTES_READ: backend.bytes_read, K.L3_BYTES_WRITTEN: backend.bytes_written,
+                K.L3_CORRUPT_PAGES: backend.corrupt_pages, K.L3_ERRORS: backend.errors,
+                K.L3_PAGES_IN_PLACE: backend.pages_in_place,
+                K.L3_FLUSHED_PAGES: io.deleted_pages, K.L3_RETAINED_PAGES: io.retained_pages,
             })
         return out
 

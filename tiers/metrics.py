@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 MetricKind = Literal["counter", "gauge", "histogram"]
@@ -47,6 +48,35 @@ PREFIX = "hicache"
 # vLLM's /metrics names its own families "vllm:<name>"; ours follow.
 ENGINE_PREFIX = "vllm:"
 EVERY_KEY = "*"
+
+
+class WorkerKey(StrEnum):
+    """Keys of the worker counters and latencies (each one a row of ``METRICS``): what
+    the worker writes and the admin view reads, never retyped as strings."""
+
+    LOADED_BLOCKS = "loaded_blocks"
+    LOADED_BYTES = "loaded_bytes"
+    SAVED_PAGES = "saved_pages"
+    SAVED_BYTES = "saved_bytes"
+    LOAD_ERRORS = "load_errors"
+    SAVE_ERRORS = "save_errors"
+    STORE_WAITS = "store_waits"
+    L3_FETCHED_PAGES = "l3_fetched_pages"
+    L3_FETCH_FAILED_PAGES = "l3_fetch_failed_pages"
+    L3_FETCH_DEADLINE_MISSES = "l3_fetch_deadline_misses"
+    L3_BACKUP_PAGES = "l3_backup_pages"
+    L3_BACKUP_FAILED_PAGES = "l3_backup_failed_pages"
+    L3_BYTES_READ = "l3_bytes_read"
+    L3_BYTES_WRITTEN = "l3_bytes_written"
+    L3_CORRUPT_PAGES = "l3_corrupt_pages"
+    L3_ERRORS = "l3_errors"
+    L3_PAGES_IN_PLACE = "l3_pages_in_place"
+    L3_FLUSHED_PAGES = "l3_flushed_pages"
+    L3_RETAINED_PAGES = "l3_retained_pages"
+    L2_LOAD_SECONDS = "l2_load_seconds"
+    L2_STORE_SECONDS = "l2_store_seconds"
+    L3_FETCH_SECONDS = "l3_fetch_seconds"
+
 
 # Copy time of one step's pages on one rank: tens of microseconds to seconds.
 COPY_SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -134,36 +164,36 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(f"{PREFIX}_policy_value", "gauge", "Numeric HiCache policy settings.",
                "policy", EVERY_KEY, ("key",)),
     # Worker counters, summed over TP ranks (also in vLLM's /metrics).
-    _worker("loaded_blocks", "vLLM blocks copied from the HiCache L2 host pool into vLLM's "
+    _worker(WorkerKey.LOADED_BLOCKS, "vLLM blocks copied from the HiCache L2 host pool into vLLM's "
             "KV cache"),
-    _worker("loaded_bytes", "Bytes copied from the HiCache L2 host pool into vLLM's KV cache"),
-    _worker("saved_pages", "L2 pages copied from vLLM's KV cache into the HiCache L2 host "
+    _worker(WorkerKey.LOADED_BYTES, "Bytes copied from the HiCache L2 host pool into vLLM's KV cache"),
+    _worker(WorkerKey.SAVED_PAGES, "L2 pages copied from vLLM's KV cache into the HiCache L2 host "
             "pool"),
-    _worker("saved_bytes", "Bytes copied from vLLM's KV cache into the HiCache L2 host pool"),
-    _worker("load_errors", "vLLM blocks HiCache could not load (recomputed)"),
-    _worker("save_errors", "L2 pages whose store failed"),
-    _worker("store_waits", "Times an engine step waited for L2 stores of earlier steps "
+    _worker(WorkerKey.SAVED_BYTES, "Bytes copied from vLLM's KV cache into the HiCache L2 host pool"),
+    _worker(WorkerKey.LOAD_ERRORS, "vLLM blocks HiCache could not load (recomputed)"),
+    _worker(WorkerKey.SAVE_ERRORS, "L2 pages whose store failed"),
+    _worker(WorkerKey.STORE_WAITS, "Times an engine step waited for L2 stores of earlier steps "
             "(backlog, a preempted request's blocks, a slot read from L3, an L3 deletion)"),
-    _worker("l3_fetched_pages", "Pages read from the HiCache L3 store"),
-    _worker("l3_fetch_failed_pages", "L3 pages not fetched (missing, corrupt, late, failed)"),
-    _worker("l3_fetch_deadline_misses", "L3 fetches stopped by their deadline"),
-    _worker("l3_backup_pages", "Pages written to the HiCache L3 store"),
-    _worker("l3_backup_failed_pages", "Pages the HiCache L3 store did not accept"),
-    _worker("l3_bytes_read", "Payload bytes read from the HiCache L3 store"),
-    _worker("l3_bytes_written", "Payload bytes written to the HiCache L3 store"),
-    _worker("l3_corrupt_pages", "L3 pages rejected by the page key or checksum check"),
-    _worker("l3_errors", "Errors raised by the HiCache L3 store"),
-    _worker("l3_pages_in_place", "L3 pages read from store memory of this process (a "
+    _worker(WorkerKey.L3_FETCHED_PAGES, "Pages read from the HiCache L3 store"),
+    _worker(WorkerKey.L3_FETCH_FAILED_PAGES, "L3 pages not fetched (missing, corrupt, late, failed)"),
+    _worker(WorkerKey.L3_FETCH_DEADLINE_MISSES, "L3 fetches stopped by their deadline"),
+    _worker(WorkerKey.L3_BACKUP_PAGES, "Pages written to the HiCache L3 store"),
+    _worker(WorkerKey.L3_BACKUP_FAILED_PAGES, "Pages the HiCache L3 store did not accept"),
+    _worker(WorkerKey.L3_BYTES_READ, "Payload bytes read from the HiCache L3 store"),
+    _worker(WorkerKey.L3_BYTES_WRITTEN, "Payload bytes written to the HiCache L3 store"),
+    _worker(WorkerKey.L3_CORRUPT_PAGES, "L3 pages rejected by the page key or checksum check"),
+    _worker(WorkerKey.L3_ERRORS, "Errors raised by the HiCache L3 store"),
+    _worker(WorkerKey.L3_PAGES_IN_PLACE, "L3 pages read from store memory of this process (a "
             "Mooncake segment it holds), copied and checked in one pass"),
-    _worker("l3_flushed_pages", "Pages deleted from the HiCache L3 store by an admin flush"),
-    _worker("l3_retained_pages",
+    _worker(WorkerKey.L3_FLUSHED_PAGES, "Pages deleted from the HiCache L3 store by an admin flush"),
+    _worker(WorkerKey.L3_RETAINED_PAGES,
             "Pages the HiCache L3 store agreed to keep ahead of its eviction (retain_s, pins)"),
     # Worker latencies, one observation per rank (also in vLLM's /metrics).
-    _latency("l2_load_seconds", "Copy time of one step's HiCache L2 -> vLLM KV cache loads "
+    _latency(WorkerKey.L2_LOAD_SECONDS, "Copy time of one step's HiCache L2 -> vLLM KV cache loads "
              "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),
-    _latency("l2_store_seconds", "Copy time of one step's vLLM KV cache -> HiCache L2 stores "
+    _latency(WorkerKey.L2_STORE_SECONDS, "Copy time of one step's vLLM KV cache -> HiCache L2 stores "
              "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),
-    _latency("l3_fetch_seconds", "Time from an L3 fetch's start to its pages being in vLLM's "
+    _latency(WorkerKey.L3_FETCH_SECONDS, "Time from an L3 fetch's start to its pages being in vLLM's "
              "KV cache on one rank, seconds", FETCH_SECONDS_BUCKETS),
     # Per finished request, from the scheduler (also in vLLM's /metrics).
     *(_latency(f"request_cached_tokens_{tier}", f"Prompt tokens of a finished request served "

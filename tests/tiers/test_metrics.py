@@ -11,6 +11,7 @@ from hicache.tiers.metrics import (
     METRICS,
     PREFIX,
     LatencyBuckets,
+    WorkerKey,
     fallback_name,
     section_metrics,
 )
@@ -69,3 +70,14 @@ def test_fallback_names_are_sanitised():
     assert fallback_name("tiers", "x-y") == "hicache_tier_x_y"
     assert fallback_name("7bad section", "k") == "hicache__7bad_section_k"
     assert fallback_name("scheduler", "") == "hicache_scheduler_unnamed"
+
+
+def test_worker_keys_are_the_worker_rows_of_the_table():
+    """What the worker writes and the admin view reads are the table's rows: every
+    worker counter, and every latency the worker observes (the scheduler's per-request
+    histograms aside)."""
+    rows = {m.key for m in METRICS if m.section == "worker"} | {
+        m.key for m in METRICS if m.section == "latency"
+        and not m.key.startswith("request_cached_tokens_")}
+    assert {k.value for k in WorkerKey} == rows
+

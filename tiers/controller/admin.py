@@ -56,6 +56,7 @@ from hicache.tiers.index.commands import (
 )
 from hicache.tiers.l3.base import StorageBackend, StorageConfigError
 from hicache.tiers.metrics import LatencyBuckets, section_metrics
+from hicache.tiers.metrics import WorkerKey as K
 
 if TYPE_CHECKING:
     from hicache.connector.config import HiCacheConfig
@@ -128,7 +129,7 @@ class SchedulerAdmin:
                     self.worker_latency[name].observe(values)
             now = time.monotonic()
             c = self.worker_counters
-            self._samples.append((now, c.get("loaded_bytes", 0), c.get("saved_bytes", 0)))
+            self._samples.append((now, c.get(K.LOADED_BYTES, 0), c.get(K.SAVED_BYTES, 0)))
             while len(self._samples) > 2 and now - self._samples[1][0] > RATE_WINDOW_S:
                 self._samples.popleft()
 
@@ -171,20 +172,20 @@ class SchedulerAdmin:
                 "capacity_bytes": l2_cap * page_bytes, "used_bytes": l2_used * page_bytes,
                 "hits": st.l2_hit_pages, "misses": st.l2_miss_pages,
                 "evictions": st.evicted_pages,
-                "pages_loaded": st.loaded_pages, "bytes_loaded": int(w.get("loaded_bytes", 0)),
-                "pages_saved": int(w.get("saved_pages", 0)),
-                "bytes_saved": int(w.get("saved_bytes", 0)),
+                "pages_loaded": st.loaded_pages, "bytes_loaded": int(w.get(K.LOADED_BYTES, 0)),
+                "pages_saved": int(w.get(K.SAVED_PAGES, 0)),
+                "bytes_saved": int(w.get(K.SAVED_BYTES, 0)),
                 "recent_load_gbps": load_gbps, "recent_save_gbps": save_gbps,
             },
         }
         if self.storage_name is not None:
             tiers["l3"] = {
                 "hits": st.l3_hit_pages, "misses": st.l3_miss_pages,
-                "pages_loaded": int(w.get("l3_fetched_pages", 0)),
-                "bytes_loaded": int(w.get("l3_bytes_read", 0)),
-                "pages_saved": int(w.get("l3_backup_pages", 0)),
-                "bytes_saved": int(w.get("l3_bytes_written", 0)),
-                "corrupt_pages": int(w.get("l3_corrupt_pages", 0)),
+                "pages_loaded": int(w.get(K.L3_FETCHED_PAGES, 0)),
+                "bytes_loaded": int(w.get(K.L3_BYTES_READ, 0)),
+                "pages_saved": int(w.get(K.L3_BACKUP_PAGES, 0)),
+                "bytes_saved": int(w.get(K.L3_BYTES_WRITTEN, 0)),
+                "corrupt_pages": int(w.get(K.L3_CORRUPT_PAGES, 0)),
                 "indexed_pages": l3_indexed,
             }
         return {
@@ -264,8 +265,8 @@ class SchedulerAdmin:
                 l3_pages = 0
         with self._lock:
             l2_gbps = self._rates()[0] or None
-            fetch = self.worker_latency.get("l3_fetch_seconds")
-            read = self.worker_counters.get("l3_bytes_read", 0)
+            fetch = self.worker_latency.get(K.L3_FETCH_SECONDS)
+            read = self.worker_counters.get(K.L3_BYTES_READ, 0)
             l3_gbps = read / fetch.total / 1e9 if fetch is not None and fetch.total else None
         # A load reads L2's pages from L2 and what L2 lacks from L3.
         from_l3 = max(0, l3_pages - l2_pages)
