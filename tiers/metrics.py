@@ -166,16 +166,19 @@ METRICS: tuple[MetricSpec, ...] = (
     # Worker counters, summed over TP ranks (also in vLLM's /metrics).
     _worker(WorkerKey.LOADED_BLOCKS, "vLLM blocks copied from the HiCache L2 host pool into vLLM's "
             "KV cache"),
-    _worker(WorkerKey.LOADED_BYTES, "Bytes copied from the HiCache L2 host pool into vLLM's KV cache"),
+    _worker(WorkerKey.LOADED_BYTES,
+            "Bytes copied from the HiCache L2 host pool into vLLM's KV cache"),
     _worker(WorkerKey.SAVED_PAGES, "L2 pages copied from vLLM's KV cache into the HiCache L2 host "
             "pool"),
-    _worker(WorkerKey.SAVED_BYTES, "Bytes copied from vLLM's KV cache into the HiCache L2 host pool"),
+    _worker(WorkerKey.SAVED_BYTES,
+            "Bytes copied from vLLM's KV cache into the HiCache L2 host pool"),
     _worker(WorkerKey.LOAD_ERRORS, "vLLM blocks HiCache could not load (recomputed)"),
     _worker(WorkerKey.SAVE_ERRORS, "L2 pages whose store failed"),
     _worker(WorkerKey.STORE_WAITS, "Times an engine step waited for L2 stores of earlier steps "
             "(backlog, a preempted request's blocks, a slot read from L3, an L3 deletion)"),
     _worker(WorkerKey.L3_FETCHED_PAGES, "Pages read from the HiCache L3 store"),
-    _worker(WorkerKey.L3_FETCH_FAILED_PAGES, "L3 pages not fetched (missing, corrupt, late, failed)"),
+    _worker(WorkerKey.L3_FETCH_FAILED_PAGES,
+            "L3 pages not fetched (missing, corrupt, late, failed)"),
     _worker(WorkerKey.L3_FETCH_DEADLINE_MISSES, "L3 fetches stopped by their deadline"),
     _worker(WorkerKey.L3_BACKUP_PAGES, "Pages written to the HiCache L3 store"),
     _worker(WorkerKey.L3_BACKUP_FAILED_PAGES, "Pages the HiCache L3 store did not accept"),
@@ -185,15 +188,18 @@ METRICS: tuple[MetricSpec, ...] = (
     _worker(WorkerKey.L3_ERRORS, "Errors raised by the HiCache L3 store"),
     _worker(WorkerKey.L3_PAGES_IN_PLACE, "L3 pages read from store memory of this process (a "
             "Mooncake segment it holds), copied and checked in one pass"),
-    _worker(WorkerKey.L3_FLUSHED_PAGES, "Pages deleted from the HiCache L3 store by an admin flush"),
+    _worker(WorkerKey.L3_FLUSHED_PAGES,
+            "Pages deleted from the HiCache L3 store by an admin flush"),
     _worker(WorkerKey.L3_RETAINED_PAGES,
             "Pages the HiCache L3 store agreed to keep ahead of its eviction (retain_s, pins)"),
     # Worker latencies, one observation per rank (also in vLLM's /metrics).
     _latency(WorkerKey.L2_LOAD_SECONDS, "Copy time of one step's HiCache L2 -> vLLM KV cache loads "
              "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),
-    _latency(WorkerKey.L2_STORE_SECONDS, "Copy time of one step's vLLM KV cache -> HiCache L2 stores "
+    _latency(WorkerKey.L2_STORE_SECONDS,
+             "Copy time of one step's vLLM KV cache -> HiCache L2 stores "
              "on one rank (all layers), seconds", COPY_SECONDS_BUCKETS),
-    _latency(WorkerKey.L3_FETCH_SECONDS, "Time from an L3 fetch's start to its pages being in vLLM's "
+    _latency(WorkerKey.L3_FETCH_SECONDS,
+             "Time from an L3 fetch's start to its pages being in vLLM's "
              "KV cache on one rank, seconds", FETCH_SECONDS_BUCKETS),
     # Per finished request, from the scheduler (also in vLLM's /metrics).
     *(_latency(f"request_cached_tokens_{tier}", f"Prompt tokens of a finished request served "
