@@ -422,12 +422,15 @@ class MooncakeBackend(StorageBackend):
         remote = okeys
         if self._segment is not None:
             remote = self._read_in_place(objects, first, base, ptrs, arrived)
-            # what failed its check in place is read again through Mooncake
+            # An object with a page that failed its check in place is read again
+            # through Mooncake, all of it: none of its pages counts from the copy in
+            # place (that read may overwrite the slots, e.g. cut short).
             bad_here = self._checked(keys, arrived, headers, first, places)
-            for i in [i for i, why in bad_here.items() if why is not None]:
-                del arrived[i]
-                if places[i][0] not in remote:
-                    remote = [*remote, places[i][0]]
+            again = {places[i][0] for i, why in bad_here.items() if why is not None}
+            for okey in again:
+                for _, i in objects[okey][1]:
+                    arrived.pop(i, None)
+            remote = [*remote, *sorted(again - set(remote))]
         failed_objects: dict[str, str] = {}
         if remote:
             self._read_through_mooncake(remote, objects, first, base, scratch, ptrs,
