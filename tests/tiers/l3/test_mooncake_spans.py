@@ -260,3 +260,30 @@ def test_batches_are_cut_into_calls_without_splitting_an_object():
     big = [("big", r, ARENA_PAGES + 8) for r in range(ARENA_PAGES + 8)]
     assert _chunks([("a", 0, 1), *big, ("b", 0, 1)]) == [
         (0, 1), (1, ARENA_PAGES + 9), (ARENA_PAGES + 9, ARENA_PAGES + 10)]
+
+
+@needs_native
+def test_only_replicas_inside_the_segment_found_at_mount_are_read_in_place(store):
+    """A replica is read in place only when the master names this client's endpoint, its
+    bytes lie inside the segment found at mount and its size is the object's: anything
+    else (another endpoint, an address outside, another size) goes through Mooncake."""
+    from dataclasses import replace
+
+    from hicache.tiers.l3.mooncake_local import ELSEWHERE
+
+    writer, *_ = store
+    segment = writer._segment
+    assert segment is not None
+    hexes, spans = spans_of(13_000)
+    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    okeys = [writer.object_key(spans[i].key.hex()) for i in (0, 4)] + ["no-such-object"]
+    sizes = [4 * RECORD, 4 * RECORD, 4 * RECORD]
+    here = segment.addresses(writer._store, okeys, sizes)
+    assert all(segment.start <= a < segment.end for a in here[:2]) and here[2] == ELSEWHERE
+    assert segment.addresses(writer._store, okeys[:2], [RECORD, 4 * RECORD])[0] == ELSEWHERE
+    for other in (replace(segment, endpoint="127.0.0.1:1"),
+                  replace(segment, end=min(here[:2])),
+                  replace(segment, start=max(here[:2]) + 1)):
+        assert other.addresses(writer._store, okeys[:2], sizes[:2]).count(ELSEWHERE) >= 1
+    assert replace(segment, endpoint="127.0.0.1:1").addresses(
+        writer._store, okeys[:2], sizes[:2]) == [ELSEWHERE, ELSEWHERE]
