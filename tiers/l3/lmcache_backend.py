@@ -34,7 +34,7 @@ Contract (on top of ``base.py``):
   (``set_skipped_existing``); a page only in its L2 is written again (an
   exists probe would load it from L2 first, costing more than the write).
 - Failures never raise from the page methods. A missing reply or a dropped
-  connection opens a breaker: calls fail at once while a probe thread asks
+  connection opens a breaker (breaker.py): calls fail at once while a probe thread asks
   the server every ``PROBE_INTERVAL_S``; when it answers, the instance
   registers again (new shared memory if the server restarted) and the
   breaker closes. A heartbeat thread pings and re-registers (idempotent)
@@ -74,6 +74,7 @@ from hicache.tiers.l3.base import (
     StorageUnavailable,
     validate_extra,
 )
+from hicache.tiers.l3.breaker import Breaker
 from hicache.tiers.l3.lmcache_wire import Request, ServerGone, ServerTimeout, WireClient
 from hicache.tiers.settings import Settings
 
@@ -202,16 +203,15 @@ class LMCacheBackend(StorageBackend):
         # Above any PID, so never the id of a vLLM + LMCache worker on the same server.
         self.instance_id = (1 << 30) | secrets.randbits(30)
         self._fp = config.fingerprint
-        self._lock = threading.Lock()  # breaker state, registration, known keys
-        self._down = False
+        self._lock = threading.Lock()  # registration, known keys, close
         self._closed = False
-        self._stop = threading.Event()
-        self._probe: threading.Thread | None = None
+        self._stop = threading.Event()  # the heartbeat's
+        self._breaker = Breaker(f"LMCache server {s.server_url}", self._server_answers,
+                                PROBE_INTERVAL_S)
         self._shm: _Shm | None = None
         self._known: LRUCache[str, bool] = LRUCache(KNOWN_KEYS)
         self._deletes_ok: bool | None = None  # None: not checked yet
         self._no_l2 = False  # the server said it has no L2 adapter
-        self.last_error = ""  # why the breaker last opened
         self._wire = WireClient(s.server_url, connect_timeout_s=s.request_timeout_s)
         try:
             chunk = self._wire.call("get_chunk_size", timeout_s=s.request_timeout_s)
@@ -262,7 +262,7 @@ class LMCacheBackend(StorageBackend):
     def _beat(self) -> None:
         s = self.settings
         while not self._stop.wait(s.heartbeat_interval_s):
-            if self._down:
+            if self._breaker.is_open:
                 continue
             try:
                 self._wire.call_many([("ping", [self.instance_id])],
@@ -273,7 +273,7 @@ class LMCacheBackend(StorageBackend):
 
     def _available(self) -> bool:
         """Whether to call the server now (breaker closed, same server as registered)."""
-        if self._down or self._closed:
+        if self._breaker.is_open or self._closed:
             return False
         if self._wire.reconnected():  # the server may have restarted: new pool, no us
             try:
@@ -284,45 +284,39 @@ class LMCacheBackend(StorageBackend):
         return True
 
     def _failed(self, exc: BaseException) -> None:
-        """Open the breaker and start the probe that closes it."""
+        """Open the breaker (breaker.py); its probe closes it when the server answers."""
         self._count(errors=1)
-        with self._lock:
-            if self._down or self._closed:
-                return
-            self._down = True
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("LMCache server %s failed (%s); calls fail fast until it answers",
-                           self.settings.server_url, exc)
-            self._probe = threading.Thread(target=self._probe_loop, daemon=True,
-                                           name="hicache-lmcache-probe")
-            self._probe.start()
+        if not self._closed:
+            self._breaker.trip(f"{type(exc).__name__}: {exc}")
 
-    def _probe_loop(self) -> None:
-        while not self._stop.wait(PROBE_INTERVAL_S):
-            if not self._wire.connected:
-                continue
-            try:
-                self._wire.call("get_chunk_size", timeout_s=self.settings.request_timeout_s)
-                # Drop what the server may still hold for us, then register afresh.
-                self._wire.call("unregister_kv_cache_engine_driven_context", self.instance_id,
-                                timeout_s=self.settings.request_timeout_s)
-                self._wire.reconnected()
-                self._register()
-            except (ServerTimeout, ServerGone, StorageUnavailable, OSError):
-                continue
-            with self._lock:
-                self._down = False
-            logger.warning("LMCache server %s answers again", self.settings.server_url)
-            return
+    def _server_answers(self) -> bool:
+        """The breaker's probe: the server answers, and takes this instance afresh."""
+        if not self._wire.connected:
+            return False
+        try:
+            self._wire.call("get_chunk_size", timeout_s=self.settings.request_timeout_s)
+            # Drop what the server may still hold for us, then register afresh.
+            self._wire.call("unregister_kv_cache_engine_driven_context", self.instance_id,
+                            timeout_s=self.settings.request_timeout_s)
+            self._wire.reconnected()
+            self._register()
+        except (ServerTimeout, ServerGone, StorageUnavailable, OSError):
+            return False
+        return True
 
     @property
     def server_reachable(self) -> bool:
         """False while the breaker is open."""
-        return not self._down
+        return not self._breaker.is_open
+
+    @property
+    def last_error(self) -> str:
+        """Why the breaker last opened."""
+        return self._breaker.reason
 
     def _calls(self, requests: Sequence[Request]) -> list[Any] | None:
         """One pipelined round trip; None when the breaker is open or it failed (opening it)."""
-        if self._down:
+        if self._breaker.is_open:
             return None
         try:
             return self._wire.call_many(requests, timeout_s=self.settings.request_timeout_s)
@@ -615,7 +609,8 @@ class LMCacheBackend(StorageBackend):
                 return
             self._closed = True
         self._stop.set()
-        if not self._down and self._wire.connected:
+        self._breaker.stop()
+        if not self._breaker.is_open and self._wire.connected:
             with contextlib.suppress(ServerTimeout, ServerGone):
                 self._wire.call("unregister_kv_cache_engine_driven_context", self.instance_id,
                                 timeout_s=min(1.0, self.settings.request_timeout_s))

@@ -39,9 +39,10 @@ Contract (on top of ``base.py``):
   5000 ms here when the environment does not set it; Mooncake's default is
   30 s). A dead master costs Mooncake ~4.3 s per call (its RPC client pool
   retries the connect ~3 times, 1 s apart; not configurable in 0.3.13), so
-  the first RPC failure (codes -900..-999) trips a breaker: every call then
-  fails at once (counted in ``errors``) while a background thread probes the
-  master every ``PROBE_INTERVAL_S`` and closes the breaker when it answers.
+  the first RPC failure (codes -900..-999) trips a breaker (breaker.py): every
+  call then fails at once (counted in ``errors``) while a background thread
+  probes the master every ``PROBE_INTERVAL_S`` and closes the breaker when it
+  answers.
   So after a master dies, at most one call per instance takes up to ~4.5 s
   (or ``MC_RPC_TIMEOUT_MS``); the rest return within microseconds.
 - ``MC_STORE_CLIENT_SETUP_RETRIES`` defaults to 2 here (Mooncake: 20, about
@@ -83,6 +84,7 @@ from hicache.tiers.l3.base import (
     StorageConfigError,
     StorageUnavailable,
 )
+from hicache.tiers.l3.breaker import Breaker
 from hicache.tiers.l3.mooncake_config import MooncakeSettings
 from hicache.tiers.l3.verify import helpers as verify_helpers
 
@@ -170,7 +172,7 @@ class MooncakeBackend(StorageBackend):
     """HiCache L3 pages as Mooncake Store objects (header || payload)."""
 
     # Mooncake's client takes calls from any thread (SGLang's prefetch and backup
-    # threads share one); our breaker state is under _lock and the staging
+    # threads share one); the breaker has its own lock and the staging
     # buffers are per thread. A dead master then costs a probe thread its
     # timeout, not vLLM's scheduling thread.
     concurrent_lookups = True
@@ -206,10 +208,10 @@ class MooncakeBackend(StorageBackend):
                 f"{s.master_server_address}, metadata {s.metadata_server!r}"
             )
         self._fp = config.fingerprint
-        self._lock = threading.Lock()  # breaker state and registrations
-        self._down = False
+        self._lock = threading.Lock()  # registrations and close
         self._closed = False
-        self._probe: threading.Thread | None = None
+        self._breaker = Breaker(f"mooncake master {s.master_server_address}",
+                                self._master_answers, PROBE_INTERVAL_S)
         self._mounted = False
         # registered buffers, kept alive until close: host pool, per-thread header
         # arenas (one 128-byte header per page of a batch call) and staging pages
@@ -315,47 +317,26 @@ class MooncakeBackend(StorageBackend):
 
     def _available(self) -> bool:
         """False (and an error counted) while the master is known to be unreachable."""
-        if self._closed or self._down:
+        if self._closed or self._breaker.is_open:
             self._count(errors=1)
             return False
         return True
 
     def _failed(self, rc: int) -> None:
-        """Count a failure; an RPC failure trips the breaker and starts the prober."""
+        """Count a failure; an RPC failure trips the breaker (breaker.py)."""
         self._count(errors=1)
-        if not _is_rpc_failure(rc):
-            return
-        with self._lock:
-            if self._down or self._closed:
-                return
-            self._down = True
-            logger.warning("mooncake master %s unreachable (rc=%d); L3 calls fail fast until it "
-                           "answers again", self.settings.master_server_address, rc)
-            self._probe = threading.Thread(target=self._probe_loop, name="mooncake-probe",
-                                           daemon=True)
-            self._probe.start()
+        if _is_rpc_failure(rc) and not self._closed:
+            self._breaker.trip(f"rc={rc}")
 
-    def _probe_loop(self) -> None:
-        probe_key = f"hicache-probe_{self.config.key_suffix}"
-        while not self._closed:
-            time.sleep(PROBE_INTERVAL_S)
-            if self._closed:
-                return
-            try:
-                rc = self._store.batch_is_exist([probe_key])
-            except Exception:
-                continue
-            if rc and rc[0] >= 0:
-                with self._lock:
-                    self._down = False
-                logger.warning("mooncake master %s answers again",
-                               self.settings.master_server_address)
-                return
+    def _master_answers(self) -> bool:
+        """The breaker's probe: one ``batch_is_exist`` that gets an answer."""
+        rc = self._store.batch_is_exist([f"hicache-probe_{self.config.key_suffix}"])
+        return bool(rc) and rc[0] >= 0
 
     @property
     def master_reachable(self) -> bool:
         """False while the breaker is open (the master stopped answering)."""
-        return not self._down
+        return not self._breaker.is_open
 
     # ---- the store calls (never raise) ------------------------------------------------
 
@@ -734,7 +715,8 @@ class MooncakeBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-            down = self._down
+            down = self._breaker.is_open
+        self._breaker.stop()
         if self._verify_helper is not None:  # a read whose job is cancelled hashes itself
             self._verify_helper.shutdown(wait=False, cancel_futures=True)
             self._verify_helper = None
