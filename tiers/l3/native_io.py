@@ -277,7 +277,21 @@ def _kernels() -> dict[str, Any]:
         return out
 
     @jit
-    def read_pages(paths: Any, dest: Any, offsets: Any, head: int, length: int,
+    def settle_split(addresses: Any, length: int, progress: Any, digests: Any,
+                     ctl: Any) -> None:
+        """The mover's end of a split read or copy: if the helper has not started, claim
+        the batch and hash here every page that arrived whole; else wait until the
+        helper is done."""
+        if compare_swap(ctl, 0, 0, 2):
+            for i in range(progress.shape[0]):
+                if load_acquire(progress, i) == length:
+                    digests[i] = c_xxh3(addresses[i], length)
+        else:
+            while load_acquire(ctl, 1) == 0:
+                c_usleep(POLL_US)
+
+    @jit
+    def read_pages(paths: Any, addresses: Any, head: int, length: int,
                    headers: Any, expect: Any, pad_from: int, deadline_ns: int,
                    progress: Any, digests: Any, ctl: Any, chunk: int, bases: Any,
                    ends: Any, same: Any) -> Any:
@@ -318,7 +332,7 @@ def _kernels() -> dict[str, Any]:
                     s_reset(state)
                     while done < length:
                         want = min(chunk, length - done)
-                        at = dest.ctypes.data + offsets[i] + done
+                        at = addresses[i] + done
                         got = c_pread(fd, at, want, base + head + done)
                         if got <= 0:
                             break
@@ -340,13 +354,7 @@ def _kernels() -> dict[str, Any]:
             c_close(fd)
         s_free(state)
         if split:
-            if compare_swap(ctl, 0, 0, 2):  # the helper has not started: hash here
-                for i in range(n):
-                    if load_acquire(progress, i) == length:
-                        digests[i] = c_xxh3(dest.ctypes.data + offsets[i], length)
-            else:
-                while load_acquire(ctl, 1) == 0:
-                    c_usleep(POLL_US)
+            settle_split(addresses, length, progress, digests, ctl)
         for i in range(n):
             if status[i] != OK:  # MISSING, NOT_READ
                 continue
@@ -476,12 +484,7 @@ def _kernels() -> dict[str, Any]:
                 digests[i] = s_digest(state)
         s_free(state)
         if split:
-            if compare_swap(ctl, 0, 0, 2):  # the helper has not started: hash here
-                for i in range(n):
-                    digests[i] = c_xxh3(dests[i], length)
-            else:
-                while load_acquire(ctl, 1) == 0:
-                    c_usleep(POLL_US)
+            settle_split(dests, length, progress, digests, ctl)
 
     return {"checksums": checksums, "checksums_at": checksums_at, "read_pages": read_pages,
             "follow_hashes": follow_hashes, "write_pages": write_pages,
@@ -531,17 +534,29 @@ def copy_records(sources: Sequence[int], header_dests: Sequence[int],
     dest = np.asarray(dests, np.uint64)
     digests = np.zeros(n, np.uint64)
     ctl = np.zeros(2, np.int64)
-    progress = np.zeros(0, np.int64)
-    if helper is not None and n > 0:
-        split = np.zeros(n, np.int64)
-        try:
-            helper.submit(kernels["follow_hashes"], dest, int(length), split, digests, ctl)
-            progress = split
-        except RuntimeError:  # shut down: hash here
-            pass
+    progress = _start_helper(helper, dest, length, digests, ctl)
     kernels["copy_records"](np.asarray(sources, np.uint64), np.asarray(header_dests, np.uint64),
                             dest, int(head), int(length), READ_CHUNK, progress, digests, ctl)
     return digests
+
+
+def _start_helper(helper: Executor | None, addresses: np.ndarray, length: int,
+                  digests: np.ndarray, ctl: np.ndarray) -> np.ndarray:
+    """Hand the hashing of the pages at ``addresses`` to ``helper`` (``follow_hashes``):
+    returns the progress array the mover publishes into, or an empty one (no helper,
+    no pages, or the helper shut down), and the mover hashes itself. The job keeps its
+    arrays alive until it has run; the memory at ``addresses`` stays alive because the
+    mover waits for a helper that claimed the job (``settle_split``)."""
+    n = addresses.shape[0]
+    if helper is not None and n > 0:
+        progress = np.zeros(n, np.int64)
+        try:
+            helper.submit(_kernels()["follow_hashes"], addresses, int(length), progress,
+                          digests, ctl)
+            return progress
+        except RuntimeError:  # shut down: hash here
+            pass
+    return np.zeros(0, np.int64)
 
 
 def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: int,
@@ -555,23 +570,14 @@ def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: in
     done, they are hashed here."""
     kernels = _kernels()
     n = paths.shape[0]
-    flat, offs = _flat(dest), np.asarray(offsets, np.int64)
+    flat = _flat(dest)  # alive through the call: the pages land at its addresses
+    addresses = (np.asarray(offsets, np.int64) + flat.ctypes.data).astype(np.uint64)
     digests = np.zeros(n, np.uint64)
     ctl = np.zeros(2, np.int64)  # [claimed by: 0 nobody, 1 helper, 2 reader; helper done]
-    progress = np.zeros(0, np.int64)
-    if helper is not None and n > 0:
-        split = np.zeros(n, np.int64)
-        try:  # the job keeps its arrays alive until it has run
-            # (flat stays alive: this call waits for a helper that claimed the job)
-            addresses = (offs + flat.ctypes.data).astype(np.uint64)
-            helper.submit(kernels["follow_hashes"], addresses, int(length), split, digests,
-                          ctl)
-            progress = split
-        except RuntimeError:  # shut down: hash here
-            pass
+    progress = _start_helper(helper, addresses, length, digests, ctl)
     deadline_ns = 0 if deadline is None else max(1, int(deadline * 1e9))
     at, end, same = _records(paths, bases, ends, head + length)
-    status, sizes = kernels["read_pages"](paths, flat, offs, int(head), int(length), headers,
+    status, sizes = kernels["read_pages"](paths, addresses, int(head), int(length), headers,
                                           expect, int(pad_from), deadline_ns, progress,
                                           digests, ctl, READ_CHUNK, at, end, same)
     return status, sizes
