@@ -241,37 +241,31 @@ class MooncakeBackend(StorageBackend):
             self._buffers.append(t)
         return True
 
-    def _arena(self, rows: int = ARENA_PAGES) -> tuple[torch.Tensor, np.ndarray] | None:
-        """This thread's registered header arena of at least ``rows`` headers (calls
-        from several threads never share one)."""
-        arena = getattr(self._local, "arena", None)
-        if arena is None or arena.numel() < rows * HEADER:
-            arena = torch.zeros(max(rows, ARENA_PAGES) * HEADER, dtype=torch.uint8)
-            if not self._register(arena, "header arena"):
+    def _thread_buffer(self, name: str, nbytes: int) -> torch.Tensor | None:
+        """This thread's registered buffer ``name`` of at least ``nbytes`` bytes (made,
+        or made larger, on first need; calls from several threads never share one)."""
+        buf = getattr(self._local, name, None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+            if not self._register(buf, name):
                 return None
-            self._local.arena = arena
-        return arena, arena.numpy()
+            setattr(self._local, name, buf)
+        return buf
+
+    def _arena(self, rows: int = ARENA_PAGES) -> tuple[torch.Tensor, np.ndarray] | None:
+        """This thread's header arena of at least ``rows`` headers."""
+        arena = self._thread_buffer("header_arena", max(rows, ARENA_PAGES) * HEADER)
+        return None if arena is None else (arena, arena.numpy())
 
     def _scratch(self) -> int | None:
-        """This thread's registered page of scratch: where the records of a span object
-        that a read does not want land (their bytes are ignored)."""
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None:
-            scratch = torch.zeros(self.config.page_bytes, dtype=torch.uint8)
-            if not self._register(scratch, "scratch page"):
-                return None
-            self._local.scratch = scratch
-        return _ptr(scratch)
+        """This thread's page of scratch: where the records of a span object that a read
+        does not want land (their bytes are ignored)."""
+        scratch = self._thread_buffer("scratch_page", self.config.page_bytes)
+        return None if scratch is None else _ptr(scratch)
 
     def _staging_buffer(self) -> torch.Tensor | None:
-        """This thread's registered one-object staging buffer (header slot + payload)."""
-        staging = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = torch.zeros(HEADER + self.config.page_bytes, dtype=torch.uint8)
-            if not self._register(staging, "staging buffer"):
-                return None
-            self._local.staging = staging
-        return staging
+        """This thread's one-object staging buffer (header slot + payload)."""
+        return self._thread_buffer("staging_buffer", HEADER + self.config.page_bytes)
 
     def _ensure_segment(self) -> bool:
         """Mount this rank's share of the global segment once (before the first write)."""
@@ -398,25 +392,26 @@ class MooncakeBackend(StorageBackend):
             return [False] * n
         base, headers = _ptr(arena[0]), arena[1]
         t0 = time.perf_counter()
-        okeys = list(objects)
-        arrived: dict[int, int] = {}  # page -> checksum of its payload as read
-        remote = okeys
+        remote = list(objects)
+        why_bad: dict[int, str | None] = {}  # page read whole -> why it is bad (None: good)
         if self._segment is not None:
-            remote = self._read_in_place(objects, first, base, ptrs, arrived)
+            here: dict[int, int] = {}  # page -> checksum of its payload as copied
+            remote = self._read_in_place(objects, first, base, ptrs, here)
+            why_bad = self._checked(keys, here, headers, first, places)
             # An object with a page that failed its check in place is read again
             # through Mooncake, all of it: none of its pages counts from the copy in
             # place (that read may overwrite the slots, e.g. cut short).
-            bad_here = self._checked(keys, arrived, headers, first, places)
-            again = {places[i][0] for i, why in bad_here.items() if why is not None}
+            again = {places[i][0] for i, why in why_bad.items() if why is not None}
             for okey in again:
                 for _, i in objects[okey][1]:
-                    arrived.pop(i, None)
+                    why_bad.pop(i, None)
             remote = [*remote, *sorted(again - set(remote))]
         failed_objects: dict[str, str] = {}
         if remote:
+            arrived: dict[int, int] = {}  # page -> checksum of its payload as read
             self._read_through_mooncake(remote, objects, first, base, scratch, ptrs,
                                         payloads, arrived, failed_objects)
-        why_bad = self._checked(keys, arrived, headers, first, places)
+            why_bad.update(self._checked(keys, arrived, headers, first, places))
         results = [False] * n
         corrupt = dict(failed_objects)  # object -> why (its pages: misses)
         bad_pages = sum(1 for p in places if p[0] in failed_objects)
