@@ -1,4 +1,2 @@
-"""vLLM adapter: the HiCacheConnector (scheduler and worker halves), step metadata and config parsing.
-
-The only folder that imports vLLM besides integration/.
-"""
+"""The vLLM adapter: HiCacheConnector, vLLM's envelopes, its config and hashes read once.
+With integration/vllm/, the only product code that imports vLLM."""

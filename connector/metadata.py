@@ -32,6 +32,10 @@ class HiCacheStepMetadata(StepPlan, KVConnectorMetadata):
 class HiCacheWorkerReport(WorkerReport, KVConnectorWorkerMetadata):
     """A ``WorkerReport`` as vLLM's worker -> scheduler metadata."""
 
+    @classmethod
+    def wrap(cls, report: WorkerReport) -> HiCacheWorkerReport:
+        return cls(**{f.name: getattr(report, f.name) for f in fields(WorkerReport)})
+
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HiCacheWorkerReport)
         merged = self.merge(other)

@@ -29,8 +29,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hicache.connector.config import HiCacheConfigError
-from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.config import HiCacheConfigError
+from hicache.tiers.index.page_keys import KeyNamespace, kv_dtype_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,16 +69,6 @@ def key_namespace(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         extra=(f"block-hash={vllm_config.cache_config.prefix_caching_hash_algo}", *extra),
     )
-
-
-def kv_dtype_name(torch_dtype: str, cache_dtype: str) -> str:
-    """What a page's KV bytes are: the tensor dtype, plus vLLM's cache dtype when it is
-    quantised (every fp8 variant is stored as uint8, so the tensor dtype alone would let
-    an e5m2 engine read e4m3 pages). ``auto`` keeps the bare tensor dtype, so the keys of
-    unquantised caches are those of earlier releases."""
-    if cache_dtype in ("auto", "", None):
-        return torch_dtype
-    return f"{torch_dtype}/{cache_dtype}"
 
 
 def hash_block_size(kv_cache_config: KVCacheConfig, block_size: int) -> int:

@@ -2,7 +2,7 @@
 
 Contract:
 - One path: each worker sends its counter increments and latency
-  observations once per step in its ``WorkerReport`` (connector/worker.py);
+  observations once per step in its ``WorkerReport`` (tiers/worker/core.py);
   vLLM merges the ranks' reports; the scheduler-side connector feeds the
   merged report to the admin view and to ``HiCacheKVStats.record``, and
   returns the recorded stats from its ``get_kv_connector_stats`` (vLLM asks
@@ -37,7 +37,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from hicache.tiers.metrics import ENGINE_METRICS
+from hicache.tiers.metrics import (
+    ENGINE_METRICS,
+    add_engine_report,
+    merge_engine_payloads,
+    summarize_engine_payload,
+)
 
 L3_SOURCES = {"file": CacheHitSource.DISK, "nixl": CacheHitSource.DISK,
               "mooncake": CacheHitSource.P2P}
@@ -56,35 +61,15 @@ class HiCacheKVStats(KVConnectorStats):
 
     def record(self, counters: Mapping[str, float],
                observations: Mapping[str, list[float]]) -> None:
-        """Add one merged worker report (keys no engine row names are not exported)."""
-        for key, value in counters.items():
-            spec = ENGINE_METRICS.get(key)
-            if spec is not None and spec.kind == "counter" and value:
-                self.data[key] = self.data.get(key, 0) + value
-        for key, values in observations.items():
-            spec = ENGINE_METRICS.get(key)
-            if spec is not None and spec.kind == "histogram" and values:
-                self.data.setdefault(key, []).extend(values)
+        """Add one merged worker report (tiers/metrics.py ``add_engine_report``)."""
+        add_engine_report(self.data, counters, observations)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in (other.data or {}).items():
-            if isinstance(value, list):
-                self.data.setdefault(key, []).extend(value)
-            else:
-                self.data[key] = self.data.get(key, 0) + value
+        merge_engine_payloads(self.data, other.data or {})
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {}
-        for key, spec in ENGINE_METRICS.items():
-            value = self.data.get(key)
-            if spec.kind == "counter":
-                out[key] = value or 0
-            elif value:
-                out[f"{key}_count"] = len(value)
-                out[f"{key}_mean"] = round(sum(value) / len(value), 6)
-                out[f"{key}_max"] = round(max(value), 6)
-        return out
+        return summarize_engine_payload(self.data)
 
     def is_empty(self) -> bool:
         return not any(self.data.values())

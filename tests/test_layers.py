@@ -94,7 +94,7 @@ def refers_to(imp: Import, *layers: str) -> bool:
 # (file, imported module): the allowed exceptions, each with its reason.
 EXCEPTIONS = {
     # The admin view names the connector's config type for the type checker only.
-    ("tiers/controller/admin.py", "hicache.connector.config"),
+    ("tiers/controller/admin.py", "hicache.tiers.config"),
     # The connector starts the admin HTTP server when hicache_admin_port is set
     # (imported inside that function, so FastAPI loads only then).
     ("connector/connector.py", "hicache.integration.admin.server"),
@@ -118,13 +118,30 @@ def test_only_the_connector_and_the_vllm_glue_import_vllm():
 
 
 def test_the_index_and_the_controller_import_no_torch():
-    assert violations(lambda i: top(i.module) in {"torch", "vllm"}
-                      and under(i, "tiers/index", "tiers/controller")) == []
+    """Neither directly nor through a module of ours that does (the kernels, the worker
+    core, the settings naming the io backends); the type checker may see them."""
+    torch_modules = ("kernels", "tiers.worker", "tiers.config", "tiers.engine_shape")
+    assert violations(lambda i: under(i, "tiers/index", "tiers/controller") and (
+        top(i.module) in {"torch", "vllm"}
+        or (refers_to(i, *torch_modules) and not i.typing_only))) == []
 
 
-def test_tiers_import_no_other_layer():
+def test_tiers_import_neither_the_connector_nor_integration():
     assert violations(lambda i: under(i, "tiers")
-                      and refers_to(i, "kernels", "connector", "integration")) == []
+                      and refers_to(i, "connector", "integration")) == []
+
+
+def test_only_the_worker_core_and_the_settings_use_the_kernels():
+    """The worker core (tiers/worker/) moves bytes with kernels/; the settings name the
+    io backends kernels/io_backend.py implements. Nothing else in tiers/ reaches down."""
+    assert violations(lambda i: under(i, "tiers") and refers_to(i, "kernels")
+                      and not under(i, "tiers/worker") and i.path != "tiers/config.py") == []
+    assert any(i.path.startswith("tiers/worker/") and refers_to(i, "kernels") for i in IMPORTS)
+
+
+def test_the_worker_core_is_engine_free():
+    assert [str(i) for i in IMPORTS if under(i, "tiers/worker") and top(i.module) == "vllm"] == []
+    assert any(i.path == "tiers/worker/core.py" for i in IMPORTS)
 
 
 def test_kernels_import_neither_the_connector_nor_integration():

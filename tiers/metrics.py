@@ -22,7 +22,7 @@ Contract:
 
   and vLLM's stats payload (``HiCacheKVStats.data``) holds, for the rows
   marked ``engine``, ``{<key>: counter increment | [histogram observations]}``.
-- The worker counts and times (connector/worker_stats.py) and sends the
+- The worker counts and times (tiers/worker/stats.py) and sends the
   increments once per step in its ``WorkerReport``; the scheduler-side
   connector hands that one report to both exporters, and adds its own
   per-request observations (``request_cached_tokens_<tier>``) to both the
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -258,3 +259,40 @@ class LatencyBuckets:
             running += n
             cumulative.append([bound, running])
         return {"count": sum(self.counts), "sum": self.total, "buckets": cumulative}
+
+
+def add_engine_report(data: dict[str, Any], counters: Mapping[str, float],
+                      observations: Mapping[str, list[float]]) -> None:
+    """Add one merged worker report to an engine stats payload ``data`` (keys no engine
+    row names are not exported): counter increments summed, observations appended."""
+    for key, value in counters.items():
+        spec = ENGINE_METRICS.get(key)
+        if spec is not None and spec.kind == "counter" and value:
+            data[key] = data.get(key, 0) + value
+    for key, values in observations.items():
+        spec = ENGINE_METRICS.get(key)
+        if spec is not None and spec.kind == "histogram" and values:
+            data.setdefault(key, []).extend(values)
+
+
+def merge_engine_payloads(data: dict[str, Any], other: Mapping[str, Any]) -> None:
+    """Add payload ``other`` into ``data``."""
+    for key, value in other.items():
+        if isinstance(value, list):
+            data.setdefault(key, []).extend(value)
+        else:
+            data[key] = data.get(key, 0) + value
+
+
+def summarize_engine_payload(data: Mapping[str, Any]) -> dict[str, int | float]:
+    """Every engine counter, and count / mean / max of each histogram observed."""
+    out: dict[str, int | float] = {}
+    for key, spec in ENGINE_METRICS.items():
+        value = data.get(key)
+        if spec.kind == "counter":
+            out[key] = value or 0
+        elif value:
+            out[f"{key}_count"] = len(value)
+            out[f"{key}_mean"] = round(sum(value) / len(value), 6)
+            out[f"{key}_max"] = round(max(value), 6)
+    return out

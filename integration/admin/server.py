@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 import threading
 import time
@@ -248,3 +249,27 @@ class AdminServer:
         self._server = None
         self._thread = None
         self._sock = None
+
+
+def serve_admin(target: Any, config: Any, dp_rank: int = 0) -> AdminServer | None:
+    """The admin endpoint of one engine core (``HiCacheConfig``'s ``hicache_admin_*``
+    keys; engine core ``dp_rank`` listens on port + rank), or None when the port is
+    0 or the server could not start (logged: the cache serves without it)."""
+    port = config.hicache_admin_port
+    if not port:
+        return None
+    port += dp_rank
+    token = config.hicache_admin_token
+    if token is None and os.environ.get(TOKEN_ENV):
+        token = SecretStr(os.environ[TOKEN_ENV])
+    server = AdminServer(target, token)
+    try:
+        server.start(config.hicache_admin_host, port)
+    except Exception:  # noqa: BLE001 - the cache serves without its admin endpoint
+        logger.exception("HiCache: admin endpoint not started on %s:%d",
+                         config.hicache_admin_host, port)
+        return None
+    logger.info("HiCache admin endpoint on http://%s:%d (token %s)",
+                config.hicache_admin_host, server.port,
+                "set" if token else "not set: POST endpoints refuse")
+    return server

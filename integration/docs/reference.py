@@ -107,7 +107,7 @@ def _backend_models() -> list[tuple[str, type[BaseModel]]]:
 
 
 def configuration_page() -> str:
-    from hicache.connector.config import HiCacheConfig, StorageExtraConfig
+    from hicache.tiers.config import HiCacheConfig, StorageExtraConfig
     from hicache.tiers.controller.hints import RequestHints
 
     out = [HEADER, "", "# Configuration reference", "",
@@ -115,7 +115,7 @@ def configuration_page() -> str:
            "(`--kv-transfer-config '{\"kv_connector\":\"HiCacheConnector\",\"kv_role\":"
            "\"kv_both\",\"kv_connector_extra_config\":{...}}'`). An unknown key or a bad "
            "value stops the engine at start with a message naming the key and the allowed "
-           "values. Generated from `connector/config.py`.", "",
+           "values. Generated from `tiers/config.py`.", "",
            *model_table(HiCacheConfig), "",
            "## `hicache_storage_backend_extra_config`: HiCache's own keys", "",
            "Every other key of this object goes to the L3 backend (below).", "",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
 from hicache.connector.connector import HiCacheConnector
-from hicache.connector.null_connector import TRANSFER_CONFIG as NULL
+from hicache.integration.vllm.null_connector import TRANSFER_CONFIG as NULL
 from hicache.integration.vllm.plugin import CONNECTOR_NAME, register
 
 

@@ -24,9 +24,9 @@ from conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_TURNS, SMALL_L1_BLOCKS
 from conftest import WORKLOAD as FP32_WORKLOAD
 from safetensors import safe_open
 
-from hicache.connector.null_connector import TRANSFER_CONFIG
 from hicache.integration.bench.multi_turn import first_turn_prompts, next_turn_prompts, run_turns
 from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
 pytestmark = pytest.mark.engine
 

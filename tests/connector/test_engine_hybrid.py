@@ -30,7 +30,6 @@ import pytest
 from conftest import MAX_MODEL_LEN
 from support.workloads import turns_then_branches
 
-from hicache.connector.null_connector import TRANSFER_CONFIG
 from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
@@ -43,6 +42,7 @@ from hicache.integration.vllm.engine import (
     open_llm,
     scheduler_connector,
 )
+from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
 pytestmark = pytest.mark.engine
 

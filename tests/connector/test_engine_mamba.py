@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.connector.null_connector import TRANSFER_CONFIG
 from hicache.integration.bench.multi_turn import (
     MultiTurnSpec,
     TurnResult,
@@ -37,6 +36,7 @@ from hicache.integration.bench.multi_turn import (
 )
 from hicache.integration.models.tiny_model import ensure_tiny_model
 from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm, scheduler_connector
+from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
 pytestmark = pytest.mark.engine
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, WORKLOAD
 
-from hicache.connector.config import HiCacheConfigError
-from hicache.connector.null_connector import TRANSFER_CONFIG as NULL
 from hicache.integration.bench.multi_turn import run_turns
 from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.vllm.null_connector import TRANSFER_CONFIG as NULL
+from hicache.tiers.config import HiCacheConfigError
 
 pytestmark = pytest.mark.engine
 

@@ -32,7 +32,6 @@ import httpx
 import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS
 
-from hicache.connector.null_connector import TRANSFER_CONFIG
 from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.vllm.engine import (
     EngineSpec,
@@ -41,6 +40,7 @@ from hicache.integration.vllm.engine import (
     open_llm,
     scheduler_connector,
 )
+from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
 pytestmark = pytest.mark.engine
 

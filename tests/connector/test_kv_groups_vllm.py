@@ -18,8 +18,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from hicache.connector.config import HiCacheConfig, HiCacheConfigError
-from hicache.connector.connector import kv_groups, pool_geometry
+from hicache.connector.vllm_shape import kv_groups, pool_geometry
+from hicache.tiers.config import HiCacheConfig, HiCacheConfigError
 from hicache.tiers.index.kv_groups import KVGroup
 
 BLOCK = 32

@@ -19,9 +19,9 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from hicache.connector.config import HiCacheConfigError
-from hicache.connector.connector import apply_load_failure_policy
 from hicache.connector.vllm_keys import VllmPrefixHasher, check_stable_hashes
+from hicache.connector.vllm_shape import apply_load_failure_policy
+from hicache.tiers.config import HiCacheConfigError
 from hicache.tiers.index.page_keys import KeyNamespace, block_page_keys
 
 BS, PAGE = 16, 64
@@ -140,7 +140,7 @@ def test_inside_multi_connector_the_top_level_policy_must_match():
 
 
 def test_fp8_cache_dtypes_get_their_own_keys():
-    from hicache.connector.vllm_keys import kv_dtype_name
+    from hicache.tiers.index.page_keys import kv_dtype_name
 
     # vLLM stores every fp8 variant as uint8: the tensor dtype alone would let an
     # e5m2 engine read e4m3 pages.

@@ -20,7 +20,7 @@ def test_generated_pages_are_up_to_date():
 
 
 def test_the_reference_lists_every_config_key_with_its_allowed_values():
-    from hicache.connector.config import HiCacheConfig
+    from hicache.tiers.config import HiCacheConfig
 
     page = (ROOT / "docs" / "reference" / "configuration.md").read_text()
     for key in HiCacheConfig.model_fields:

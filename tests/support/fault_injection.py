@@ -17,6 +17,8 @@ Faults (extra-config keys, all optional):
 - ``fault_delete_after_exists``: delete every page file right after a
   ``batch_exists`` found anything (pages vanishing between lookup and read).
 - ``fault_fail_gets``: every read raises ``OSError`` (a store that went down).
+- ``fault_unreachable``: the constructor raises ``ConnectionError`` (a store that
+  cannot be reached at start).
 Everything else is the file backend's (``path``, ``capacity_gb``, ``fsync``).
 """
 
@@ -35,7 +37,7 @@ from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 
 FAULT_KEYS = ("fault_get_delay_s", "fault_delete_after_exists", "fault_fail_gets",
-              "fault_exists_delay_s")
+              "fault_exists_delay_s", "fault_unreachable")
 
 
 class FaultyFileBackend(FileBackend):
@@ -44,6 +46,8 @@ class FaultyFileBackend(FileBackend):
     def __init__(self, config: StorageConfig) -> None:
         extra = dict(config.extra_config)
         faults = {k: extra.pop(k) for k in FAULT_KEYS if k in extra}
+        if faults.get("fault_unreachable"):
+            raise ConnectionError("injected: the store cannot be reached")
         super().__init__(dataclasses.replace(config, extra_config=extra))
         self.get_delay_s = float(faults.get("fault_get_delay_s", 0.0))
         self.delete_after_exists = bool(faults.get("fault_delete_after_exists", False))

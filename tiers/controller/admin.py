@@ -59,7 +59,7 @@ from hicache.tiers.metrics import LatencyBuckets, section_metrics
 from hicache.tiers.metrics import WorkerKey as K
 
 if TYPE_CHECKING:
-    from hicache.connector.config import HiCacheConfig
+    from hicache.tiers.config import HiCacheConfig
     from hicache.tiers.controller.scheduler import HiCacheScheduler
     from hicache.tiers.index.page_keys import PageKey
     from hicache.tiers.index.plans import WorkerReport

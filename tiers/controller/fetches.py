@@ -48,7 +48,7 @@ from typing import Protocol
 
 from hicache.tiers.controller.events import EventRequest
 from hicache.tiers.controller.l2_manager import L2Manager
-from hicache.tiers.controller.policies import PrefetchPolicy
+from hicache.tiers.controller.policies import PrefetchPolicy, PrefetchSettings
 from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey, body_key
@@ -146,8 +146,9 @@ class L3Fetches:
         run = list(keys[start:end])
         if self.storage is None or not run:
             return 0
-        threshold = max(1, -(-int(self.settings.get("prefetch_threshold", 256))
-                             // self.page_size))
+        tokens = self.settings.get("prefetch_threshold",
+                                   PrefetchSettings.default("prefetch_threshold"))
+        threshold = max(1, -(-int(tokens) // self.page_size))
         if len(run) < threshold:
             return 0
         checkpoints = self.l2.groups.has_state

@@ -1,7 +1,7 @@
 """Policies: the names ``hicache_write_policy`` and ``hicache_storage_prefetch_policy``
 accept, and the small object behind each name.
 
-The connector config (``connector/config.py``) validates against the
+The connector config (``tiers/config.py``) validates against the
 ``Literal`` types; the controller turns a name into its object with
 ``make_write_policy`` / ``make_prefetch_policy`` / ``make_eviction_policy``
 (an unknown name is a ValueError naming the allowed values). A new policy is
@@ -34,8 +34,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, TypeVar, get_args
 
+from pydantic import Field, NonNegativeFloat
+
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.settings import Settings
 
 WritePolicyName = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicyName = Literal["best_effort", "wait_complete", "timeout"]
@@ -132,6 +135,24 @@ def make_write_policy(name: str, *, threshold: int = 2, l2_pages: int = 0) -> Wr
 # ---- prefetch --------------------------------------------------------------------
 
 
+class PrefetchSettings(Settings):
+    """HiCache's own keys of ``hicache_storage_backend_extra_config`` for L3 fetches
+    (SGLang's names and defaults, v0.5.12); the one place their defaults are written."""
+
+    prefetch_threshold: NonNegativeFloat = Field(
+        256, description="tokens an L3 hit must cover to be fetched")
+    prefetch_timeout_base: NonNegativeFloat = Field(
+        2.0, description="seconds a timeout-policy fetch may wait, plus per_ki_token")
+    prefetch_timeout_per_ki_token: NonNegativeFloat = Field(
+        0.1, description="seconds per 1024 fetched tokens a timeout-policy fetch may wait")
+    prefetch_timeout_max: NonNegativeFloat = Field(
+        30.0, description="the most seconds a timeout-policy fetch may wait")
+
+    @classmethod
+    def default(cls, key: str) -> float:
+        return float(cls.model_fields[key].default)
+
+
 class PrefetchPolicy(ABC):
     """How long an L3 fetch may hold its request back before it goes on with what
     arrived (the rest is recomputed)."""
@@ -173,11 +194,11 @@ class Timeout(PrefetchPolicy):
 
     name: ClassVar[str] = "timeout"
     # Seconds any fetch may take (hicache prefetch_timeout_base).
-    base_s: float = 2.0
+    base_s: float = PrefetchSettings.default("prefetch_timeout_base")
     # Further seconds per 1024 tokens fetched (prefetch_timeout_per_ki_token).
-    per_ki_token_s: float = 0.1
+    per_ki_token_s: float = PrefetchSettings.default("prefetch_timeout_per_ki_token")
     # Cap on the whole (prefetch_timeout_max).
-    max_s: float = 30.0
+    max_s: float = PrefetchSettings.default("prefetch_timeout_max")
 
     @classmethod
     def configured(cls, settings: Mapping[str, float]) -> PrefetchPolicy:

@@ -47,10 +47,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hicache.tiers.controller.events import PageEvent, PageEvents
 from hicache.tiers.controller.fetches import L3Fetches, L3Store
 from hicache.tiers.controller.flush import Flusher, PrefixHasher, StandInPrefixHasher
+from hicache.tiers.controller.hints import HINTS_KEY
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.loads import StepLoads, hit_pages
 from hicache.tiers.controller.pins import MAX_SHARE as PIN_MAX_SHARE
@@ -78,6 +80,10 @@ from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
 from hicache.tiers.index.spans import SpanLayout, pages_per_object
 from hicache.tiers.l2.geometry import PoolGeometry
+
+if TYPE_CHECKING:
+    from hicache.tiers.config import HiCacheConfig
+    from hicache.tiers.engine_shape import EngineShape
 
 
 class NoRoom(RuntimeError):
@@ -197,6 +203,45 @@ class HiCacheScheduler:
             self.l2, self.requests, self.stats, seed=seed, page_size=page_size,
             hashes_per_page=self.hashes_per_page,
             prefix_hasher=prefix_hasher or StandInPrefixHasher(self.hash_block_size))
+
+    @classmethod
+    def for_engine(cls, shape: EngineShape, config: HiCacheConfig, *,
+                   storage: L3Store | None, block_ids_of: Callable[[str], GroupBlockIds],
+                   prefix_hasher: PrefixHasher, hash_block_size: int,
+                   kv_events: bool) -> HiCacheScheduler:
+        """The scheduler of a serving engine: its shape (tiers/engine_shape.py) and
+        settings (tiers/config.py), L3 lookups on probe threads."""
+        extra = config.hicache_storage_backend_extra_config
+        logger.info("HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per "
+                    "rank), KV-cache groups %s, config %s", shape.page_size,
+                    shape.geometry.num_slots, shape.geometry.buffer_bytes / 2**30,
+                    shape.groups.describe(), config.to_dict())
+        if shape.groups.windowed and config.hicache_write_policy == "write_back":
+            logger.warning(
+                "HiCache: write_back on a sliding-window model stores the window's layers "
+                "only for the pages still inside the window when a request finishes (vLLM "
+                "has replaced the others with its null block): its history returns whole, "
+                "branches from its head do not; use write_through to cache every point of "
+                "a history")
+        return cls(
+            geometry=shape.geometry, namespace=shape.namespace, page_size=shape.page_size,
+            block_size=shape.block_size, block_ids_of=block_ids_of,
+            write_policy=config.hicache_write_policy,
+            write_threshold=config.hicache_write_through_threshold, storage=storage,
+            prefetch_policy=config.hicache_storage_prefetch_policy,
+            prefetch={k: float(getattr(extra, k)) for k in type(extra).model_fields},
+            tp_size=shape.tp_size, hash_block_size=hash_block_size,
+            prefix_hasher=prefix_hasher, groups=shape.groups, background_lookups=True,
+            prefetch_at_arrival=config.hicache_prefetch_at_arrival, kv_events=kv_events,
+            async_stores=shape.async_stores, l3_writers=1 if shape.is_mla else shape.tp_size,
+            retain_max_share=config.hicache_retain_max_share)
+
+    def close(self) -> None:
+        """Stop the L3 probe threads and close the scheduler's L3 view."""
+        if self.fetches.probes is not None:
+            self.fetches.probes.close()
+        if self.storage is not None:
+            self.storage.close()
 
     # ---- what the admin endpoint and tests reach ---------------------------------
 
@@ -459,6 +504,29 @@ class HiCacheScheduler:
         objects = [*self.groups.l3_page_keys(keys),
                    *map(PageKey, self.l2.spans.object_keys(keys))]
         self._commands.append(RetainPages(tuple(objects), until))
+
+    def finish_request(self, request: SchedulerRequest, block_ids: GroupBlockIds
+                       ) -> tuple[bool, dict[str, Any] | None, dict[str, list[float]]]:
+        """``request_finished``, plus what the request's response carries in its
+        ``kv_transfer_params`` (the tokens each tier served, pages retained, why its
+        hints were ignored; None: nothing) and its observations for the metrics
+        (``request_cached_tokens_<tier>``)."""
+        req_id = request.request_id
+        cached, error = self.cached_tokens_of(req_id), self.hint_error_of(req_id)
+        done = self.request_finished(request, block_ids)
+        retained = self.take_retained(req_id)
+        reply: dict[str, Any] = {}
+        observations: dict[str, list[float]] = {}
+        if cached is not None:
+            reply["cached_tokens"] = tiers = cached.as_dict()
+            observations = {f"request_cached_tokens_{t}": [float(n)] for t, n in tiers.items()}
+        if isinstance(retained, int):
+            reply["retained_pages"] = retained
+        elif retained is not None:
+            error = retained if error is None else f"{error}; {retained}"
+        if error is not None:
+            reply["error"] = error
+        return done, ({HINTS_KEY: reply} if reply else None), observations
 
     def take_retained(self, req_id: str) -> int | str | None:
         """A finished request's retain_s outcome: pages pinned, why none, or None."""

@@ -13,7 +13,7 @@ Contract:
   store refused for lack of room is tried again at the next step.
 - Slots, eviction and publishing belong to ``L2Manager.plan_store``; the
   pages planned here go into the next ``StepPlan``.
-- Stores across steps (``async_stores``, connector/worker.py): a store may
+- Stores across steps (``async_stores``, tiers/worker/core.py): a store may
   still read a request's blocks after the step that planned it. Each rank
   reports the last plan whose stores are done (``on_stores_done``), so
   ``store_in_flight`` knows whether a request's last store may still run.

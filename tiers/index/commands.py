@@ -5,7 +5,7 @@ Contract (see DESIGN.md "Admin actions"):
 - The admin view (tiers/controller/admin.py) changes the scheduler's own
   L3 instance at once and queues the matching command; the connector puts
   the queued commands into the next step's plan, and each worker applies
-  them once, before that step's loads and fetches (connector/worker.py).
+  them once, before that step's loads and fetches (tiers/worker/core.py).
 - The scheduler queues its own (a request's ``retain_s`` reaching L3,
   ``HiCacheScheduler.retain_in_l3``) and puts them in the plan it builds,
   ahead of the admin's.

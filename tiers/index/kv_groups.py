@@ -75,6 +75,11 @@ class KVGroups:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def describe(self) -> str:
+        """``full x1, window(384) x5`` for the log."""
+        return ", ".join(f"{g.kind}{f'({g.window})' if g.kind == 'window' else ''} "
+                         f"x{g.num_layers}" for g in self.groups)
+
     @property
     def hybrid(self) -> bool:
         """More than one group: vLLM's hybrid KV cache manager is on."""

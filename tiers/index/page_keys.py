@@ -210,3 +210,13 @@ def body_key(key: bytes) -> bytes:
     can run over bodies and end on a checkpoint (tiers/controller/fetches.py).
     """
     return hashlib.sha256(b"hicache-page-body" + key).digest()[: len(key)]
+
+
+def kv_dtype_name(torch_dtype: str, cache_dtype: str) -> str:
+    """What a page's KV bytes are: the tensor dtype, plus vLLM's cache dtype when it is
+    quantised (every fp8 variant is stored as uint8, so the tensor dtype alone would let
+    an e5m2 engine read e4m3 pages). ``auto`` keeps the bare tensor dtype, so the keys of
+    unquantised caches are those of earlier releases."""
+    if cache_dtype in ("auto", "", None):
+        return torch_dtype
+    return f"{torch_dtype}/{cache_dtype}"

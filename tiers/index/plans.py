@@ -27,7 +27,7 @@ plans a store of a page that contains it.
 
 Ordering contract: a worker executes steps in order, loads of a step before
 its stores, and every load is complete before the step's ``wait_for_save``
-returns. Stores may complete in a later step (connector/worker.py,
+returns. Stores may complete in a later step (tiers/worker/core.py,
 "stores across steps"), but every copy runs in plan order on one copy
 queue, so a later plan's load or store of a slot runs after an earlier
 store into it. The scheduler relies on this to publish a page in the tree

@@ -150,7 +150,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     hicache = None
     kv_transfer: dict[str, Any] | None = None
     if case.kind == "null":
-        from hicache.connector.null_connector import TRANSFER_CONFIG
+        from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
         kv_transfer = dict(TRANSFER_CONFIG)
     elif case.kind == "hicache":

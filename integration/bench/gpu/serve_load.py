@@ -302,7 +302,7 @@ def engine_spec(case: Case, args: argparse.Namespace, name: str) -> Any:
     kv_transfer: dict[str, Any] | None = None
     hicache: dict[str, Any] | None = None
     if case.kind == "null":
-        from hicache.connector.null_connector import TRANSFER_CONFIG
+        from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
         kv_transfer = dict(TRANSFER_CONFIG)
     elif case.kind == "hicache":

@@ -4,7 +4,7 @@ measured with vLLM's own ``vllm bench serve``.
 Each case is a ``vllm serve`` of the tiny model (bf16, CPU, block 32) driven by
 ``vllm bench serve --dataset-name prefix_repetition``: ``--num-prefixes`` shared
 prefixes of ``--prefix-len`` tokens, ``--num-prompts`` prompts, ``--concurrency``
-clients. The baseline is vLLM with a do-nothing KV connector (connector/null_connector.py):
+clients. The baseline is vLLM with a do-nothing KV connector (integration/vllm/null_connector.py):
 vLLM's CPU path computes differently as soon as any connector is configured, so
 "no connector" would not isolate HiCache's cost.
 
@@ -86,8 +86,8 @@ def bench_command(args: argparse.Namespace, base_url: str, model: str, result: P
 
 
 def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from hicache.connector.null_connector import TRANSFER_CONFIG
     from hicache.integration.vllm.engine import note_engine_start
+    from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
     cfg = config(args, args.small_l1_blocks if case.small_l1 else args.l1_blocks)
     if case.kind == "null":

@@ -1,15 +1,15 @@
-"""Worker half of the connector: owns this rank's L2 bytes and performs the planned copies.
+"""The worker half's core: owns this rank's L2 bytes and performs the planned copies.
 
 See DESIGN.md "Flow of one request" (steps 4 and 5).
 
 Contract:
-- ``register_kv_caches`` views each layer's KV as whole blocks of raw bytes
-  and allocates the host pool once, sized by the same ``PoolGeometry`` the
-  scheduler uses. With several KV-cache groups (vLLM's hybrid manager), a
-  pool row per layer of each group, in group order: a page's blocks name
-  every group's blocks (tiers/index/kv_groups.py), and each group's layers
-  are copied with that group's blocks. Layers of different groups may share
-  one tensor (vLLM's hybrid allocator): they are separate rows.
+- Engine-free: it takes a plain ``StepPlan`` and returns a plain
+  ``WorkerReport`` (tiers/index/plans.py); connector/connector.py calls it
+  from vLLM's hooks and wraps the report in vLLM's envelope.
+- ``register_kv_caches`` views each layer's KV as pool rows of raw bytes
+  (tiers/worker/kv_layers.py) and allocates the host pool once, sized by
+  the same ``PoolGeometry`` the scheduler uses; each group's layers are
+  copied with that group's blocks (tiers/worker/transfers.py).
 - A fetch with no L3 pages (an asynchronous L2 hit, which every hit is with
   several groups) is served at once in ``start_load``: vLLM does not run
   the request in this step, and reports it received at the step's end.
@@ -46,12 +46,10 @@ Contract:
 - Nothing here raises into the engine for a cache problem: failures degrade
   to recompute.
 - With L3 (``storage_spec``), the backend is built once the pool exists
-  and gets the pool registered (zero-copy slots); fetches and backups run
-  on ``StorageIO``'s thread (tiers/l3/io_thread.py). Every page stored into L2 is
-  then backed up to L3 (whatever the write policy chose for L2 is what
-  reaches L3). A backend that cannot start leaves this rank without L3:
-  its fetches fail and vLLM recomputes.
-- Counters and latencies (connector/worker_stats.py) leave the worker once
+  (tiers/worker/l3_link.py); fetches and backups run on ``StorageIO``'s
+  thread (tiers/l3/io_thread.py). Every page stored into L2 is then backed
+  up to L3 (whatever the write policy chose for L2 is what reaches L3).
+- Counters and latencies (tiers/worker/stats.py) leave the worker once
   per step, in ``take_report``: counter increments since the previous
   report, latency observations (copy time of the step's L2 loads and
   stores, time of each finished L3 fetch), changed queue depths. That
@@ -65,23 +63,24 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hicache.connector.metadata import HiCacheWorkerReport
-from hicache.connector.worker_stats import CopyClock, CounterDeltas, WorkerStats
 from hicache.kernels import block_copy, io_backend
-from hicache.kernels.block_copy import BlockTransfer, block_byte_view
+from hicache.kernels.block_copy import BlockTransfer
 from hicache.kernels.layer_pipeline import Checkpoint, LayerPipeline
-from hicache.tiers.index.commands import AttachStore, ClearStore, DeletePages, RetainPages
-from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan
+from hicache.tiers.index.commands import RetainPages
+from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan, WorkerReport
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageBackend
-from hicache.tiers.l3.io_thread import FetchResult, StorageIO
+from hicache.tiers.l3.io_thread import StorageIO
 from hicache.tiers.metrics import WorkerKey as K
+from hicache.tiers.worker.kv_layers import KVLayers
+from hicache.tiers.worker.l3_link import L3Link, StorageBuilder
+from hicache.tiers.worker.stats import CopyClock, CounterDeltas, WorkerStats
+from hicache.tiers.worker.transfers import GroupTransfer, PendingStore, group_transfer, l3_keys
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class HiCacheWorker:
         *,
         layout: str = "page_first_direct",
         io: str = "direct",
-        storage_builder: Callable[[str, dict], StorageBackend] | None = None,
+        storage_builder: StorageBuilder | None = None,
         storage_spec: tuple[str, dict] | None = None,
         l3_writer: bool = True,
         group_layer_names: Sequence[Sequence[str]] | None = None,
@@ -134,6 +133,7 @@ class HiCacheWorker:
         # Pool rows of each group, and each row's group.
         self._group_rows: list[list[int]] = [[]]
         self._group_of_row: list[int] = []
+        self._layer_index: dict[str, int] = {}
         # Several groups: failed loads are reported per request, not per block.
         self.per_request_failures = bool(group_layer_names and len(group_layer_names) > 1)
         self._failed_recv: set[str] = set()
@@ -145,7 +145,6 @@ class HiCacheWorker:
         self._released_recv: set[str] = set()
         self._pipeline = LayerPipeline()
         self._per_layer_min = PER_LAYER_SAVE_MIN_BYTES["cpu"]
-        self._layer_index: dict[str, int] = {}
         # Per-step state, reset by finish_step.
         self._loading: list[int] = []
         self._loading_bytes = 0
@@ -160,56 +159,29 @@ class HiCacheWorker:
         self._queued = 0  # stores queued since start; PendingStore.order
         self._done_seq = 0
         self._done_reported = 0
-        # (backend name, extra config) -> this rank's backend; spec = what to build now.
-        self._storage_builder = storage_builder
-        self._storage_spec = storage_spec
         # Whether this rank backs pages up to L3 and deletes them there (MLA:
         # rank 0 only, the pages being the same on every rank).
-        self.l3_writer = l3_writer
-        self.storage: StorageBackend | None = None
-        self.storage_io: StorageIO | None = None
+        self.l3 = L3Link(storage_builder, storage_spec, writer=l3_writer)
         self._fetched: dict[str, list[int]] = {}
         self._deltas = CounterDeltas()
         self._gauges_reported: dict[str, float] = {}
         self._commands_applied: object = None
-        self._retired: list[FetchResult] = []
-        # Counters of backends detached since start, so totals never go back.
-        self._l3_retired: dict[str, float] = {}
         self._side_stream: torch.cuda.Stream | None = None
 
+    @property
+    def storage(self) -> StorageBackend | None:
+        return self.l3.backend
+
+    @property
+    def storage_io(self) -> StorageIO | None:
+        return self.l3.io
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        layers: list[torch.Tensor] = []
-        groups = self._group_layer_names or [list(kv_caches)]
-        self._group_rows = [[] for _ in groups]
-        self._group_of_row = []
-        first_row: dict[tuple[int, int], int] = {}
-        for g, names in enumerate(groups):
-            seen: dict[tuple[int, int], int] = {}
-            for name in names:
-                view = _block_view(kv_caches[name], self.l1_num_blocks, self.geometry.block_bytes)
-                # Layers of a group that share another layer's KV map to one row.
-                ident = (view.untyped_storage().data_ptr(), int(view.storage_offset()))
-                if ident not in seen:
-                    seen[ident] = len(layers)
-                    first_row.setdefault(ident, len(layers))
-                    self._group_rows[g].append(len(layers))
-                    self._group_of_row.append(g)
-                    layers.append(view)
-                self._layer_index[name] = seen[ident]
-        for name, tensor in kv_caches.items():
-            # A layer outside every group reads another layer's KV: wait for that one.
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            ident = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-            if name not in self._layer_index and ident in first_row:
-                self._layer_index[name] = first_row[ident]
-        block_bytes = layers[0].shape[1]
-        if block_bytes != self.geometry.block_bytes or len(layers) > self.geometry.num_layers:
-            raise RuntimeError(
-                f"KV tensors ({len(layers)} layers x {block_bytes} B/block) do not match the "
-                f"KV cache spec ({self.geometry.num_layers} layers x "
-                f"{self.geometry.block_bytes} B/block)"
-            )
+        kv = KVLayers.of(kv_caches, self._group_layer_names, self.l1_num_blocks,
+                         self.geometry.block_bytes, self.geometry.num_layers)
+        layers, block_bytes = kv.rows, self.geometry.block_bytes
+        self._group_rows, self._group_of_row = kv.group_rows, kv.group_of_row
+        self._layer_index = kv.row_of_layer
         self.layers = layers
         self.copy_path = io_backend.select(self.io, layers[0].device.type)
         if layers[0].device.type == "cuda":
@@ -218,6 +190,7 @@ class HiCacheWorker:
             self._pipeline = LayerPipeline(layers[0].device)
             self._per_layer_min = PER_LAYER_SAVE_MIN_BYTES["cuda"]
             self._load_clock = CopyClock(cuda=True)
+            self._side_stream = torch.cuda.Stream(layers[0].device)
         geometry = PoolGeometry(
             self.geometry.num_slots, len(layers), self.geometry.blocks_per_page, block_bytes
         )
@@ -243,23 +216,7 @@ class HiCacheWorker:
             if memory.pinned else "pageable",
             self.copy_path.name,
         )
-        if self._storage_spec is not None:
-            self._start_storage()
-
-    def _start_storage(self) -> None:
-        assert self._storage_builder is not None and self._storage_spec is not None
-        assert self.pool is not None
-        try:
-            backend = self._storage_builder(*self._storage_spec)
-            backend.register_host_pool(self.pool)
-        except Exception:  # noqa: BLE001 - an unreachable L3 degrades to recompute
-            logger.exception("HiCache: L3 backend unavailable on this rank; continuing "
-                             "without L3 (its hits will be recomputed)")
-            return
-        if self.layers[0].device.type == "cuda":
-            self._side_stream = torch.cuda.Stream(self.layers[0].device)
-        self.storage = backend
-        self.storage_io = StorageIO(backend, self.pool, self._load_fetched_pages)
+        self.l3.start(self.pool, self._load_fetched_pages)
 
     def _load_fetched_pages(self, pages: list[PagePlan]) -> GroupTransfer:
         """L2 -> L1 for a fetched request, on the L3 thread (torch copies: thread-safe;
@@ -277,14 +234,7 @@ class HiCacheWorker:
 
     def _transfer(self, pages: Sequence[PagePlan]) -> GroupTransfer:
         """The copies of ``pages``, one ``BlockTransfer`` per KV-cache group."""
-        lists: list[tuple[list[int], list[int], list[int]]] = [
-            ([], [], []) for _ in self._group_rows]
-        for page in pages:
-            n = len(page.block_ids) // len(lists)
-            for g, (block_ids, slots, offsets) in enumerate(lists):
-                _append_page(page, page.block_ids[g * n : (g + 1) * n], block_ids, slots, offsets)
-        return GroupTransfer(tuple(BlockTransfer.from_lists(*lst) for lst in lists),
-                             tuple(len(rows) for rows in self._group_rows))
+        return group_transfer(pages, self._group_rows)
 
     # ---- loads ----------------------------------------------------------------
 
@@ -525,7 +475,7 @@ class HiCacheWorker:
         those pages itself. The job runs in the copy thread's queue: loads queued
         behind it wait for it (about 1 ms per 11 MB here)."""
         pool = self._require_pool()
-        if (self.storage is None or self.storage_io is None or not self.l3_writer
+        if (self.storage is None or not self.l3.writes
                 or self._pipeline.on_cuda or not self.storage.uses_pool_checksums
                 or pool.layout == "layer_first" or not native_io.available()):
             return
@@ -579,15 +529,16 @@ class HiCacheWorker:
             if store.sums is not None:
                 by_slot = dict(zip((p.slot for p in store.pages), store.sums, strict=True))
                 pool.set_checksums([p.slot for p in owned], [by_slot[p.slot] for p in owned])
-            if self.storage_io is not None and self.l3_writer and owned:
-                backups = [(p, at) for p in owned for at in _l3_keys(p)]
-                self.storage_io.submit_backup(
+            io = self.storage_io if self.l3.writes else None
+            if io is not None and owned:
+                backups = [(p, at) for p in owned for at in l3_keys(p)]
+                io.submit_backup(
                     [(p.key, p.slot, at) for p, at in backups],
                     [p.span if at == p.key else None for p, at in backups])
-            if self.storage_io is not None and self.l3_writer and store.plan.backups:
+            if io is not None and store.plan.backups:
                 # Pages a store cut out of a span, as page objects (plans.py ``backups``);
                 # the I/O thread skips a slot that no longer holds its page.
-                self.storage_io.submit_backup([(p.key, p.slot, p.key)
+                io.submit_backup([(p.key, p.slot, p.key)
                                                for p in store.plan.backups])
             self.stats.saved_pages += len(store.pages)
             seconds = store.clock.take_seconds()
@@ -629,10 +580,7 @@ class HiCacheWorker:
     def shutdown(self) -> None:
         self._settle_all()
         self._pipeline.shutdown()
-        if self.storage_io is not None:
-            self.storage_io.shutdown()
-        if self.storage is not None:
-            self.storage.close()
+        self.l3.shutdown()
         if self.pool is not None:
             self.pool.close()
 
@@ -646,11 +594,9 @@ class HiCacheWorker:
         unfilled blocks go to take_load_errors, their counts to take_report.
         ``wait_s`` > 0 (a step in which nothing computes): first wait up to that
         long for a pending fetch to finish (tiers/l3/io_thread.py ``wait_results``)."""
-        results, self._retired = list(self._retired), []
-        if self.storage_io is not None and wait_s > 0 and self.storage_io.wait_results(wait_s):
+        results, waited = self.l3.take_results(wait_s)
+        if waited:
             self.stats.idle_fetch_waits += 1
-        if self.storage_io is not None:
-            results.extend(self.storage_io.poll())
         for result in results:
             self.stats.observe(K.L3_FETCH_SECONDS, result.seconds)
             if result.prefetch:  # L3 -> L2 for a request vLLM has not admitted
@@ -670,34 +616,13 @@ class HiCacheWorker:
             K.LOAD_ERRORS: st.load_errors, K.SAVE_ERRORS: st.save_errors,
             K.STORE_WAITS: st.store_waits,
         }
-        out.update(self._l3_retired)
-        for name, value in self._l3_counters().items():
-            out[name] = self._l3_retired.get(name, 0) + value
-        return out
-
-    def _l3_counters(self) -> dict[str, float]:
-        """Counters of the L3 backend attached now (empty without one)."""
-        out: dict[str, float] = {}
-        if self.storage_io is not None and self.storage is not None:
-            io, backend = self.storage_io.stats, self.storage.stats()
-            out.update({
-                K.L3_FETCHED_PAGES: io.fetched_pages,
-                K.L3_FETCH_FAILED_PAGES: io.fetch_failed_pages,
-                K.L3_FETCH_DEADLINE_MISSES: io.fetch_deadline_misses,
-                K.L3_BACKUP_PAGES: io.backup_pages,
-                K.L3_BACKUP_FAILED_PAGES: io.backup_failed_pages,
-                K.L3_BYTES_READ: backend.bytes_read, K.L3_BYTES_WRITTEN: backend.bytes_written,
-                K.L3_CORRUPT_PAGES: backend.corrupt_pages, K.L3_ERRORS: backend.errors,
-                K.L3_PAGES_IN_PLACE: backend.pages_in_place,
-                K.L3_FLUSHED_PAGES: io.deleted_pages, K.L3_RETAINED_PAGES: io.retained_pages,
-            })
+        out.update(self.l3.counters())
         return out
 
     def gauges(self) -> dict[str, float]:
-        fetches, backups = self.storage_io.queue_depths() if self.storage_io else (0, 0)
-        return {"l3_fetch_queue": fetches, "l3_backup_queue_pages": backups}
+        return self.l3.gauges()
 
-    def take_report(self) -> HiCacheWorkerReport | None:
+    def take_report(self) -> WorkerReport | None:
         """This step's report: bad slots, finished fetches, counter increments since
         the last report, latency observations, changed queue depths (None: nothing)."""
         deltas = self._deltas.take(self.counters())
@@ -705,16 +630,15 @@ class HiCacheWorker:
         gauges = {k: v for k, v in self.gauges().items() if self._gauges_reported.get(k) != v}
         done = ({self.rank: self._done_seq}
                 if self.async_stores and self._done_seq != self._done_reported else {})
-        stored = (self.storage_io.take_backed_up()
-                  if self.storage_io is not None and self.l3_writer else [])
+        stored = self.l3.take_backed_up()
         l3_stored = {self.rank: stored} if stored else {}
         if not (self._bad_slots or self._fetched or deltas or gauges or observations or done
                 or l3_stored):
             return None
         self._gauges_reported.update(gauges)
         self._done_reported = self._done_seq
-        report = HiCacheWorkerReport(self._bad_slots, self._fetched, deltas, gauges,
-                                     observations, done, l3_stored)
+        report = WorkerReport(self._bad_slots, self._fetched, deltas, gauges, observations,
+                              done, l3_stored)
         self._bad_slots, self._fetched = set(), {}
         return report
 
@@ -729,128 +653,10 @@ class HiCacheWorker:
             self.stats.store_waits += 1
             self._settle_all()
         for command in meta.storage_commands:
-            if isinstance(command, RetainPages):
-                if self.storage_io is not None and self.l3_writer:
-                    self.storage_io.submit_retention(list(command.keys), command.until)
-                continue
-            if isinstance(command, (DeletePages, ClearStore)):
-                if self.storage_io is not None and self.l3_writer:
-                    keys: list[bytes] | None = (
-                        list(command.keys) if isinstance(command, DeletePages) else None)
-                    self.storage_io.submit_removal(keys)
-                continue
-            try:
-                self._detach_storage()
-                self._storage_spec = None
-                if isinstance(command, AttachStore) and self._storage_builder is not None:
-                    self._storage_spec = (command.backend, dict(command.extra_config))
-                    self._start_storage()
-            except Exception:  # noqa: BLE001 - an admin command never kills the engine
-                logger.exception("HiCache: storage command %s failed on this rank",
-                                 type(command).__name__)
-
-    def _detach_storage(self) -> None:
-        """Drop queued backups, finish the running I/O, close the backend."""
-        if self.storage_io is not None:
-            self.storage_io.cancel_backups()
-            self.storage_io.shutdown()  # queued fetches end at once (cancelled)
-            # Their requests still wait in vLLM: report them with what they got.
-            self._retired.extend(self.storage_io.poll())
-            for name, value in self._l3_counters().items():
-                self._l3_retired[name] = self._l3_retired.get(name, 0) + value
-        if self.storage is not None:
-            self.storage.close()
-        self.storage, self.storage_io = None, None
+            self.l3.apply(command, self._require_pool(), self._load_fetched_pages)
 
     def _require_pool(self) -> HostPagePool:
         if self.pool is None:
             raise RuntimeError("HiCache worker used before register_kv_caches")
         return self.pool
 
-
-def _block_view(kv: Any, num_blocks: int, block_bytes: int) -> torch.Tensor:
-    """One layer's L1 as ``(num_blocks, block_bytes)`` uint8, sharing memory: an
-    attention layer's KV tensor, or a Mamba layer's state tensors (conv, ssm),
-    which view the same per-block pages of one buffer (the page's first
-    ``block_bytes``, padding included)."""
-    if isinstance(kv, torch.Tensor):
-        view = block_byte_view(kv, num_blocks)
-        if view.shape[1] < block_bytes <= view.stride(0):
-            # A state page smaller than the block (vLLM pads it to the attention
-            # page size): copy the whole block, padding included.
-            view = view.as_strided((num_blocks, block_bytes), (view.stride(0), 1))
-        return view
-    parts = list(kv)
-    item = [t.element_size() for t in parts]
-    strides = {t.stride(0) * n for t, n in zip(parts, item, strict=True)}
-    storages = {t.untyped_storage().data_ptr() for t in parts}
-    if len(strides) != 1 or len(storages) != 1 or next(iter(strides)) < block_bytes:
-        raise ValueError(f"state tensors of one layer do not share one block layout "
-                         f"(block strides {sorted(strides)} B, {len(storages)} buffers)")
-    base = min(t.storage_offset() * n for t, n in zip(parts, item, strict=True))
-    raw = torch.empty(0, dtype=torch.uint8, device=parts[0].device)
-    raw.set_(parts[0].untyped_storage())
-    return raw.as_strided((num_blocks, block_bytes), (next(iter(strides)), 1), base)
-
-
-def _l3_keys(page: PagePlan) -> tuple[bytes, ...]:
-    """The L3 keys a stored page is backed up under: the plan's, else its key, except
-    that a page stored without some group's blocks (vLLM's null block) stays in L2."""
-    if page.l3_keys is not None:
-        return page.l3_keys
-    return () if NULL_BLOCK_ID in page.block_ids else (page.key,)
-
-
-@dataclass(frozen=True)
-class GroupTransfer:
-    """One set of page copies, as a ``BlockTransfer`` per KV-cache group."""
-
-    groups: tuple[BlockTransfer, ...]
-    # Pool rows (layers) of each group.
-    rows: tuple[int, ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(t) for t in self.groups)
-
-    def num_bytes(self, block_bytes: int) -> int:
-        return sum(len(t) * n for t, n in zip(self.groups, self.rows, strict=True)) * block_bytes
-
-
-def _append_page(page: PagePlan, page_blocks: Sequence[int], block_ids: list[int],
-                 slots: list[int], offsets: list[int]) -> None:
-    for i, block_id in enumerate(page_blocks):
-        if block_id == NULL_BLOCK_ID:
-            continue  # a token out of a sliding window: vLLM's null block, never touched
-        block_ids.append(block_id)
-        slots.append(page.slot)
-        offsets.append(page.first_offset + i)
-
-
-@dataclass(eq=False)
-class PendingStore:
-    """One plan's L1 -> L2 stores, from queued to published (see "stores across steps")."""
-
-    plan: StepPlan
-    transfer: GroupTransfer
-    clock: CopyClock
-    # Finished requests vLLM keeps the blocks of until this store is done.
-    release: list[str] = field(default_factory=list)
-    mark: Checkpoint | None = None
-    # A copy raised (a CUDA error surfacing at the checkpoint counts too: ``failed``).
-    copy_failed: bool = False
-    order: int = 0  # its place in the worker's queue (0: not queued yet)
-    # xxh3 of each stored page's bytes, in ``pages`` order (None: not computed).
-    sums: list[int] | None = None
-    keys: dict[int, bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.keys = {p.slot: p.key for p in self.pages}
-
-    @property
-    def pages(self) -> list[PagePlan]:
-        return self.plan.stores
-
-    @property
-    def failed(self) -> bool:
-        return self.copy_failed or (self.mark is not None and self.mark.failed)

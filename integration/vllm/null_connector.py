@@ -6,7 +6,7 @@ against vLLM without one). So the fair bf16 oracle for HiCache is vLLM with
 this connector: same code path, no cache beyond vLLM's own.
 
 Select it with ``{"kv_connector": "NullConnector", "kv_role": "kv_both",
-"kv_connector_module_path": "hicache.connector.null_connector"}``.
+"kv_connector_module_path": "hicache.integration.vllm.null_connector"}``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 TRANSFER_CONFIG = {"kv_connector": "NullConnector", "kv_role": "kv_both",
-                   "kv_connector_module_path": "hicache.connector.null_connector"}
+                   "kv_connector_module_path": "hicache.integration.vllm.null_connector"}
 
 
 class NullConnector(KVConnectorBase_V1, SupportsHMA):

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from hicache.connector.metadata import HiCacheStepMetadata
-from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestLoad
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.worker.core import HiCacheWorker
 
 GEOM = PoolGeometry(num_slots=4, num_layers=1, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("tiny", "float32", "cpu", 8, 2)

@@ -5,8 +5,8 @@ from typing import get_args
 
 import pytest
 
-from hicache.connector.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
 from hicache.kernels import io_backend
+from hicache.tiers.config import PREFETCH_KEYS, HiCacheConfig, HiCacheConfigError
 from hicache.tiers.controller.policies import PREFETCH_POLICIES, WRITE_POLICIES
 from hicache.tiers.l2.geometry import MemLayoutName
 from hicache.tiers.l2.host_pool import LAYOUT_DIMS
@@ -82,17 +82,6 @@ def test_page_size_must_be_block_multiple():
     assert cfg.resolved_page_size(32) == 96
     with pytest.raises(HiCacheConfigError, match="multiple of vLLM's block size 64"):
         cfg.resolved_page_size(64)
-
-
-@pytest.mark.engine
-def test_bad_config_fails_engine_start_naming_the_key(tiny_model):
-    """On a real (in-process) engine, the error reaches the caller as ours."""
-    from hicache.integration.vllm.engine import EngineSpec, open_llm
-
-    with pytest.raises(HiCacheConfigError, match=r"hicache_write_policy='write_sideways'.*"
-                       r"allowed values: \['write_through', "):
-        open_llm(EngineSpec(model=tiny_model, hicache={"hicache_write_policy": "write_sideways"},
-                            num_blocks=80, max_model_len=2048, in_process=True))
 
 
 def test_every_bad_key_is_reported_at_once():
@@ -196,3 +185,17 @@ def test_config_is_frozen():
     cfg = HiCacheConfig.from_extra_config({})
     with pytest.raises(ValueError, match="frozen"):
         cfg.hicache_ratio = 3.0  # type: ignore[misc]
+
+
+def test_prefetch_defaults_are_written_once():
+    """The scheduler's policy and the connector's settings read one model's defaults."""
+    from hicache.tiers.config import StorageExtraConfig
+    from hicache.tiers.controller.policies import PrefetchSettings, Timeout, make_prefetch_policy
+
+    keys = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")
+    t = Timeout()
+    assert (t.base_s, t.per_ki_token_s, t.max_s) == tuple(PrefetchSettings.default(k)
+                                                         for k in keys)
+    assert make_prefetch_policy("timeout", {}) == t
+    assert issubclass(StorageExtraConfig, PrefetchSettings)
+    assert set(PrefetchSettings.model_fields) <= set(PREFETCH_KEYS)

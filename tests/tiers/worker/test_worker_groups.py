@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from hicache.connector.metadata import HiCacheStepMetadata
-from hicache.connector.worker import HiCacheWorker
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestFetch, prefetch_id
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.worker.core import HiCacheWorker
 
 GEOM = PoolGeometry(num_slots=4, num_layers=2, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("tiny", "float32", "cpu", 8, 1)
@@ -108,7 +108,7 @@ def test_a_page_without_its_window_stays_out_of_l3(tmp_path):
 
 
 def test_a_mamba_layers_padded_state_pages_are_copied_whole():
-    from hicache.connector.worker import _block_view
+    from hicache.tiers.worker.kv_layers import block_view as _block_view
 
     # vLLM's CPU layout: int8 state bytes (20 of them) in 64-byte pages.
     buffer = torch.arange(L1_BLOCKS * 64, dtype=torch.int32).to(torch.int8)

@@ -1,4 +1,4 @@
-"""Worker half of stores across steps (connector/worker.py): a step returns while its
+"""Worker half of stores across steps (tiers/worker/core.py): a step returns while its
 store runs; the page lands intact later; what reads that slot waits or follows it.
 
 Real worker, host pool and copy thread. The store's copy function is wrapped
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from hicache.connector.metadata import HiCacheStepMetadata
-from hicache.connector.worker import MAX_STORE_STEPS_IN_FLIGHT, HiCacheWorker
 from hicache.tiers.index.commands import RetainPages
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestFetch, RequestLoad
 from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.worker.core import MAX_STORE_STEPS_IN_FLIGHT, HiCacheWorker
 
 GEOM = PoolGeometry(num_slots=8, num_layers=2, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("tiny", "float32", "cpu", 8, 2)

@@ -28,7 +28,11 @@ from pydantic import (
 )
 
 from hicache.kernels.io_backend import IoBackendName
-from hicache.tiers.controller.policies import PrefetchPolicyName, WritePolicyName
+from hicache.tiers.controller.policies import (
+    PrefetchPolicyName,
+    PrefetchSettings,
+    WritePolicyName,
+)
 from hicache.tiers.l2.geometry import MemLayoutName
 from hicache.tiers.l3.factory import StorageBackendName
 from hicache.tiers.settings import Settings, explain
@@ -41,20 +45,13 @@ class HiCacheConfigError(ValueError):
     """A ``kv_connector_extra_config`` entry is unknown or has a bad value."""
 
 
-class StorageExtraConfig(Settings):
-    """``hicache_storage_backend_extra_config``: HiCache's own prefetch keys (SGLang's
-    names and defaults, v0.5.12); every other key goes to the storage backend."""
+class StorageExtraConfig(PrefetchSettings):
+    """``hicache_storage_backend_extra_config``: HiCache's own prefetch keys
+    (tiers/controller/policies.py) and ``object_mib``; every other key goes to the
+    storage backend."""
 
     model_config = ConfigDict(extra="allow")
 
-    prefetch_threshold: NonNegativeFloat = Field(
-        256, description="tokens an L3 hit must cover to be fetched")
-    prefetch_timeout_base: NonNegativeFloat = Field(
-        2.0, description="seconds a timeout-policy fetch may wait, plus per_ki_token")
-    prefetch_timeout_per_ki_token: NonNegativeFloat = Field(
-        0.1, description="seconds per 1024 fetched tokens a timeout-policy fetch may wait")
-    prefetch_timeout_max: NonNegativeFloat = Field(
-        30.0, description="the most seconds a timeout-policy fetch may wait")
     object_mib: NonNegativeFloat = Field(
         1.0, description="MiB an L3 object may hold: runs of pages of a request are "
         "stored as one object of up to this size where the backend can (file); 0 = one "
@@ -121,7 +118,7 @@ class HiCacheConfig(Settings):
     hicache_prefetch_at_arrival: bool = Field(
         True, description="prefetch a new request's L3 pages into L2 while it waits "
         "to be scheduled")
-    # A step's L1 -> L2 stores finish during later steps (connector/worker.py);
+    # A step's L1 -> L2 stores finish during later steps (tiers/worker/core.py);
     # false = each step waits for its own, which measured faster on a CPU
     # (the copy thread takes a core from the next forward pass; docs/concepts.md
     # "Stores across steps"); not yet measured on a GPU. Always off for
