@@ -43,7 +43,9 @@ from hicache.integration.bench.systems import (
 )
 from hicache.integration.vllm.engine import note_engine_start
 
-_ERROR_LINE = re.compile(r"(\w+(Error|Exception)): (.+)")
+# "ValueError: ...", and a bare "Exception: ..." (vLLM's engine core raises one for a
+# platform it does not support; which line reaches the log first depends on timing).
+_ERROR_LINE = re.compile(r"(\b\w*(Error|Exception)): (.+)")
 
 
 def failure_reason(log: Path, fallback: str) -> str:

@@ -122,6 +122,17 @@ def test_failure_reason_picks_the_root_cause(tmp_path):
         "RuntimeError: Engine core initialization failed. See root cause above.\n")
     assert failure_reason(log, "x") == (
         "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs")
+    # The same failure when the engine core's own traceback reaches the log first (a
+    # loaded machine): a bare "Exception:" line, then the generic wrapper.
+    bare = tmp_path / "bare.log"
+    bare.write_text(
+        "(EngineCore pid=2) ERROR 11-27 03:25:06 [core.py:1510] Exception: CPU Offloading is "
+        "currently only supported on CUDA-alike and XPU GPUs\n"
+        "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {}\n")
+    assert failure_reason(bare, "x") == (
+        "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs")
     (tmp_path / "quiet.log").write_text("nothing here\n")
     assert failure_reason(tmp_path / "quiet.log", "exited (code 1)") == "exited (code 1)"
     # vLLM's ulimit hint quotes an error that did not happen: never the cause.

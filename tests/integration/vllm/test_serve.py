@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -87,21 +88,35 @@ def test_bad_config_stops_the_server_with_a_message_naming_the_key(tiny_model, t
     assert "allowed keys:" in text and "'hicache_ratio'" in text
 
 
+def wait_reported(base: str, model: str, done: Callable[[], bool], what: str) -> None:
+    """Until ``done()``: what the workers did reaches the stats with an engine step's
+    report, and an idle engine makes no steps (backups that land after a request's last
+    step, on a loaded machine, stay unreported). Each try sends a one-token request
+    that neither stores nor loads, so a step runs; the deadline only guards a hang."""
+    poke = {"model": model, "prompt": [7, 8, 9], "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"hicache": {"store": False, "load_tiers": []}}}
+    deadline = time.monotonic() + 600
+    while not done():
+        assert time.monotonic() < deadline, what
+        assert httpx.post(f"{base}/v1/completions", json=poke, timeout=60).status_code == 200
+        time.sleep(0.5)
+
+
 def test_vllm_metrics_show_hicache_counters(server, tiny_model):
     base, _ = server
     body = {"model": tiny_model, "prompt": list(range(500, 700)), "max_tokens": 4,
             "temperature": 0}
     assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    metrics = ""
+
+    def saved_bytes_rose() -> bool:
+        nonlocal metrics
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         saved = [line for line in metrics.splitlines()
                  if line.startswith("vllm:hicache_saved_bytes_total{")]
-        if saved and float(saved[0].rsplit(" ", 1)[1]) > 0:
-            break
-        time.sleep(1)
-    else:
-        pytest.fail("vllm:hicache_saved_bytes_total never rose:\n" + metrics[-2000:])
+        return bool(saved) and float(saved[0].rsplit(" ", 1)[1]) > 0
+
+    wait_reported(base, tiny_model, saved_bytes_rose, "vllm:hicache_saved_bytes_total never rose")
     assert "vllm:hicache_l3_corrupt_pages_total" in metrics
 
 
@@ -144,24 +159,22 @@ def test_each_response_says_which_tier_served_its_cached_tokens(server, tiny_mod
     assert httpx.post(reset, timeout=30).status_code == 200  # L1 only
     assert ask() == {"l1": 0, "l2": full, "l3": 0}
     # The pages' L3 backups land in the background: wait for them (not a timing check).
-    deadline = time.monotonic() + 120
-    while saved() < before + full // 32:
-        assert time.monotonic() < deadline, "the L3 backups never landed"
-        time.sleep(0.5)
+    wait_reported(base, tiny_model, lambda: saved() >= before + full // 32,
+                  "the L3 backups never landed")
     r = httpx.post(reset, params={"reset_external": "true"}, timeout=30)  # L1 and L2
     assert r.status_code == 200, r.text
     assert ask() == {"l1": 0, "l2": 0, "l3": full}
     # One histogram per tier, in vLLM's /metrics and the admin's (every finished request
     # observed; vLLM publishes its stats a few times a second).
-    deadline = time.monotonic() + 60
-    while True:
+    def l3_observed() -> bool:
+        nonlocal metrics
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         l3 = [line for line in metrics.splitlines()
               if line.startswith("vllm:hicache_request_cached_tokens_l3_sum{")]
-        if l3 and float(l3[0].rsplit(" ", 1)[1]) >= full:
-            break
-        assert time.monotonic() < deadline, "no L3 request in vLLM's /metrics:\n" + metrics[-2000:]
-        time.sleep(0.5)
+        return bool(l3) and float(l3[0].rsplit(" ", 1)[1]) >= full
+
+    metrics = ""
+    wait_reported(base, tiny_model, l3_observed, "no L3 request in vLLM's /metrics")
     assert "vllm:hicache_request_cached_tokens_l1_bucket{" in metrics
     own = httpx.get(f"{admin}/metrics", timeout=10).text
     sums = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in own.splitlines()
@@ -197,10 +210,8 @@ def test_request_controls_in_the_openai_body(server, tiny_model):
     before = saved()
     # Nothing was stored: L2 and L3 have none of it (this request stores it).
     assert ask()["cached_tokens"] == {"l1": 0, "l2": 0, "l3": 0}
-    deadline = time.monotonic() + 120
-    while saved() < before + full // 32:
-        assert time.monotonic() < deadline, "the L3 backups never landed"
-        time.sleep(0.5)
+    wait_reported(base, tiny_model, lambda: saved() >= before + full // 32,
+                  "the L3 backups never landed")
     assert httpx.post(reset, params={"reset_external": "true"}, timeout=30).status_code == 200
     assert ask({"load_tiers": ["l2"], "store": False})["cached_tokens"] == {
         "l1": 0, "l2": 0, "l3": 0}  # L3 holds it, but this request may not read it
