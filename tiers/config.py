@@ -166,6 +166,10 @@ class HiCacheConfig(Settings):
         """prefetch_threshold / prefetch_timeout_* with SGLang's defaults; object_mib."""
         return float(getattr(self.hicache_storage_backend_extra_config, key))
 
+    def prefetch_settings(self) -> dict[str, float]:
+        """Every key of ``PREFETCH_KEYS`` with its value (the scheduler's settings)."""
+        return {key: self.prefetch_setting(key) for key in PREFETCH_KEYS}
+
     def backend_extra_config(self) -> dict[str, Any]:
         """The extra config the storage backend sees (HiCache's own keys removed)."""
         return dict(self.hicache_storage_backend_extra_config.model_extra or {})

@@ -211,7 +211,6 @@ class HiCacheScheduler:
                    kv_events: bool) -> HiCacheScheduler:
         """The scheduler of a serving engine: its shape (tiers/engine_shape.py) and
         settings (tiers/config.py), L3 lookups on probe threads."""
-        extra = config.hicache_storage_backend_extra_config
         logger.info("HiCache scheduler: page_size=%d tokens, L2 = %d pages (%.2f GiB per "
                     "rank), KV-cache groups %s, config %s", shape.page_size,
                     shape.geometry.num_slots, shape.geometry.buffer_bytes / 2**30,
@@ -229,7 +228,7 @@ class HiCacheScheduler:
             write_policy=config.hicache_write_policy,
             write_threshold=config.hicache_write_through_threshold, storage=storage,
             prefetch_policy=config.hicache_storage_prefetch_policy,
-            prefetch={k: float(getattr(extra, k)) for k in type(extra).model_fields},
+            prefetch=config.prefetch_settings(),
             tp_size=shape.tp_size, hash_block_size=hash_block_size,
             prefix_hasher=prefix_hasher, groups=shape.groups, background_lookups=True,
             prefetch_at_arrival=config.hicache_prefetch_at_arrival, kv_events=kv_events,

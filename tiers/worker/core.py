@@ -653,7 +653,7 @@ class HiCacheWorker:
             self.stats.store_waits += 1
             self._settle_all()
         for command in meta.storage_commands:
-            self.l3.apply(command, self._require_pool(), self._load_fetched_pages)
+            self.l3.apply(command)
 
     def _require_pool(self) -> HostPagePool:
         if self.pool is None:

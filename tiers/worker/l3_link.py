@@ -1,9 +1,11 @@
 """One rank's link to L3: the backend and its I/O thread, attached and detached at run time.
 
 Contract:
-- ``start(pool, load_fetched)`` builds this rank's backend from the current
-  spec, registers the pool with it (zero-copy slots) and starts the I/O
-  thread (tiers/l3/io_thread.py). A backend that cannot start leaves the
+- ``start(pool, load_fetched)`` binds the link to this rank's pool and the
+  worker's L2 -> L1 copy of fetched pages, builds this rank's backend from
+  the current spec, registers the pool with it (zero-copy slots) and starts
+  the I/O thread (tiers/l3/io_thread.py). An attach command later builds
+  with the same pool and copy. A backend that cannot start leaves the
   rank without L3 (logged, False): its fetches fail and vLLM recomputes.
 - ``apply(command)`` runs one admin storage command
   (tiers/index/commands.py) on this rank: retention and deletions go to the
@@ -47,6 +49,9 @@ class L3Link:
         self.io: StorageIO | None = None
         self._retired: list[FetchResult] = []
         self._retired_counters: dict[str, float] = {}
+        # What start() bound: the pool and the worker's copy of fetched pages.
+        self._pool: HostPagePool | None = None
+        self._load_fetched: Callable[[list[PagePlan]], Any] | None = None
 
     @property
     def writes(self) -> bool:
@@ -55,6 +60,7 @@ class L3Link:
 
     def start(self, pool: HostPagePool,
               load_fetched: Callable[[list[PagePlan]], Any]) -> bool:
+        self._pool, self._load_fetched = pool, load_fetched
         if self.spec is None or self.builder is None:
             return False
         try:
@@ -68,8 +74,7 @@ class L3Link:
         self.io = StorageIO(backend, pool, load_fetched)
         return True
 
-    def apply(self, command: object, pool: HostPagePool,
-              load_fetched: Callable[[list[PagePlan]], Any]) -> None:
+    def apply(self, command: object) -> None:
         if isinstance(command, RetainPages):
             if self.writes:
                 assert self.io is not None
@@ -82,11 +87,13 @@ class L3Link:
                     list(command.keys) if isinstance(command, DeletePages) else None)
             return
         try:
+            if self._pool is None or self._load_fetched is None:
+                raise RuntimeError("an L3 command before the worker registered its KV cache")
             self.detach()
             self.spec = None
             if isinstance(command, AttachStore) and self.builder is not None:
                 self.spec = (command.backend, dict(command.extra_config))
-                self.start(pool, load_fetched)
+                self.start(self._pool, self._load_fetched)
         except Exception:  # noqa: BLE001 - an admin command never kills the engine
             logger.exception("HiCache: storage command %s failed on this rank",
                              type(command).__name__)

@@ -66,9 +66,9 @@ def test_counters_survive_a_detach_and_a_new_attach(tmp_path: Path):
     backup(link, p, KEY_A, 0)
     assert link.counters()[K.L3_BACKUP_PAGES] == 1
     assert link.take_backed_up() == [KEY_A]
-    link.apply(DetachStore(), p, no_load)
+    link.apply(DetachStore())
     assert link.backend is None and link.counters()[K.L3_BACKUP_PAGES] == 1
-    link.apply(AttachStore("file", {"path": str(tmp_path / "b")}), p, no_load)
+    link.apply(AttachStore("file", {"path": str(tmp_path / "b")}))
     assert isinstance(link.backend, FileBackend)
     backup(link, p, KEY_B, 1)
     assert link.counters()[K.L3_BACKUP_PAGES] == 2  # never goes back
@@ -81,7 +81,7 @@ def test_a_failing_attach_is_logged_and_leaves_no_l3(tmp_path: Path, caplog):
     p = pool()
     link = L3Link(build, ("file", {"path": str(tmp_path)}))
     assert link.start(p, no_load)
-    link.apply(AttachStore("file", {"path": str(tmp_path), "unreachable": True}), p, no_load)
+    link.apply(AttachStore("file", {"path": str(tmp_path), "unreachable": True}))
     assert link.backend is None and not link.writes
     assert "continuing without L3" in caplog.text
 
@@ -91,13 +91,13 @@ def test_a_rank_that_does_not_write_l3_retains_nothing(tmp_path: Path):
     p = pool()
     reader = L3Link(build, ("file", {"path": str(tmp_path)}), writer=False)
     assert reader.start(p, no_load) and not reader.writes
-    reader.apply(RetainPages((KEY_A,), until=1e12), p, no_load)
+    reader.apply(RetainPages((KEY_A,), until=1e12))
     assert reader.io is not None and reader.io.wait_backups(timeout_s=60)
     assert reader.counters()[K.L3_RETAINED_PAGES] == 0
     writer = L3Link(build, ("file", {"path": str(tmp_path)}))
     assert writer.start(p, no_load)
     backup(writer, p, KEY_A, 0)
-    writer.apply(RetainPages((KEY_A,), until=1e12), p, no_load)
+    writer.apply(RetainPages((KEY_A,), until=1e12))
     writer.shutdown()  # drains the queue: the retention ran
     assert writer.counters()[K.L3_RETAINED_PAGES] == 1
     reader.shutdown()
