@@ -26,6 +26,7 @@ from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.guard import guarded
 
 
 def request(rid: str, tokens: list[int], computed: int = 0, block_size: int = 4) -> SimRequest:
@@ -65,8 +66,8 @@ def keys_of(seed: bytes, tokens: list[int], page: int, block_size: int = 4) -> l
 
 def file_store(path: Path, namespace: KeyNamespace, geometry: PoolGeometry) -> FileBackend:
     """The real file backend in ``path``, for pages of ``geometry``."""
-    return FileBackend(StorageConfig(0, 1, namespace.fingerprint(), "page_first",
-                                     geometry.page_bytes, extra_config={"path": str(path)}))
+    return guarded(FileBackend(StorageConfig(0, 1, namespace.fingerprint(), "page_first",
+                                     geometry.page_bytes, extra_config={"path": str(path)})))
 
 
 def write_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeometry,

@@ -36,7 +36,7 @@ def test_derived_sizes_and_the_admin_view():
 def test_each_rank_gets_its_own_shard_and_the_scheduler_sees_them_all(tmp_path):
     s = shape(tp_size=2)
     ranks = [s.storage(r, "file", {"path": str(tmp_path)}) for r in range(2)]
-    assert all(isinstance(b, FileBackend) for b in ranks)
+    assert all(isinstance(b.inner, FileBackend) for b in ranks)
     assert ranks[0].config.fingerprint != ranks[1].config.fingerprint
     view = s.lookup("file", {"path": str(tmp_path)})
     assert isinstance(view, RankShards) and len(view.shards) == 2
@@ -49,7 +49,7 @@ def test_mla_ranks_share_one_shard(tmp_path):
     a, b = (s.storage(r, "file", {"path": str(tmp_path)}) for r in range(2))
     assert a.config.fingerprint == b.config.fingerprint
     view = s.lookup("file", {"path": str(tmp_path)})
-    assert isinstance(view, FileBackend)
+    assert isinstance(view.inner, FileBackend)
     for x in (a, b, view):
         x.close()
 

@@ -12,7 +12,7 @@ Contract:
   another model, dtype, host byte order, page size or TP rank never alias.
 - Every stored page carries the header of ``integrity.py`` and every read
   verifies it: a page whose key, fingerprint, length or checksum does not
-  match is a miss, counted in ``stats().corrupt_pages`` (and removed or
+  match is a miss, reported with ``report.corrupt`` (and removed or
   quarantined where the backend can). A read never returns True for bytes
   it has not verified.
 - ``batch_exists`` returns how many keys exist consecutively from the start.
@@ -20,7 +20,12 @@ Contract:
 - Writes skip keys that already exist (cross-instance dedup). A successful
   ``set`` is not proof of residency (stores may evict).
 - Methods never raise for an unavailable or failing store: they return
-  False / 0 and count the failure; ``__init__`` raises ``StorageConfigError``
+  False / 0 and report the failure (``report.failed``; ``down=True`` when the
+  store stopped answering). Counters, the breaker and the never-raise rule for
+  backends that do raise live in the guard every backend runs behind
+  (tiers/l3/guard.py, tiers/l3/report.py); a backend keeps none. A backend
+  whose store can go away offers ``answers()``, the breaker's probe.
+  ``__init__`` raises ``StorageConfigError``
   for bad configuration (message names the key and the allowed values) and
   ``StorageUnavailable`` when the store cannot be reached at start. A
   backend's extra config is a ``Settings`` model next to it, read with
@@ -39,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -50,6 +54,7 @@ from pydantic import ValidationError
 
 from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.l3.report import Report
 from hicache.tiers.settings import Settings, explain
 
 # Bytes of a page in L3 follow the host pool's slot order; layouts whose
@@ -119,7 +124,7 @@ class StorageConfig:
 
 @dataclass
 class StorageStats:
-    """Counters of one backend instance (pages are whole pages)."""
+    """Counters of one backend instance, kept by its guard (pages are whole pages)."""
 
     get_pages: int = 0
     get_hits: int = 0
@@ -134,7 +139,10 @@ class StorageStats:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     evicted_pages: int = 0
+    # failures of the store (a call that raised, a failed transfer or RPC)
     errors: int = 0
+    # calls the guard's open breaker answered at once, without the store
+    refused_calls: int = 0
     # pages read straight from store memory this process holds (Mooncake: its own
     # segment), copied and checked in one pass instead of a transfer and a check
     pages_in_place: int = 0
@@ -204,8 +212,9 @@ class StorageBackend(ABC):
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
         self.pool: HostPagePool | None = None
-        self._stats = StorageStats()
-        self._stats_lock = threading.Lock()
+        # what this backend tells its guard (tiers/l3/guard.py binds it); detached,
+        # it keeps nothing
+        self.report = Report()
 
     # ---- keys ---------------------------------------------------------------
 
@@ -314,13 +323,15 @@ class StorageBackend(ABC):
         return None
 
     def stats(self) -> StorageStats:
-        with self._stats_lock:
-            return StorageStats(**self._stats.as_dict())
+        """This instance's counters: kept by the guard (``GuardedBackend.stats``); a
+        backend used without one has none (all zero)."""
+        return StorageStats()
 
-    def _count(self, **deltas: float) -> None:
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                setattr(self._stats, name, getattr(self._stats, name) + delta)
+    def answers(self) -> bool:
+        """Whether the store answers now: the guard's breaker probe, called every half
+        second while the breaker is open. Override it where a store can go away (the
+        default, kept, means "no probe": the guard then calls the backend every time)."""
+        return True
 
     def close(self) -> None:
         """Release connections and registrations; the instance is unusable after."""

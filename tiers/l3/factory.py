@@ -2,7 +2,8 @@
 
 Contract: ``create_backend(name, config)`` imports the backend lazily (so a
 missing optional dependency only matters to whoever selects it) and returns
-a ``StorageBackend``. ``StorageBackendName`` is the one list of names (the
+a ``StorageBackend`` behind its guard (tiers/l3/guard.py: counters, breaker,
+never raising), whichever backend it is. ``StorageBackendName`` is the one list of names (the
 connector config's ``hicache_storage_backend`` accepts exactly these).
 ``dynamic`` loads a third-party class as SGLang does: ``extra_config``
 names ``module_path`` and ``class_name`` (``backend_name`` and
@@ -27,6 +28,7 @@ from hicache.tiers.l3.base import (
     StorageConfigError,
     validate_extra,
 )
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.settings import Settings
 
 StorageBackendName = Literal["file", "mooncake", "nixl", "lmcache", "dynamic"]
@@ -65,7 +67,7 @@ def create_backend(name: str, config: StorageConfig) -> StorageBackend:
         )
     module_name, class_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(config)
+    return guarded(cls(config))
 
 
 def _dynamic(config: StorageConfig) -> StorageBackend:
@@ -83,4 +85,5 @@ def _dynamic(config: StorageConfig) -> StorageBackend:
             f"{EXTRA_CONFIG}.class_name={loader.class_name!r} is not "
             f"a StorageBackend subclass in {loader.module_path!r}"
         )
-    return cls(dataclasses.replace(config, extra_config=dict(loader.model_extra or {})))
+    return guarded(cls(dataclasses.replace(config,
+                                           extra_config=dict(loader.model_extra or {}))))

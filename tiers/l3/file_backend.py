@@ -341,7 +341,7 @@ class FileBackend(StorageBackend):
                 self._index_bytes -= size
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._pages + name)
-            self._count(evicted_pages=1)
+            self.report.evicted(1)
 
     @property
     def used_bytes(self) -> int:
@@ -377,7 +377,6 @@ class FileBackend(StorageBackend):
     # ---- SGLang interface ------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        self._count(exists_queries=1)
         name = self._name(key)
         try:
             size = os.stat(self._pages + name).st_size
@@ -450,7 +449,6 @@ class FileBackend(StorageBackend):
         self._require_pool()
         if self._pool_np is None or not keys:
             return [False] * len(keys)
-        start = time.perf_counter()
         whole = whole_spans(spans)
         rows = [i for i in range(len(keys)) if whole[i]]
         results = [False] * len(keys)
@@ -471,11 +469,10 @@ class FileBackend(StorageBackend):
             native_io.path_rows([self._pages + n for n in names]), self._pool_np,
             [host_slots[i] * self._page_bytes for i in rows], self._page_bytes, headers,
             integrity.CHECKSUM_AT, self.fsync, skip_existing=True, bases=bases, last=last)
-        written = skipped = failed = 0
+        skipped = failed = 0
         for j, code in enumerate(status.tolist()):
             ok = code in (native_io.OK, native_io.SKIPPED)
             results[rows[j]] = ok
-            written += code == native_io.OK
             skipped += code == native_io.SKIPPED
             failed += not ok
             if ok and last[j]:
@@ -484,9 +481,7 @@ class FileBackend(StorageBackend):
             logger.warning("HiCache file L3: writing %d pages in span files failed; they "
                            "are stored page by page", failed)
         self._make_room(0)
-        self._count(set_pages=written, set_skipped_existing=skipped,
-                    bytes_written=written * self._page_bytes,
-                    write_seconds=time.perf_counter() - start if written else 0.0)
+        self.report.skipped(skipped)
         return results
 
     def batch_get_spans(self, keys: list[str], host_slots: list[int], spans: list[SpanRef],
@@ -517,12 +512,11 @@ class FileBackend(StorageBackend):
     # ---- reads ------------------------------------------------------------------------
 
     def _read_pages(self, keys: list[str], targets: list[tuple[memoryview, int]]) -> list[bool]:
-        """Read and verify each page into its (view, address); counters and index once."""
-        start = time.perf_counter()
+        """Read and verify each page into its (view, address); index and report once."""
         buffers = self._buffers
         problems = [self._read_one(self._name(key), key, payload, addr, buffers)
                     for key, (payload, addr) in zip(keys, targets, strict=True)]
-        return self._settle_reads(keys, problems, start)
+        return self._settle_reads(keys, problems)
 
     def _read_slots_native(self, keys: list[str], slots: list[int],
                            deadline: float | None = None, names: list[str] | None = None,
@@ -532,7 +526,6 @@ class FileBackend(StorageBackend):
         ``names`` and ``records``: the pages are records of span files (their names,
         record offsets and file sizes)."""
         assert self._pool_np is not None
-        start = time.perf_counter()
         names = names or [self._name(key) for key in keys]
         page_keys = [self.page_key_bytes(k) for k in keys]
         headers = np.empty((len(keys), FILE_HEADER_BYTES), np.uint8)
@@ -567,19 +560,19 @@ class FileBackend(StorageBackend):
                     bytes(headers[i, :integrity.HEADER_BYTES]), page_keys[i],
                     self._fingerprint, b"", layout=FILE_LAYOUT) or "header mismatch")
         if records is not None:
-            return self._settle_reads(keys, problems, start, names, records[1])
-        return self._settle_reads(keys, problems, start, names)
+            return self._settle_reads(keys, problems, names, records[1])
+        return self._settle_reads(keys, problems, names)
 
-    def _settle_reads(self, keys: list[str], problems: list[str | None], start: float,
+    def _settle_reads(self, keys: list[str], problems: list[str | None],
                       names: list[str] | None = None,
                       sizes: np.ndarray | None = None) -> list[bool]:
-        """Counters, index and quarantine for a batch of reads (None: verified);
+        """Index, quarantine and report for a batch of reads (None: verified);
         ``sizes``: the files' sizes, where they are span files (several pages each;
         a file with a bad record is quarantined once its good records were read)."""
         results: list[bool] = []
         hits: dict[str, int] = {}
         bad: dict[str, str] = {}
-        misses = corrupt = not_read = 0
+        corrupt = not_read = 0
         for i, (key, problem) in enumerate(zip(keys, problems, strict=True)):
             name = names[i] if names is not None else self._name(key)
             if problem is None:
@@ -590,7 +583,6 @@ class FileBackend(StorageBackend):
             if problem == _NOT_READ:
                 not_read += 1
                 continue
-            misses += 1
             if problem == _MISSING:
                 self._forget(name)
             else:
@@ -604,10 +596,8 @@ class FileBackend(StorageBackend):
         else:
             for name, size in hits.items():
                 self._touch(name, size)
-        got = sum(results)
-        self._count(get_pages=len(keys) - not_read, get_hits=got, get_misses=misses,
-                    corrupt_pages=corrupt, bytes_read=got * self._page_bytes,
-                    read_seconds=time.perf_counter() - start)
+        self.report.corrupt(corrupt)
+        self.report.not_started(not_read)
         return results
 
     def _read_one(self, name: str, key: str, payload: memoryview, addr: int,
@@ -676,8 +666,7 @@ class FileBackend(StorageBackend):
     # ---- writes -------------------------------------------------------------------------
 
     def _write_pages(self, keys: list[str], values: list[tuple[memoryview, int]]) -> list[bool]:
-        """Store each (view, address) as its page unless it exists; counters, index once."""
-        start = time.perf_counter()
+        """Store each (view, address) as its page unless it exists; index and report once."""
         buffers = self._buffers
         results: list[bool] = []
         stored: list[str] = []
@@ -702,10 +691,7 @@ class FileBackend(StorageBackend):
                 failed += 1
                 results.append(False)
         self._touch_all(stored)
-        written = len(stored) - skipped
-        self._count(set_pages=written, set_skipped_existing=skipped, set_failures=failed,
-                    errors=failed, bytes_written=written * self._page_bytes,
-                    write_seconds=time.perf_counter() - start if written else 0.0)
+        self._report_writes(skipped, failed)
         return results
 
     def _write_slots_native(self, keys: list[str], slots: list[int]) -> list[bool]:
@@ -714,7 +700,6 @@ class FileBackend(StorageBackend):
         pages just written are the most recent): a capacity may be exceeded by one
         batch while it is written."""
         assert self._pool_np is not None
-        start = time.perf_counter()
         names = [self._name(key) for key in keys]
         suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
         headers = integrity.header_rows([self.page_key_bytes(k) for k in keys],
@@ -752,11 +737,13 @@ class FileBackend(StorageBackend):
             results.append(error is None)
         self._touch_all(stored)
         self._make_room(0)
-        written = len(stored) - skipped
-        self._count(set_pages=written, set_skipped_existing=skipped, set_failures=failed,
-                    errors=failed, bytes_written=written * self._page_bytes,
-                    write_seconds=time.perf_counter() - start if written else 0.0)
+        self._report_writes(skipped, failed)
         return results
+
+    def _report_writes(self, skipped: int, failed: int) -> None:
+        self.report.skipped(skipped)
+        if failed:
+            self.report.failed(f"{failed} page writes", count=failed)
 
     def _write_one(self, name: str, path: str, header: bytes, payload: memoryview, addr: int,
                    buffers: _Buffers) -> str | None:
@@ -841,7 +828,7 @@ class FileBackend(StorageBackend):
     # ---- helpers ----------------------------------------------------------------
 
     def _quarantine(self, name: str, reason: str) -> None:
-        """Move a corrupt page aside (the caller counts it)."""
+        """Move a corrupt page aside (the caller reports it)."""
         self._forget(name)
         dest = self.quarantine_dir / f"{name.rpartition('/')[2]}.{int(time.time() * 1e6)}"
         try:

@@ -34,10 +34,10 @@ Contract (on top of ``base.py``):
   (``set_skipped_existing``); a page only in its L2 is written again (an
   exists probe would load it from L2 first, costing more than the write).
 - Failures never raise from the page methods. A missing reply or a dropped
-  connection opens a breaker (breaker.py): calls fail at once while a probe thread asks
-  the server every ``PROBE_INTERVAL_S``; when it answers, the instance
-  registers again (new shared memory if the server restarted) and the
-  breaker closes. A heartbeat thread pings and re-registers (idempotent)
+  connection is reported ``down`` and the guard's breaker opens
+  (tiers/l3/guard.py): calls fail at once while a probe thread asks the server
+  (``answers``) every half second; when it answers, the instance registers
+  again (new shared memory if the server restarted) and the breaker closes. A heartbeat thread pings and re-registers (idempotent)
   every ``heartbeat_interval_s`` so the server never reaps a quiet client.
 - ``clear`` deletes the pages this instance wrote or found (up to
   ``KNOWN_KEYS``, most recent first); LMCache's fs and Redis adapters cannot
@@ -54,7 +54,6 @@ import logging
 import secrets
 import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Literal
@@ -74,7 +73,6 @@ from hicache.tiers.l3.base import (
     StorageUnavailable,
     validate_extra,
 )
-from hicache.tiers.l3.breaker import Breaker
 from hicache.tiers.l3.lmcache_wire import Request, ServerGone, ServerTimeout, WireClient
 from hicache.tiers.settings import Settings
 
@@ -84,7 +82,6 @@ HEADER = integrity.HEADER_BYTES
 TOKENS_PER_KEY = 8  # a 32-byte page key as uint32 tokens
 # LMCache's kv_rank bitmap for world size 1, rank 0: every shard is its own model name.
 KV_RANK = 0x01000100
-PROBE_INTERVAL_S = 0.5
 MAX_BATCH = 64  # pages per pipelined batch (bounds the slots held at once)
 KNOWN_KEYS = 1 << 18
 DELETE_BATCH = 5000  # the server refuses deletes of more than 10,000 keys
@@ -206,8 +203,6 @@ class LMCacheBackend(StorageBackend):
         self._lock = threading.Lock()  # registration, known keys, close
         self._closed = False
         self._stop = threading.Event()  # the heartbeat's
-        self._breaker = Breaker(f"LMCache server {s.server_url}", self._server_answers,
-                                PROBE_INTERVAL_S)
         self._shm: _Shm | None = None
         self._known: LRUCache[str, bool] = LRUCache(KNOWN_KEYS)
         self._deletes_ok: bool | None = None  # None: not checked yet
@@ -262,7 +257,7 @@ class LMCacheBackend(StorageBackend):
     def _beat(self) -> None:
         s = self.settings
         while not self._stop.wait(s.heartbeat_interval_s):
-            if self._breaker.is_open:
+            if self.report.down:
                 continue
             try:
                 self._wire.call_many([("ping", [self.instance_id])],
@@ -273,7 +268,7 @@ class LMCacheBackend(StorageBackend):
 
     def _available(self) -> bool:
         """Whether to call the server now (breaker closed, same server as registered)."""
-        if self._breaker.is_open or self._closed:
+        if self.report.down or self._closed:
             return False
         if self._wire.reconnected():  # the server may have restarted: new pool, no us
             try:
@@ -284,12 +279,10 @@ class LMCacheBackend(StorageBackend):
         return True
 
     def _failed(self, exc: BaseException) -> None:
-        """Open the breaker (breaker.py); its probe closes it when the server answers."""
-        self._count(errors=1)
-        if not self._closed:
-            self._breaker.trip(f"{type(exc).__name__}: {exc}")
+        """Report the server down: the guard's breaker opens, ``answers`` closes it."""
+        self.report.failed(f"{type(exc).__name__}: {exc}", down=not self._closed)
 
-    def _server_answers(self) -> bool:
+    def answers(self) -> bool:
         """The breaker's probe: the server answers, and takes this instance afresh."""
         if not self._wire.connected:
             return False
@@ -306,17 +299,12 @@ class LMCacheBackend(StorageBackend):
 
     @property
     def server_reachable(self) -> bool:
-        """False while the breaker is open."""
-        return not self._breaker.is_open
-
-    @property
-    def last_error(self) -> str:
-        """Why the breaker last opened."""
-        return self._breaker.reason
+        """False while the guard's breaker is open."""
+        return not self.report.down
 
     def _calls(self, requests: Sequence[Request]) -> list[Any] | None:
         """One pipelined round trip; None when the breaker is open or it failed (opening it)."""
-        if self._breaker.is_open:
+        if self.report.down:
             return None
         try:
             return self._wire.call_many(requests, timeout_s=self.settings.request_timeout_s)
@@ -354,20 +342,21 @@ class LMCacheBackend(StorageBackend):
         return [done[j] for j in first]
 
     def _write(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
-        """Store pages (a key twice in ``keys`` is written once)."""
-        return self._distinct_batches(keys, payloads, self._write_batch, _first_of(keys))
+        """Store pages (a key twice in ``keys`` is written once: the repeats are
+        reported skipped)."""
+        first = _first_of(keys)
+        results = self._distinct_batches(keys, payloads, self._write_batch, first)
+        self.report.skipped(sum(1 for i, j in enumerate(first) if i != j and results[i]))
+        return results
 
     def _write_batch(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
         n = len(keys)
         if not self._available():
-            self._count(set_failures=n)
             return [False] * n
-        t0 = time.perf_counter()
         ipc = [self._ipc_key(k) for k in keys]
         replies = self._calls([("prepare_store", (k, self.instance_id)) for k in ipc])
         shm = self._shm
         if replies is None or shm is None:
-            self._count(set_failures=n)
             return [False] * n
         results = [False] * n
         commit: list[int] = []
@@ -393,11 +382,8 @@ class LMCacheBackend(StorageBackend):
                            + _end_sessions(ipc))
         for j, i in enumerate(commit):
             results[i] = results[i] and done is not None and done[j] is True
-        stored = sum(results) - skipped
         self._remember([k for k, ok in zip(keys, results, strict=True) if ok])
-        self._count(set_pages=stored, set_skipped_existing=skipped,
-                    set_failures=n - sum(results), bytes_written=stored * self.config.page_bytes,
-                    write_seconds=time.perf_counter() - t0)
+        self.report.skipped(skipped)
         return results
 
     def _lookup(self, ipc: list[dict[str, Any]]) -> list[int] | None:
@@ -422,10 +408,8 @@ class LMCacheBackend(StorageBackend):
         return results
 
     def _read_batch(self, keys: list[str], targets: list[np.ndarray]) -> list[bool]:
-        n, pb = len(keys), self.config.page_bytes
-        self._count(get_pages=n)
+        n = len(keys)
         results = [False] * n
-        t0 = time.perf_counter()
         ipc = [self._ipc_key(k) for k in keys]
         hits = self._lookup(ipc) if self._available() else None
         held = [i for i in range(n) if hits is not None and hits[i]]
@@ -454,11 +438,8 @@ class LMCacheBackend(StorageBackend):
                         + _end_sessions(ipc))
         self._remember([k for k, ok in zip(keys, results, strict=True) if ok])
         if corrupt:
-            self._count(corrupt_pages=len(corrupt))
+            self.report.corrupt(len(corrupt))
             self._delete(corrupt)
-        got = sum(results)
-        self._count(get_hits=got, get_misses=n - got, bytes_read=got * pb,
-                    read_seconds=time.perf_counter() - t0)
         return results
 
     # ---- single pages (through a staging copy) ---------------------------------------------
@@ -479,7 +460,6 @@ class LMCacheBackend(StorageBackend):
     # ---- batches ---------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str]) -> int:
-        self._count(exists_queries=len(keys))
         found = 0
         for lo in range(0, len(keys), MAX_BATCH):
             batch = keys[lo:lo + MAX_BATCH]
@@ -566,7 +546,7 @@ class LMCacheBackend(StorageBackend):
             return int(reply.json().get("deleted", 0))
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             logger.warning("LMCache delete through %s failed: %s", url, exc)
-            self._count(errors=1)
+            self.report.failed(f"delete: {exc}")
             return None
 
     def _delete(self, keys: list[str]) -> int:
@@ -609,8 +589,7 @@ class LMCacheBackend(StorageBackend):
                 return
             self._closed = True
         self._stop.set()
-        self._breaker.stop()
-        if not self._breaker.is_open and self._wire.connected:
+        if not self.report.down and self._wire.connected:
             with contextlib.suppress(ServerTimeout, ServerGone):
                 self._wire.call("unregister_kv_cache_engine_driven_context", self.instance_id,
                                 timeout_s=min(1.0, self.settings.request_timeout_s))

@@ -39,10 +39,10 @@ Contract (on top of ``base.py``):
   5000 ms here when the environment does not set it; Mooncake's default is
   30 s). A dead master costs Mooncake ~4.3 s per call (its RPC client pool
   retries the connect ~3 times, 1 s apart; not configurable in 0.3.13), so
-  the first RPC failure (codes -900..-999) trips a breaker (breaker.py): every
-  call then fails at once (counted in ``errors``) while a background thread
-  probes the master every ``PROBE_INTERVAL_S`` and closes the breaker when it
-  answers.
+  the first RPC failure (codes -900..-999) is reported ``down`` and the
+  guard's breaker opens (tiers/l3/guard.py): every call then fails at once
+  (counted in ``errors``) while a background thread probes the master
+  (``answers``) every half second and closes the breaker when it answers.
   So after a master dies, at most one call per instance takes up to ~4.5 s
   (or ``MC_RPC_TIMEOUT_MS``); the rest return within microseconds.
 - ``MC_STORE_CLIENT_SETUP_RETRIES`` defaults to 2 here (Mooncake: 20, about
@@ -68,7 +68,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -84,7 +83,6 @@ from hicache.tiers.l3.base import (
     StorageConfigError,
     StorageUnavailable,
 )
-from hicache.tiers.l3.breaker import Breaker
 from hicache.tiers.l3.mooncake_config import MooncakeSettings
 from hicache.tiers.l3.verify import helpers as verify_helpers
 
@@ -93,7 +91,6 @@ logger = logging.getLogger(__name__)
 HEADER = integrity.HEADER_BYTES
 DEFAULT_RPC_TIMEOUT_MS = "5000"
 DEFAULT_SETUP_RETRIES = "2"
-PROBE_INTERVAL_S = 0.5
 # Header slots per multi-buffer batch call; larger batches are chunked.
 ARENA_PAGES = 256
 # Mooncake ErrorCode values this backend distinguishes.
@@ -210,8 +207,6 @@ class MooncakeBackend(StorageBackend):
         self._fp = config.fingerprint
         self._lock = threading.Lock()  # registrations and close
         self._closed = False
-        self._breaker = Breaker(f"mooncake master {s.master_server_address}",
-                                self._master_answers, PROBE_INTERVAL_S)
         self._mounted = False
         # registered buffers, kept alive until close: host pool, per-thread header
         # arenas (one 128-byte header per page of a batch call) and staging pages
@@ -235,7 +230,7 @@ class MooncakeBackend(StorageBackend):
             rc = -1
         if rc != 0:
             logger.warning("mooncake register_buffer of the %s failed (rc=%s)", what, rc)
-            self._count(errors=1)
+            self.report.failed("register_buffer")
             return False
         with self._lock:
             self._buffers.append(t)
@@ -279,7 +274,7 @@ class MooncakeBackend(StorageBackend):
                 self._store, self.settings.global_segment_size, self.settings.protocol, probe)
         except Exception as exc:
             logger.warning("mooncake allocate_and_mount_segment raised: %s", exc)
-            self._count(errors=1)
+            self.report.failed("allocate_and_mount_segment")
             return False
         rc = int(res.get("ret", -1)) if isinstance(res, dict) else -1
         if rc != 0:
@@ -307,30 +302,26 @@ class MooncakeBackend(StorageBackend):
                 "(hicache_storage_backend_extra_config.global_segment_size)"
             )
 
-    # ---- breaker ---------------------------------------------------------------------
+    # ---- the guard's breaker (tiers/l3/guard.py) -------------------------------------
 
     def _available(self) -> bool:
-        """False (and an error counted) while the master is known to be unreachable."""
-        if self._closed or self._breaker.is_open:
-            self._count(errors=1)
-            return False
-        return True
+        """False while the master is known to be unreachable (the guard's breaker is
+        open) or the backend is closed: a batch that is under way stops calling it."""
+        return not (self._closed or self.report.down)
 
     def _failed(self, rc: int) -> None:
-        """Count a failure; an RPC failure trips the breaker (breaker.py)."""
-        self._count(errors=1)
-        if _is_rpc_failure(rc) and not self._closed:
-            self._breaker.trip(f"rc={rc}")
+        """Report a failure; an RPC failure says the master is down (the breaker opens)."""
+        self.report.failed(f"rc={rc}", down=_is_rpc_failure(rc) and not self._closed)
 
-    def _master_answers(self) -> bool:
+    def answers(self) -> bool:
         """The breaker's probe: one ``batch_is_exist`` that gets an answer."""
         rc = self._store.batch_is_exist([f"hicache-probe_{self.config.key_suffix}"])
         return bool(rc) and rc[0] >= 0
 
     @property
     def master_reachable(self) -> bool:
-        """False while the breaker is open (the master stopped answering)."""
-        return not self._breaker.is_open
+        """False while the guard's breaker is open (the master stopped answering)."""
+        return not self.report.down
 
     # ---- the store calls (never raise) ------------------------------------------------
 
@@ -340,7 +331,7 @@ class MooncakeBackend(StorageBackend):
             flags = list(self._store.batch_is_exist(okeys))
         except Exception as exc:
             logger.warning("mooncake batch_is_exist raised: %s", exc)
-            self._count(errors=1)
+            self.report.failed("batch_is_exist")
             return None
         bad = [f for f in flags if f < 0]
         if bad or len(flags) != len(okeys):
@@ -364,7 +355,7 @@ class MooncakeBackend(StorageBackend):
             self._store.batch_remove(okeys, True)
         except Exception as exc:
             logger.warning("mooncake batch_remove raised: %s", exc)
-            self._count(errors=1)
+            self.report.failed("batch_remove")
 
     def _read(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
               places: list[Place] | None = None) -> list[bool]:
@@ -380,18 +371,15 @@ class MooncakeBackend(StorageBackend):
 
     def _read_chunk(self, keys: list[str], ptrs: list[int], payloads: list[memoryview],
                     places: list[Place]) -> list[bool]:
-        n, pb = len(keys), self.config.page_bytes
-        self._count(get_pages=n)
+        n = len(keys)
         objects = _objects(places)  # object key -> its record count and pages there
         first = _header_rows(objects)  # object key -> its first header row
         arena = self._arena(sum(c for c, _ in objects.values())) if self._available() else None
         partial = any(count > len(pages) for count, pages in objects.values())
         scratch = self._scratch() if arena is not None and partial else 0
         if arena is None or scratch is None:
-            self._count(get_misses=n)
             return [False] * n
         base, headers = _ptr(arena[0]), arena[1]
-        t0 = time.perf_counter()
         remote = list(objects)
         why_bad: dict[int, str | None] = {}  # page read whole -> why it is bad (None: good)
         if self._segment is not None:
@@ -424,11 +412,8 @@ class MooncakeBackend(StorageBackend):
                 corrupt.setdefault(places[i][0], why)
                 bad_pages += 1
         if corrupt:
-            self._count(corrupt_pages=bad_pages)
+            self.report.corrupt(bad_pages)
             self._remove_corrupt(list(corrupt))
-        hits = sum(results)
-        self._count(get_hits=hits, get_misses=n - hits, bytes_read=hits * pb,
-                    read_seconds=time.perf_counter() - t0)
         return results
 
     def _read_in_place(self, objects: dict[str, tuple[int, list[tuple[int, int]]]],
@@ -454,7 +439,7 @@ class MooncakeBackend(StorageBackend):
             sums = native_io.copy_records(sources, hdrs, dests, HEADER, self.config.page_bytes,
                                           self._verify_helper)
             arrived.update(zip(pages, (int(x) for x in sums.tolist()), strict=True))
-            self._count(pages_in_place=len(pages))
+            self.report.in_place(len(pages))
         return remote
 
     def _read_through_mooncake(self, okeys: list[str],
@@ -531,14 +516,11 @@ class MooncakeBackend(StorageBackend):
         usable = self._available() and self._ensure_segment()
         arena = self._arena(n) if usable else None
         if arena is None:
-            self._count(set_failures=n)
             return [False] * n
         base, headers = _ptr(arena[0]), arena[1]
-        t0 = time.perf_counter()
         okeys = list(objects)
         flags = self._exist_flags(okeys)
         if flags is None:
-            self._count(set_failures=n)
             return [False] * n
         todo = [o for o, f in zip(okeys, flags, strict=True) if not f]
         pages = [i for o in todo for _, i in objects[o][1]]
@@ -568,19 +550,14 @@ class MooncakeBackend(StorageBackend):
                     stored.add(okey)
                 else:
                     self._failed(rc)
-        results = [p[0] in stored for p in places]
-        written = sum(len(objects[o][1]) for o in todo if o in stored)
-        self._count(set_pages=written, set_skipped_existing=skipped,
-                    set_failures=n - sum(results), bytes_written=written * pb,
-                    write_seconds=time.perf_counter() - t0)
-        return results
+        self.report.skipped(skipped)
+        return [p[0] in stored for p in places]
 
     # ---- single pages ------------------------------------------------------------------
 
     def get(self, key: str, target: torch.Tensor) -> bool:
         staging = self._staging_buffer()
         if staging is None:
-            self._count(get_pages=1, get_misses=1)
             return False
         payload = staging[HEADER:]
         if not self._read([key], [_ptr(payload)], [payload.numpy().data])[0]:
@@ -591,7 +568,6 @@ class MooncakeBackend(StorageBackend):
     def set(self, key: str, value: torch.Tensor) -> bool:
         staging = self._staging_buffer()
         if staging is None:
-            self._count(set_failures=1)
             return False
         payload = staging[HEADER:]
         payload.copy_(value.reshape(-1))
@@ -603,7 +579,6 @@ class MooncakeBackend(StorageBackend):
     # ---- batches -----------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str]) -> int:
-        self._count(exists_queries=len(keys))
         if not keys or not self._available():
             return 0
         flags = self._exist_flags([self.object_key(k) for k in keys])
@@ -689,7 +664,7 @@ class MooncakeBackend(StorageBackend):
             rc = self._store.remove(self.object_key(key), True)
         except Exception as exc:  # noqa: BLE001 - a failing store is reported, not raised
             logger.warning("mooncake remove raised: %s", exc)
-            self._count(errors=1)
+            self.report.failed("remove")
             return False
         return rc == 0
 
@@ -700,7 +675,7 @@ class MooncakeBackend(StorageBackend):
             rc = self._store.remove_all(True)
         except Exception as exc:
             logger.warning("mooncake remove_all raised: %s", exc)
-            self._count(errors=1)
+            self.report.failed("remove_all")
             return
         if rc < 0:
             self._failed(rc)
@@ -710,8 +685,7 @@ class MooncakeBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-            down = self._breaker.is_open
-        self._breaker.stop()
+            down = self.report.down
         if self._verify_helper is not None:  # a read whose job is cancelled hashes itself
             self._verify_helper.shutdown(wait=False, cancel_futures=True)
             self._verify_helper = None

@@ -20,7 +20,7 @@ Contract (on top of ``base.py``):
   integrity header followed by the payload. Writes go to a temporary name in
   the same directory and are renamed into place, so readers see whole pages
   or nothing. Every read checks the file size and ``integrity.verify``; a
-  mismatch is a miss counted in ``corrupt_pages`` and the file is moved to
+  mismatch is a miss reported corrupt and the file is moved to
   ``<path>/quarantine``.
 - Zero copy: the registered pool buffer is the DRAM side of the transfer for
   layouts whose slots are contiguous (page_first, page_first_direct); a
@@ -29,7 +29,8 @@ Contract (on top of ``base.py``):
   registered one-page staging buffer. O_DIRECT is not offered: the 128-byte
   header puts the payload at an unaligned file offset.
 - No I/O problem raises from get / set / exists / batch_*: they return False
-  (or a shorter count) and count the failure in ``errors``.
+  (or a shorter count) and report the failure (``report.failed``; the guard
+  counts it in ``errors``).
 """
 
 from __future__ import annotations
@@ -214,7 +215,6 @@ class NixlBackend(StorageBackend):
     # ---- single pages -----------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        self._count(exists_queries=1)
         return os.path.exists(self._file(key))
 
     def get(self, key: str, target: torch.Tensor) -> bool:
@@ -248,7 +248,6 @@ class NixlBackend(StorageBackend):
     # ---- batches ----------------------------------------------------------------
 
     def batch_exists(self, keys: list[str]) -> int:
-        self._count(exists_queries=len(keys))
         for i, key in enumerate(keys):
             if not os.path.exists(self._file(key)):
                 return i
@@ -294,7 +293,7 @@ class NixlBackend(StorageBackend):
 
     def _skip_existing(self, key: str) -> bool:
         if os.path.exists(self._file(key)):
-            self._count(set_pages=1, set_skipped_existing=1)
+            self.report.skipped(1)
             return True
         return False
 
@@ -302,7 +301,6 @@ class NixlBackend(StorageBackend):
 
     def _read(self, pages: list[_Page]) -> list[bool]:
         """Read up to ``max_batch`` pages (header + payload) in one transfer, then verify."""
-        t0 = time.perf_counter()
         size = HDR + self.config.page_bytes
         live: list[_Page] = []
         try:
@@ -331,15 +329,10 @@ class NixlBackend(StorageBackend):
                 if page.fd >= 0:
                     os.close(page.fd)
                     page.fd = -1
-        hits = sum(p.ok for p in pages)
-        self._count(get_pages=len(pages), get_hits=hits, get_misses=len(pages) - hits,
-                    bytes_read=hits * self.config.page_bytes,
-                    read_seconds=time.perf_counter() - t0)
         return [p.ok for p in pages]
 
     def _write(self, pages: list[_Page]) -> list[bool]:
         """Write up to ``max_batch`` pages to temporary files in one transfer, then rename."""
-        t0 = time.perf_counter()
         fp = self.config.fingerprint
         live: list[_Page] = []
         slots: list[int] = []  # header slot of each live page (its index in ``pages``)
@@ -354,7 +347,7 @@ class NixlBackend(StorageBackend):
                     page.fd = os.open(page.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 except (OSError, ValueError) as exc:
                     logger.warning("nixl backend: cannot prepare %s: %s", page.path, exc)
-                    self._count(errors=1)
+                    self.report.failed("prepare")
                     continue
                 live.append(page)
                 slots.append(i)
@@ -367,7 +360,7 @@ class NixlBackend(StorageBackend):
                         page.ok = True
                     except OSError as exc:
                         logger.warning("nixl backend: rename to %s failed: %s", page.path, exc)
-                        self._count(errors=1)
+                        self.report.failed("rename")
         finally:
             for page in pages:
                 if page.fd >= 0:
@@ -376,10 +369,6 @@ class NixlBackend(StorageBackend):
                 if page.tmp and not page.ok:
                     with contextlib.suppress(OSError):
                         os.unlink(page.tmp)
-        stored = sum(p.ok for p in pages)
-        self._count(set_pages=len(pages), set_failures=len(pages) - stored,
-                    bytes_written=stored * self.config.page_bytes,
-                    write_seconds=time.perf_counter() - t0)
         return [p.ok for p in pages]
 
     def _transfer(self, op: str, pages: list[_Page], header_index: list[int] | None = None
@@ -392,7 +381,7 @@ class NixlBackend(StorageBackend):
         which keeps late bytes out of buffers in use.
         """
         if not self._drain_parked():
-            self._count(errors=1)
+            self.report.failed("timed-out requests still running")
             return False
         agent = self._agent
         n = self.config.page_bytes
@@ -415,7 +404,7 @@ class NixlBackend(StorageBackend):
             if state == "PROC":
                 logger.warning("nixl backend: %s of %d pages timed out after %.3f s",
                                op, len(pages), self.timeout_s)
-                self._count(errors=1)
+                self.report.failed(f"{op} timed out")
                 self._parked.append((handle, file_reg, [p.fd for p in pages]))
                 for page in pages:
                     page.fd = -1
@@ -424,12 +413,12 @@ class NixlBackend(StorageBackend):
             if state != "DONE":
                 logger.warning("nixl backend: %s of %d pages ended in state %s",
                                op, len(pages), state)
-                self._count(errors=1)
+                self.report.failed(f"{op} ended in state {state}")
                 return False
             return True
         except Exception as exc:  # nixl errors are C++ exceptions of several types
             logger.warning("nixl backend: %s of %d pages failed: %s", op, len(pages), exc)
-            self._count(errors=1)
+            self.report.failed(f"{op} failed")
             return False
         finally:
             self._release(handle, file_reg, [])
@@ -473,7 +462,7 @@ class NixlBackend(StorageBackend):
     def _quarantine_page(self, page: _Page, reason: str) -> None:
         """Count ``page`` as corrupt and move its file aside (unless it was replaced)."""
         logger.warning("nixl backend: corrupt page %s: %s", page.path, reason)
-        self._count(corrupt_pages=1)
+        self.report.corrupt(1)
         try:
             if os.stat(page.path).st_ino != os.fstat(page.fd).st_ino:
                 return  # someone stored a fresh copy meanwhile

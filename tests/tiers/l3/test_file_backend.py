@@ -24,6 +24,7 @@ from hicache.tiers.l3 import integrity, native_io, verify
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES, FILE_LAYOUT, FileBackend
+from hicache.tiers.l3.guard import GuardedBackend, guarded
 
 
 @pytest.fixture(autouse=True, params=["native", "native-helper", "python"])
@@ -64,7 +65,7 @@ def filled_pool(layout: str, seed: int) -> HostPagePool:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_round_trip_through_host_slots(tmp_path, layout, io_path):
     src, dst = filled_pool(layout, 1), filled_pool(layout, 2)
-    a, b = FileBackend(config(tmp_path, layout=layout)), FileBackend(config(tmp_path, layout=layout))
+    a, b = guarded(FileBackend(config(tmp_path, layout=layout))), guarded(FileBackend(config(tmp_path, layout=layout)))
     a.register_host_pool(src)
     b.register_host_pool(dst)
     # Contiguous slots take the batch path where it runs; layer_first stages a page.
@@ -79,7 +80,7 @@ def test_round_trip_through_host_slots(tmp_path, layout, io_path):
 
 
 def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(tmp_path):
-    backend = FileBackend(config(tmp_path))
+    backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 3))
     ks = keys(5)
     backend.batch_set_v1([ks[0], ks[1], ks[3]], [0, 1, 3])
@@ -89,20 +90,20 @@ def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(tmp_path):
 
 
 def test_other_rank_or_layout_misses(tmp_path):
-    a = FileBackend(config(tmp_path, rank=0))
+    a = guarded(FileBackend(config(tmp_path, rank=0)))
     a.register_host_pool(filled_pool("page_first", 4))
     ks = keys(2)
     a.batch_set_v1(ks, [0, 1])
-    assert FileBackend(config(tmp_path, rank=1)).batch_exists(ks) == 0
-    assert FileBackend(config(tmp_path, layout="page_first_direct")).batch_exists(ks) == 0
+    assert guarded(FileBackend(config(tmp_path, rank=1))).batch_exists(ks) == 0
+    assert guarded(FileBackend(config(tmp_path, layout="page_first_direct"))).batch_exists(ks) == 0
     # layer_first and page_first_direct slots hold the same byte order: shared.
-    assert FileBackend(config(tmp_path, layout="page_first")).batch_exists(ks) == 2
+    assert guarded(FileBackend(config(tmp_path, layout="page_first"))).batch_exists(ks) == 2
 
 
 @pytest.mark.parametrize("damage", ["flip_payload", "flip_header_key", "truncate", "append",
                                     "wrong_key_file"])
 def test_corruption_is_a_counted_quarantined_miss(tmp_path, damage):
-    writer = FileBackend(config(tmp_path))
+    writer = guarded(FileBackend(config(tmp_path)))
     writer.register_host_pool(filled_pool("page_first", 5))
     ks = keys(2)
     writer.batch_set_v1(ks, [0, 1])
@@ -120,7 +121,7 @@ def test_corruption_is_a_counted_quarantined_miss(tmp_path, damage):
         other = writer.page_path(ks[1])
         data = bytearray(other.read_bytes())
     victim.write_bytes(bytes(data))
-    reader = FileBackend(config(tmp_path))
+    reader = guarded(FileBackend(config(tmp_path)))
     dst = filled_pool("page_first", 6)
     before = dst.buffer[3].clone()
     reader.register_host_pool(dst)
@@ -133,7 +134,7 @@ def test_corruption_is_a_counted_quarantined_miss(tmp_path, damage):
 
 
 def test_deleted_between_exists_and_get_is_a_plain_miss(tmp_path):
-    backend = FileBackend(config(tmp_path))
+    backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 7))
     ks = keys(1)
     backend.batch_set_v1(ks, [0])
@@ -145,7 +146,7 @@ def test_deleted_between_exists_and_get_is_a_plain_miss(tmp_path):
 
 def test_capacity_evicts_least_recently_used(tmp_path):
     page_file = FILE_HEADER_BYTES + GEOM.page_bytes
-    backend = FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9))
+    backend = guarded(FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9)))
     backend.register_host_pool(filled_pool("page_first", 8))
     ks = keys(4)
     backend.batch_set_v1(ks[:3], [0, 1, 2])
@@ -154,7 +155,7 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     assert [backend.exists(k) for k in ks] == [True, False, True, True]
     assert backend.used_bytes <= 3 * page_file and backend.stats().evicted_pages == 1
     # The index is rebuilt from the directory at start.
-    assert FileBackend(config(tmp_path, capacity_gb=1)).used_bytes == 3 * page_file
+    assert guarded(FileBackend(config(tmp_path, capacity_gb=1))).used_bytes == 3 * page_file
 
 
 def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypatch):
@@ -165,7 +166,7 @@ def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypat
     now = [1000.0]
     monkeypatch.setattr("hicache.tiers.l3.file_backend.time.time", lambda: now[0])
     page_file = FILE_HEADER_BYTES + GEOM.page_bytes
-    backend = FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9))
+    backend = guarded(FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9)))
     backend.register_host_pool(filled_pool("page_first", 8))
     ks = keys(8)
 
@@ -196,17 +197,17 @@ def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypat
 
 
 def test_stale_temp_files_of_dead_writers_are_removed(tmp_path):
-    FileBackend(config(tmp_path))
+    guarded(FileBackend(config(tmp_path)))
     stale = tmp_path / "tmp" / "x.page.999999999.1.tmp"
     live = tmp_path / "tmp" / f"y.page.{os.getpid()}.1.tmp"
     stale.write_bytes(b"half")
     live.write_bytes(b"half")
-    FileBackend(config(tmp_path))
+    guarded(FileBackend(config(tmp_path)))
     assert not stale.exists() and live.exists()
 
 
 def _write_pages(path: str, n: int) -> None:
-    backend = FileBackend(config(Path(path)))
+    backend = guarded(FileBackend(config(Path(path))))
     backend.register_host_pool(filled_pool("page_first", 9))
     assert backend.batch_set_v1(keys(n), list(range(n))) == [True] * n
 
@@ -216,7 +217,7 @@ def test_two_processes_share_one_directory(tmp_path):
     proc.start()
     proc.join(60)
     assert proc.exitcode == 0
-    reader = FileBackend(config(tmp_path))
+    reader = guarded(FileBackend(config(tmp_path)))
     reader.register_host_pool(filled_pool("page_first", 10))
     assert reader.batch_exists(keys(4)) == 4
     assert reader.batch_get_v1(keys(4), [4, 5, 6, 7]) == [True] * 4
@@ -224,14 +225,15 @@ def test_two_processes_share_one_directory(tmp_path):
 
 
 def test_factory_builds_the_file_backend(tmp_path):
-    assert isinstance(create_backend("file", config(tmp_path)), FileBackend)
+    backend = create_backend("file", config(tmp_path))
+    assert isinstance(backend, GuardedBackend) and isinstance(backend.inner, FileBackend)
 
 
 def test_bad_config_names_the_key(tmp_path):
     with pytest.raises(StorageConfigError, match="capacity_gb"):
-        FileBackend(config(tmp_path, capacity_gb=-1))
+        guarded(FileBackend(config(tmp_path, capacity_gb=-1)))
     with pytest.raises(StorageConfigError, match="allowed keys"):
-        FileBackend(config(tmp_path, bogus=1))
+        guarded(FileBackend(config(tmp_path, bogus=1)))
     with pytest.raises(StorageConfigError, match="allowed values"):
         create_backend("s3", config(tmp_path))
     with pytest.raises(StorageConfigError, match="module_path"):
@@ -260,7 +262,7 @@ def test_bad_config_names_the_key(tmp_path):
 def test_bad_extra_config_message(tmp_path, extra, expect):
     cfg = dataclasses.replace(config(tmp_path), extra_config={"path": str(tmp_path), **extra})
     with pytest.raises(StorageConfigError) as err:
-        FileBackend(cfg)
+        guarded(FileBackend(cfg))
     assert expect in str(err.value)
 
 
@@ -276,7 +278,7 @@ def test_dynamic_loader_keys_are_checked_and_the_rest_passes_through(tmp_path):
     backend = create_backend("dynamic", config(
         tmp_path, module_path="hicache.tiers.l3.file_backend", class_name="FileBackend",
         backend_name="mine", interface_v1=1, fsync=True))
-    assert isinstance(backend, FileBackend) and backend.fsync and backend.root == tmp_path
+    assert isinstance(backend.inner, FileBackend) and backend.fsync and backend.root == tmp_path
     assert backend.config.extra_config == {"path": str(tmp_path), "fsync": True}
 
 
@@ -285,7 +287,7 @@ def test_dynamic_backend_loads_a_third_party_class(tmp_path):
         "backend_name": "mine", "module_path": "hicache.tiers.l3.file_backend",
         "class_name": "FileBackend", "path": str(tmp_path)})
     backend = create_backend("dynamic", cfg)
-    assert isinstance(backend, FileBackend) and backend.root == tmp_path
+    assert isinstance(backend.inner, FileBackend) and backend.root == tmp_path
     cfg2 = StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes, extra_config={
         "module_path": "hicache.tiers.l3.base", "class_name": "StorageConfig"})
     with pytest.raises(StorageConfigError, match="not a StorageBackend"):
@@ -293,7 +295,7 @@ def test_dynamic_backend_loads_a_third_party_class(tmp_path):
 
 
 def test_delete_removes_one_page(tmp_path):
-    backend = FileBackend(config(tmp_path))
+    backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 11))
     ks = keys(3)
     backend.batch_set_v1(ks, [0, 1, 2])
@@ -312,7 +314,7 @@ def test_verify_picks_where_read_checksums_run(tmp_path, monkeypatch, io_path, m
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     pool = filled_pool("page_first", 1)
     pool.memory.pinned = pinned  # what the choice reads; nothing here is pinned for real
-    b = FileBackend(config(tmp_path, verify=mode))
+    b = guarded(FileBackend(config(tmp_path, verify=mode)))
     b.register_host_pool(pool)
     pool.memory.pinned = False
     assert (b._verify_helper is not None) == (helper and io_path == "native")
@@ -329,7 +331,7 @@ def test_verify_picks_where_read_checksums_run(tmp_path, monkeypatch, io_path, m
 
 
 def test_pages_fan_out_into_subdirectories_made_on_first_write(tmp_path):
-    backend = FileBackend(config(tmp_path))
+    backend = guarded(FileBackend(config(tmp_path)))
     assert list(backend.pages_dir.iterdir()) == []  # nothing made before a page is written
     backend.register_host_pool(filled_pool("page_first", 12))
     ks = keys(6)
@@ -344,7 +346,7 @@ def test_pages_fan_out_into_subdirectories_made_on_first_write(tmp_path):
 
 
 def test_payload_starts_4k_aligned_after_a_zero_padded_header(tmp_path):
-    backend = FileBackend(config(tmp_path, layout="page_first_direct"))
+    backend = guarded(FileBackend(config(tmp_path, layout="page_first_direct")))
     pool = filled_pool("page_first_direct", 13)
     backend.register_host_pool(pool)
     k = keys(1)[0]
@@ -365,7 +367,7 @@ def test_payload_starts_4k_aligned_after_a_zero_padded_header(tmp_path):
 
 @pytest.mark.parametrize("old", ["v2_file", "v2_header_padded", "padding_flipped"])
 def test_old_format_or_damaged_padding_is_a_quarantined_miss(tmp_path, old):
-    backend = FileBackend(config(tmp_path))
+    backend = guarded(FileBackend(config(tmp_path)))
     pool = filled_pool("page_first", 14)
     backend.register_host_pool(pool)
     k = keys(1)[0]
@@ -393,12 +395,12 @@ def test_old_format_or_damaged_padding_is_a_quarantined_miss(tmp_path, old):
 
 
 def test_flat_files_of_the_earlier_layout_are_never_read_but_counted_and_cleared(tmp_path):
-    backend = FileBackend(config(tmp_path))
+    backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 15))
     k = keys(1)[0]
     legacy = backend.pages_dir / f"{backend.object_key(k)}.page"
     legacy.write_bytes(b"\0" * (integrity.HEADER_BYTES + GEOM.page_bytes))
-    restarted = FileBackend(config(tmp_path))
+    restarted = guarded(FileBackend(config(tmp_path)))
     assert restarted.used_bytes == integrity.HEADER_BYTES + GEOM.page_bytes
     assert not restarted.exists(k)
     restarted.register_host_pool(filled_pool("page_first", 16))
@@ -410,7 +412,7 @@ def test_flat_files_of_the_earlier_layout_are_never_read_but_counted_and_cleared
 
 def test_capacity_index_is_rebuilt_from_the_fan_out_oldest_first(tmp_path):
     page_file = FILE_HEADER_BYTES + GEOM.page_bytes
-    writer = FileBackend(config(tmp_path))
+    writer = guarded(FileBackend(config(tmp_path)))
     writer.register_host_pool(filled_pool("page_first", 17))
     ks = keys(5)
     writer.batch_set_v1(ks[:4], [0, 1, 2, 3])
@@ -420,7 +422,7 @@ def test_capacity_index_is_rebuilt_from_the_fan_out_oldest_first(tmp_path):
     for age, path in enumerate([legacy] + [writer.page_path(k) for k in [ks[2], ks[0], ks[3],
                                                                          ks[1]]]):
         os.utime(path, (1_000_000 + age, 1_000_000 + age))
-    restarted = FileBackend(config(tmp_path, capacity_gb=4 * page_file / 1e9))
+    restarted = guarded(FileBackend(config(tmp_path, capacity_gb=4 * page_file / 1e9)))
     assert restarted.used_bytes == 4 * page_file + 100
     restarted.register_host_pool(filled_pool("page_first", 17))
     restarted.batch_set_v1([ks[4]], [4])  # needs room for one page: the legacy file, then ks[2]
@@ -430,7 +432,7 @@ def test_capacity_index_is_rebuilt_from_the_fan_out_oldest_first(tmp_path):
 
 
 def test_clear_removes_pages_of_every_subdirectory(tmp_path):
-    backend = FileBackend(config(tmp_path))
+    backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 18))
     ks = keys(6)
     backend.batch_set_v1(ks, list(range(6)))
@@ -472,8 +474,8 @@ def aligned_pool(monkeypatch, seed: int) -> HostPagePool:
 
 
 def direct_backend(cfg: StorageConfig) -> FileBackend:
-    backend = FileBackend(dataclasses.replace(cfg, extra_config={**cfg.extra_config,
-                                                                 "direct_io": "auto"}))
+    backend = guarded(FileBackend(dataclasses.replace(cfg, extra_config={**cfg.extra_config,
+                                                                 "direct_io": "auto"})))
     if not backend.direct_io:
         pytest.skip(f"{cfg.extra_config['path']} does not accept O_DIRECT")
     return backend
@@ -546,7 +548,7 @@ def refuse_o_direct(monkeypatch) -> list[int]:
 
 def test_direct_io_auto_falls_back_to_buffered_where_o_direct_is_refused(tmp_path, monkeypatch):
     refused = refuse_o_direct(monkeypatch)
-    backend = FileBackend(config(tmp_path, direct_io="auto"))
+    backend = guarded(FileBackend(config(tmp_path, direct_io="auto")))
     assert refused and not backend.direct_io  # the probe at start
     backend.register_host_pool(filled_pool("page_first", 24))
     ks = keys(3)
@@ -558,7 +560,7 @@ def test_direct_io_auto_falls_back_to_buffered_where_o_direct_is_refused(tmp_pat
 def test_direct_io_on_refused_by_the_filesystem_is_a_config_error(tmp_path, monkeypatch):
     refuse_o_direct(monkeypatch)
     with pytest.raises(StorageConfigError) as err:
-        FileBackend(config(tmp_path, direct_io="on"))
+        guarded(FileBackend(config(tmp_path, direct_io="on")))
     assert "hicache_storage_backend_extra_config.direct_io='on'" in str(err.value)
     assert "allowed values" in str(err.value)
 
@@ -581,7 +583,7 @@ def test_timed_batches_start_no_page_after_the_deadline(tmp_path, io_path):
     import time
 
     src, dst = filled_pool("page_first", 1), filled_pool("page_first", 2)
-    a, b = FileBackend(config(tmp_path)), FileBackend(config(tmp_path))
+    a, b = guarded(FileBackend(config(tmp_path))), guarded(FileBackend(config(tmp_path)))
     a.register_host_pool(src)
     b.register_host_pool(dst)
     ks = keys(3)

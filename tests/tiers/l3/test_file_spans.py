@@ -21,6 +21,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES, FileBackend
+from hicache.tiers.l3.guard import guarded
 
 GEOM = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=256)
 NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 1)
@@ -52,7 +53,7 @@ SPANS: list[SpanRef] = [LAYOUT.ref(KEYS, i) for i in range(8)]  # type: ignore[m
 def backends(tmp_path: Path, rank: int = 0) -> tuple[FileBackend, FileBackend, HostPagePool,
                                                      HostPagePool]:
     src, dst = pool(1), pool(2)
-    a, b = FileBackend(config(tmp_path, rank)), FileBackend(config(tmp_path, rank))
+    a, b = guarded(FileBackend(config(tmp_path, rank))), guarded(FileBackend(config(tmp_path, rank)))
     a.register_host_pool(src)
     b.register_host_pool(dst)
     assert a.supports_spans and b.supports_spans
@@ -129,7 +130,7 @@ def test_another_ranks_span_file_under_this_name_is_a_miss(tmp_path):
     # Rank 1's files, renamed to rank 0's names: foreign records (their fingerprint).
     other, mine = tmp_path / "other", tmp_path / "mine"
     a1, _, _, _ = backends(other, rank=1)
-    b0 = FileBackend(config(mine, 0))
+    b0 = guarded(FileBackend(config(mine, 0)))
     dst = pool(3)
     b0.register_host_pool(dst)
     before = dst.buffer.clone()
@@ -159,7 +160,7 @@ def test_missing_spans_are_plain_misses_and_a_past_deadline_reads_nothing(tmp_pa
 @needs_native
 def test_incomplete_spans_are_not_stored_and_delete_and_retain_take_span_keys(tmp_path):
     src = pool(1)
-    a = FileBackend(config(tmp_path))
+    a = guarded(FileBackend(config(tmp_path)))
     a.register_host_pool(src)
     # The first span lacks its page 2: not stored (the caller stores page objects).
     rows = [0, 1, 3, 4, 5, 6, 7]
@@ -172,4 +173,4 @@ def test_incomplete_spans_are_not_stored_and_delete_and_retain_take_span_keys(tm
 
 def test_without_the_batch_path_the_backend_keeps_page_objects(tmp_path, monkeypatch):
     monkeypatch.setattr(native_io, "available", lambda: False)
-    assert not FileBackend(config(tmp_path)).supports_spans
+    assert not guarded(FileBackend(config(tmp_path))).supports_spans

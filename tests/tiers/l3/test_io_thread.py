@@ -16,6 +16,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.io_thread import StorageIO
 
 GEOM = PoolGeometry(num_slots=80, num_layers=2, blocks_per_page=1, block_bytes=128)
@@ -28,7 +29,7 @@ def make(tmp_path, fetch_threads=1, backend_class=FaultyFileBackend, **faults):
     cfg = StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
                         extra_config={"path": str(tmp_path), **faults})
     pool = HostPagePool(GEOM, layout="page_first", pin_memory=False)
-    backend = backend_class(cfg)
+    backend = guarded(backend_class(cfg))
     backend.register_host_pool(pool)
     loaded: list[list[PagePlan]] = []
     io = StorageIO(backend, pool, loaded.append, fetch_threads=fetch_threads)

@@ -36,6 +36,7 @@ from hicache.integration.bench.lmcache_service import (
 )
 from hicache.tiers.l3.base import StorageConfigError, StorageUnavailable
 from hicache.tiers.l3.factory import create_backend
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.lmcache_backend import LMCacheBackend, chunk_hash
 
 
@@ -53,7 +54,7 @@ def shared(service):
 
     def _get(name: str, *, rank: int = 0, layout: str = "page_first") -> LMCacheBackend:
         if (name, rank, layout) not in made:
-            backend = LMCacheBackend(config(service.extra_config(), rank=rank, layout=layout))
+            backend = guarded(LMCacheBackend(config(service.extra_config(), rank=rank, layout=layout)))
             backend.register_host_pool(filled_pool(layout, seed=len(made) + 1))
             made[(name, rank, layout)] = backend
         return made[(name, rank, layout)]
@@ -69,7 +70,7 @@ def make(service):
     made: list[LMCacheBackend] = []
 
     def _make(*, rank: int = 0, layout: str = "page_first", **extra) -> LMCacheBackend:
-        backend = LMCacheBackend(config(service.extra_config(**extra), rank=rank, layout=layout))
+        backend = guarded(LMCacheBackend(config(service.extra_config(**extra), rank=rank, layout=layout)))
         backend.register_host_pool(filled_pool(layout, seed=len(made) + 100))
         made.append(backend)
         return backend
@@ -190,8 +191,8 @@ def test_unreachable_server_at_start_is_storage_unavailable():
     from hicache.integration.bench.mooncake_service import free_port
 
     with pytest.raises(StorageUnavailable, match="does not answer"):
-        LMCacheBackend(config({"server_url": f"tcp://127.0.0.1:{free_port()}",
-                               "request_timeout_s": 1.0}))
+        guarded(LMCacheBackend(config({"server_url": f"tcp://127.0.0.1:{free_port()}",
+                               "request_timeout_s": 1.0})))
 
 
 def test_server_runs_without_telemetry(service):

@@ -46,6 +46,7 @@ from hicache.tiers.l3.base import (  # noqa: E402
     StorageUnavailable,
 )
 from hicache.tiers.l3.factory import create_backend  # noqa: E402
+from hicache.tiers.l3.guard import guarded  # noqa: E402
 from hicache.tiers.l3.mooncake_backend import MooncakeBackend  # noqa: E402
 from hicache.tiers.l3.mooncake_config import (  # noqa: E402
     ENV_VARS,
@@ -95,7 +96,7 @@ def shared(service):
 
     def _get(name: str, *, rank: int = 0, layout: str = "page_first") -> MooncakeBackend:
         if (name, rank, layout) not in made:
-            backend = MooncakeBackend(config(extra_for(service), rank=rank, layout=layout))
+            backend = guarded(MooncakeBackend(config(extra_for(service), rank=rank, layout=layout)))
             backend.register_host_pool(filled_pool(layout, seed=len(made) + 1))
             made[(name, rank, layout)] = backend
         return made[(name, rank, layout)]
@@ -112,8 +113,8 @@ def make(service):
 
     def _make(*, rank: int = 0, layout: str = "page_first", svc: MooncakeService | None = None,
               **extra) -> MooncakeBackend:
-        backend = MooncakeBackend(config(extra_for(svc or service, **extra), rank=rank,
-                                         layout=layout))
+        backend = guarded(MooncakeBackend(config(extra_for(svc or service, **extra), rank=rank,
+                                         layout=layout)))
         made.append(backend)
         return backend
 
@@ -264,7 +265,8 @@ def test_killed_master_fails_fast_without_raising_and_recovers(make):
         assert counter.calls == []  # breaker open: no call reaches (and waits on) the dead master
         assert not backend.master_reachable
         st = backend.stats()
-        assert st.errors >= 15 and st.get_hits == 0 and st.set_failures >= 6
+        # 21 calls refused by the breaker, none of them a failure of their own
+        assert st.refused_calls == 21 and st.get_hits == 0 and st.set_failures >= 6
         # an empty master comes back on the same port: the prober notices, writes work again
         svc.restart_master()
         deadline = time.monotonic() + 15
@@ -325,10 +327,11 @@ _CLOSE_AFTER_MASTER_DIED = textwrap.dedent("""
     import json, os, sys, time
     from hicache.integration.bench.mooncake_service import start_mooncake
     from hicache.tiers.l3.base import StorageConfig
+    from hicache.tiers.l3.guard import guarded
     from hicache.tiers.l3.mooncake_backend import MooncakeBackend
     with start_mooncake() as svc:
-        b = MooncakeBackend(StorageConfig(0, 1, "ns", "page_first", 4096,
-                                          extra_config=svc.extra_config(16 << 20)))
+        b = guarded(MooncakeBackend(StorageConfig(0, 1, "ns", "page_first", 4096,
+                                          extra_config=svc.extra_config(16 << 20))))
         ok = b.set("ab" * 32, __import__("torch").zeros(4096, dtype=__import__("torch").uint8))
     from hicache.tiers.l3 import mooncake_backend
     # master stopped; the breaker never tripped: close() must see the closed port
@@ -358,7 +361,7 @@ def test_unreachable_master_at_start_is_storage_unavailable(service):
     # "is not reachable" is the TCP pre-check's message: the client setup, which
     # retries against a dead master for a long time, never ran.
     with pytest.raises(StorageUnavailable, match="is not reachable.*master_server_address"):
-        MooncakeBackend(config(extra))
+        guarded(MooncakeBackend(config(extra)))
 
 
 @pytest.mark.parametrize(
@@ -377,7 +380,7 @@ def test_unreachable_master_at_start_is_storage_unavailable(service):
 )
 def test_bad_config_names_the_key(service, override, named):
     with pytest.raises(StorageConfigError, match=named) as err:
-        MooncakeBackend(config(extra_for(service, **override)))
+        guarded(MooncakeBackend(config(extra_for(service, **override))))
     if named == "protocol":
         assert "tcp" in str(err.value)
     if named == "bogus_key":
@@ -388,16 +391,16 @@ def test_missing_master_and_env_fallbacks(service, monkeypatch):
     for var in ("MOONCAKE_MASTER", "MOONCAKE_PROTOCOL", "MOONCAKE_GLOBAL_SEGMENT_SIZE"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(StorageConfigError, match="master_server_address"):
-        MooncakeBackend(config({}))
+        guarded(MooncakeBackend(config({})))
     monkeypatch.setenv("MOONCAKE_MASTER", service.master_address)
     monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "32mb")
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "smoke-signals")
     with pytest.raises(StorageConfigError, match="protocol"):
-        MooncakeBackend(config({}))
+        guarded(MooncakeBackend(config({})))
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
     backend = create_backend("mooncake", config({}))
     try:
-        assert isinstance(backend, MooncakeBackend)
+        assert isinstance(backend.inner, MooncakeBackend)
         assert backend.settings.global_segment_size == (32 << 20) // 2  # per TP rank
         assert backend.settings.master_server_address == service.master_address
         assert backend.settings.metadata_server == "P2PHANDSHAKE"

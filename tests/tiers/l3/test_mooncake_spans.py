@@ -25,6 +25,7 @@ from hicache.tiers.index.spans import SpanLayout, SpanRef  # noqa: E402
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity, native_io  # noqa: E402
 from hicache.tiers.l3.base import StorageConfig, StorageStats  # noqa: E402
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.mooncake_backend import MooncakeBackend  # noqa: E402
 
 GEOM = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=256)
@@ -68,10 +69,10 @@ def store():
     lies in the writer's memory; the reader holds none and reads through Mooncake."""
     apply_client_env()
     with start_mooncake() as svc:
-        writer = MooncakeBackend(config(svc.extra_config(SEGMENT)))
+        writer = guarded(MooncakeBackend(config(svc.extra_config(SEGMENT))))
         writer.register_host_pool(pool(1))
-        reader = MooncakeBackend(config({**svc.extra_config(SEGMENT),
-                                         "global_segment_size": 0}))
+        reader = guarded(MooncakeBackend(config({**svc.extra_config(SEGMENT),
+                                         "global_segment_size": 0})))
         reader.register_host_pool(pool(2))
         raw = writer._store  # the same client, for damage done from outside the backend
         yield writer, reader, raw, svc
@@ -212,8 +213,8 @@ def test_page_objects_still_read_in_place_and_through_mooncake(store):
 
 def test_layer_first_pools_keep_page_objects(store):
     *_, svc = store
-    backend = MooncakeBackend(config({**svc.extra_config(SEGMENT), "global_segment_size": 0},
-                                     layout="layer_first"))
+    backend = guarded(MooncakeBackend(config({**svc.extra_config(SEGMENT), "global_segment_size": 0},
+                                     layout="layer_first")))
     try:
         assert not backend.supports_spans
     finally:
@@ -225,7 +226,7 @@ def test_reads_in_place_hash_on_a_helper_thread_when_asked():
     """verify = helper: a helper thread hashes each record right behind its copy; same
     bytes, same checks (a flipped record is still a miss for its page only)."""
     with start_mooncake() as svc:
-        backend = MooncakeBackend(config({**svc.extra_config(SEGMENT), "verify": "helper"}))
+        backend = guarded(MooncakeBackend(config({**svc.extra_config(SEGMENT), "verify": "helper"})))
         try:
             backend.register_host_pool(pool(3))
             assert backend._verify_helper is not None and backend._segment is not None

@@ -16,6 +16,7 @@ pytest.importorskip("nixl._api")
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity  # noqa: E402
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError  # noqa: E402
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.nixl_backend import QUARANTINE_DIR, NixlBackend  # noqa: E402
 
 GEOMETRY = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=1024)
@@ -25,7 +26,7 @@ LAYOUTS = ["page_first", "page_first_direct", "layer_first"]
 def make(path: Path, layout: str = "page_first_direct", tp_rank: int = 0, **extra):
     cfg = StorageConfig(tp_rank=tp_rank, tp_size=2, namespace="test-ns", mem_layout=layout,
                         page_bytes=GEOMETRY.page_bytes, extra_config={"path": str(path), **extra})
-    backend = NixlBackend(cfg)
+    backend = guarded(NixlBackend(cfg))
     pool = HostPagePool(GEOMETRY, layout=layout, pin_memory=False)
     backend.register_host_pool(pool)
     return backend, pool

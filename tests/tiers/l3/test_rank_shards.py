@@ -12,6 +12,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.rank_shards import RankShards
 
 GEOM = PoolGeometry(num_slots=8, num_layers=2, blocks_per_page=2, block_bytes=64)
@@ -20,8 +21,8 @@ KEYS = [k.hex() for k in page_keys(NS.seed(), list(range(48)), 8)]  # 6 pages
 
 
 def shard(path: Path, rank: int, is_mla: bool = False) -> FileBackend:
-    backend = FileBackend(StorageConfig(rank, 2, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                        is_mla=is_mla, extra_config={"path": str(path)}))
+    backend = guarded(FileBackend(StorageConfig(rank, 2, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                                        is_mla=is_mla, extra_config={"path": str(path)})))
     pool = HostPagePool(GEOM, layout="page_first", pin_memory=False)
     flat = torch.arange(pool.buffer.numel(), dtype=torch.int64).to(torch.uint8)
     pool.buffer.copy_(flat.view(pool.buffer.shape))

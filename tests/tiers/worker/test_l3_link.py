@@ -12,6 +12,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.metrics import WorkerKey as K
 from hicache.tiers.worker.l3_link import L3Link
 
@@ -23,8 +24,8 @@ KEY_A, KEY_B = page_keys(NS.seed(), list(range(16)), 8)
 def build(name: str, extra: dict) -> FileBackend:
     if extra.get("unreachable"):
         raise ConnectionError("injected: the store cannot be reached")
-    return FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                     extra_config=extra))
+    return guarded(FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                                     extra_config=extra)))
 
 
 def pool() -> HostPagePool:
@@ -69,7 +70,7 @@ def test_counters_survive_a_detach_and_a_new_attach(tmp_path: Path):
     link.apply(DetachStore())
     assert link.backend is None and link.counters()[K.L3_BACKUP_PAGES] == 1
     link.apply(AttachStore("file", {"path": str(tmp_path / "b")}))
-    assert isinstance(link.backend, FileBackend)
+    assert isinstance(link.backend.inner, FileBackend)
     backup(link, p, KEY_B, 1)
     assert link.counters()[K.L3_BACKUP_PAGES] == 2  # never goes back
     assert link.backend.batch_exists([KEY_B.hex()]) == 1

@@ -23,6 +23,7 @@ from hicache.tiers.index.plans import PagePlan, RequestFetch, prefetch_id
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.guard import guarded
 from hicache.tiers.worker.core import HiCacheWorker
 
 GEOM = PoolGeometry(num_slots=4, num_layers=2, blocks_per_page=2, block_bytes=64)
@@ -34,8 +35,8 @@ GROUPS = [["model.layers.0.self_attn.attn"], ["model.layers.1.self_attn.attn"]]
 
 def make_worker(tmp_path: Path | None = None) -> HiCacheWorker:
     def build(name: str, extra: dict) -> FileBackend:
-        return FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                         extra_config=extra))
+        return guarded(FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                                         extra_config=extra)))
 
     w = HiCacheWorker(GEOM, L1_BLOCKS, layout="page_first", storage_builder=build,
                       storage_spec=("file", {"path": str(tmp_path)}) if tmp_path else None,
