@@ -4,7 +4,8 @@ Contract (on top of base.py's):
 - Extra-config keys: ``FileExtraConfig`` (anything else is a
   ``StorageConfigError``). Directory: ``path``, else
   ``$HICACHE_FILE_STORAGE_DIR``, else ``/tmp/hicache``.
-- Layout: a page lives in ``<dir>/pages/<xx>/<object_key>.page``, ``xx``
+- Layout (tiers/l3/page_dir.py, shared with the NIXL backend): a page lives
+  in ``<dir>/pages/<xx>/<object_key>.page``, ``xx``
   the first two hex digits of its page key (256 sub-directories, each made
   when a page is first renamed into it), so no directory holds more than
   about 1/256 of the pages. A file is the ``integrity`` header (page key,
@@ -109,6 +110,7 @@ from hicache.tiers.l3.base import (
     StorageConfigError,
     validate_extra,
 )
+from hicache.tiers.l3.page_dir import PageDirectory
 from hicache.tiers.l3.verify import Verify, verify_field
 from hicache.tiers.l3.verify import helpers as verify_helpers
 from hicache.tiers.settings import Settings
@@ -123,7 +125,6 @@ FILE_HEADER_BYTES = 4096
 # integrity.py container layout of these files (1: header padded to FILE_HEADER_BYTES).
 FILE_LAYOUT = 1
 # Hex digits of the page key naming a page's sub-directory of pages/.
-FANOUT_CHARS = 2
 # Retention entries kept before the expired ones are dropped.
 RETAINED_PRUNE_AT = 1 << 16
 # Address and length alignment of O_DIRECT transfers (covers 512 B and 4 KiB sectors).
@@ -173,24 +174,14 @@ class FileBackend(StorageBackend):
         super().__init__(config)
         extra = validate_extra(config.extra_config, FileExtraConfig, "file")
         path = extra.path or os.environ.get(DIR_ENV) or DEFAULT_DIR
-        self.root = Path(path)
-        self.pages_dir = self.root / "pages"
-        self.tmp_dir = self.root / "tmp"
-        self.quarantine_dir = self.root / "quarantine"
-        try:
-            for d in (self.pages_dir, self.tmp_dir, self.quarantine_dir):
-                d.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageConfigError(
-                f"hicache_storage_backend_extra_config.path={path!r} is not a usable "
-                f"directory: {exc}"
-            ) from exc
+        self.dir = PageDirectory(path, ".page", config.key_suffix,
+                                 "hicache_storage_backend_extra_config.path")
+        self.root, self.pages_dir = self.dir.root, self.dir.pages_dir
+        self.tmp_dir, self.quarantine_dir = self.dir.tmp_dir, self.dir.quarantine_dir
         self.capacity_bytes = int(extra.capacity_gb * GB)
         self.fsync = extra.fsync
         self._fingerprint = config.fingerprint
-        self._suffix = f"_{config.key_suffix}.page"
-        self._pages = f"{self.pages_dir}{os.sep}"
-        self._tmp = f"{self.tmp_dir}{os.sep}"
+        self._pages = self.dir.pages
         self._page_bytes = config.page_bytes
         self._file_bytes = FILE_HEADER_BYTES + config.page_bytes
         self._buffers = _Buffers()
@@ -205,7 +196,6 @@ class FileBackend(StorageBackend):
         self._index_bytes = 0
         self._index_lock = threading.Lock()
         self._retained: dict[str, float] = {}  # file name -> keep until (epoch seconds)
-        self._dirs: set[str] = set()  # fan-out folders known to exist
         self._rebuild_index()
 
     # ---- O_DIRECT ----------------------------------------------------------------
@@ -250,10 +240,7 @@ class FileBackend(StorageBackend):
     # ---- index ------------------------------------------------------------------
 
     def _rebuild_index(self) -> None:
-        """Remove temp files of dead writers; index existing pages oldest first."""
-        for stale in self.tmp_dir.glob("*.tmp"):
-            if not _pid_alive(stale.name.split(".")[-3]):
-                stale.unlink(missing_ok=True)
+        """Index existing pages oldest first."""
         entries = []
         for name, path in self._page_files():
             try:
@@ -269,21 +256,7 @@ class FileBackend(StorageBackend):
                 self._index_bytes += size
 
     def _page_files(self) -> list[tuple[str, str]]:
-        """(name relative to pages/, path) of every page file: the fan-out and, from the
-        earlier layout, flat ``pages/*.page`` (never read, but they take room)."""
-        found = []
-        with os.scandir(self.pages_dir) as top:
-            for entry in top:
-                if entry.name.endswith(".page"):
-                    found.append((entry.name, entry.path))
-                elif len(entry.name) == FANOUT_CHARS and entry.is_dir(follow_symlinks=False):
-                    try:
-                        with os.scandir(entry.path) as sub:
-                            found.extend((f"{entry.name}/{e.name}", e.path) for e in sub
-                                         if e.name.endswith(".page"))
-                    except FileNotFoundError:
-                        continue
-        return found
+        return self.dir.page_files()
 
     def _touch(self, name: str, size: int) -> None:
         with self._index_lock:
@@ -349,7 +322,7 @@ class FileBackend(StorageBackend):
 
     def _name(self, key: str) -> str:
         """``key``'s file, relative to ``pages_dir``: ``<xx>/<object_key>.page``."""
-        return f"{key[:FANOUT_CHARS]}/{key}{self._suffix}"
+        return self.dir.name(key)
 
     def page_path(self, key: str) -> Path:
         """The file that holds page ``key`` (whether or not it exists)."""
@@ -458,14 +431,14 @@ class FileBackend(StorageBackend):
         spans_r = [spans[i] for i in rows]
         names, bases, _ = self._span_rows(spans_r)
         for name in dict.fromkeys(names):
-            self._make_dir(name)
-        suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
+            self.dir.make_dir(name)
+        suffix = self.dir.temp_suffix()
         headers = integrity.header_rows([self.page_key_bytes(k) for k in keys_r],
                                         self._fingerprint, self._page_bytes,
                                         layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
         last = np.array([s.index == s.count - 1 for s in spans_r], np.uint8)
         status = native_io.write_pages(
-            native_io.path_rows([f"{self._tmp}{n.rpartition('/')[2]}{suffix}" for n in names]),
+            native_io.path_rows([self.dir.temp_path(n, suffix) for n in names]),
             native_io.path_rows([self._pages + n for n in names]), self._pool_np,
             [host_slots[i] * self._page_bytes for i in rows], self._page_bytes, headers,
             integrity.CHECKSUM_AT, self.fsync, skip_existing=True, bases=bases, last=last)
@@ -496,13 +469,6 @@ class FileBackend(StorageBackend):
         names, bases, ends = self._span_rows(spans)
         return self._read_slots_native(keys, host_slots, deadline, names=names,
                                        records=(bases, ends))
-
-    def _make_dir(self, name: str) -> None:
-        """The fan-out folder of ``name`` (made once per instance)."""
-        folder = name.partition("/")[0]
-        if folder not in self._dirs:
-            os.makedirs(self._pages + folder, exist_ok=True)
-            self._dirs.add(folder)
 
     def _slot_views(self, slots: list[int]) -> list[tuple[memoryview, int]]:
         view, base, size = self._pool_view, self._pool_addr, self._page_bytes
@@ -701,12 +667,12 @@ class FileBackend(StorageBackend):
         batch while it is written."""
         assert self._pool_np is not None
         names = [self._name(key) for key in keys]
-        suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
+        suffix = self.dir.temp_suffix()
         headers = integrity.header_rows([self.page_key_bytes(k) for k in keys],
                                         self._fingerprint, self._page_bytes,
                                         layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
         status = native_io.write_pages(
-            native_io.path_rows([f"{self._tmp}{n.rpartition('/')[2]}{suffix}" for n in names]),
+            native_io.path_rows([self.dir.temp_path(n, suffix) for n in names]),
             native_io.path_rows([self._pages + n for n in names]), self._pool_np,
             [s * self._page_bytes for s in slots], self._page_bytes, headers,
             integrity.CHECKSUM_AT, self.fsync, skip_existing=True)
@@ -748,7 +714,7 @@ class FileBackend(StorageBackend):
     def _write_one(self, name: str, path: str, header: bytes, payload: memoryview, addr: int,
                    buffers: _Buffers) -> str | None:
         """Write the page to a temp file and rename it in; None on success, else the error."""
-        tmp = f"{self._tmp}{name.rpartition('/')[2]}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = self.dir.temp_path(name)
         try:
             if not (self.direct_io and self._write_direct(tmp, header, payload, addr, buffers)):
                 self._write_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
@@ -811,9 +777,7 @@ class FileBackend(StorageBackend):
         return True
 
     def clear(self) -> None:
-        for _, path in self._page_files():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        self.dir.clear()
         with self._index_lock:
             self._index.clear()
             self._index_bytes = 0
@@ -830,25 +794,8 @@ class FileBackend(StorageBackend):
     def _quarantine(self, name: str, reason: str) -> None:
         """Move a corrupt page aside (the caller reports it)."""
         self._forget(name)
-        dest = self.quarantine_dir / f"{name.rpartition('/')[2]}.{int(time.time() * 1e6)}"
-        try:
-            os.replace(self._pages + name, dest)
-        except OSError:
-            pass  # already gone (another engine quarantined or deleted it)
-        logger.warning(
-            "HiCache file L3: page %s is corrupt (%s); quarantined", name, reason
-        )
+        self.dir.quarantine(name, reason)
 
 
 def _round_up(n: int) -> int:
     return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
-
-
-def _pid_alive(pid_text: str) -> bool:
-    try:
-        os.kill(int(pid_text), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -16,12 +16,14 @@ Contract (on top of ``base.py``):
     ``xfer_timeout_s`` deadline of one batch transfer (default 5 s); a
                        transfer past it or failing makes its pages misses.
     ``max_batch_pages`` pages per NIXL transfer request (default 256).
-- One file per page and rank, named ``object_key(key)``: the 128-byte
-  integrity header followed by the payload. Writes go to a temporary name in
-  the same directory and are renamed into place, so readers see whole pages
-  or nothing. Every read checks the file size and ``integrity.verify``; a
-  mismatch is a miss reported corrupt and the file is moved to
-  ``<path>/quarantine``.
+- One file per page and rank in the page directory the file backend uses
+  (tiers/l3/page_dir.py): ``<path>/pages/<xx>/<object_key>.nixl``, the
+  128-byte integrity header followed by the payload. Page files of the
+  earlier flat layout (``<path>/<object_key>``) are moved there at start.
+  Writes go to ``<path>/tmp/`` and are renamed into place, so readers see
+  whole pages or nothing. Every read checks the file size and
+  ``integrity.verify``; a mismatch is a miss reported corrupt and the file is
+  moved to ``<path>/quarantine/`` unless a fresh copy replaced it meanwhile.
 - Zero copy: the registered pool buffer is the DRAM side of the transfer for
   layouts whose slots are contiguous (page_first, page_first_direct); a
   small registered header buffer holds the headers. ``get`` / ``set`` on
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -53,9 +56,9 @@ from hicache.tiers.l3.base import (
     StorageBackend,
     StorageConfig,
     StorageConfigError,
-    StorageUnavailable,
     validate_extra,
 )
+from hicache.tiers.l3.page_dir import PageDirectory
 from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -65,8 +68,6 @@ DEFAULT_DIR = "/tmp/hicache_nixl"
 DIR_ENV = "HICACHE_NIXL_STORAGE_DIR"
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BATCH = 256
-QUARANTINE_DIR = "quarantine"
-_TMP_MARK = ".tmp."
 HDR = integrity.HEADER_BYTES
 
 
@@ -121,11 +122,10 @@ class NixlBackend(StorageBackend):
         self.timeout_s = extra.xfer_timeout_s
         self.max_batch = extra.max_batch_pages
         params = extra.plugin_params
-        self._quarantine = os.path.join(self.path, QUARANTINE_DIR)
-        try:
-            os.makedirs(self._quarantine, exist_ok=True)
-        except OSError as exc:
-            raise StorageUnavailable(f"nixl backend cannot create {self.path!r}: {exc}") from exc
+        self.dir = PageDirectory(self.path, ".nixl", config.key_suffix,
+                                 "hicache_storage_backend_extra_config.path")
+        # page files of the flat layout (<path>/<object_key>) move into the fan-out
+        self.dir.adopt_flat(re.compile(rf"([0-9a-f]{{64}})_{config.key_suffix}"))
 
         self._lock = threading.Lock()
         self._name = f"hicache-nixl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -210,7 +210,7 @@ class NixlBackend(StorageBackend):
     # ---- paths ----------------------------------------------------------------
 
     def _file(self, key: str) -> str:
-        return os.path.join(self.path, self.object_key(key))
+        return self.dir.path(self.dir.name(key))
 
     # ---- single pages -----------------------------------------------------------
 
@@ -343,7 +343,9 @@ class NixlBackend(StorageBackend):
                                                  digest=page.digest)
                     self._headers[i * HDR:(i + 1) * HDR].copy_(
                         torch.frombuffer(bytearray(head), dtype=torch.uint8))
-                    page.tmp = f"{page.path}{_TMP_MARK}{self._name}"
+                    name = self.dir.name(page.key)
+                    self.dir.make_dir(name)
+                    page.tmp = self.dir.temp_path(name)
                     page.fd = os.open(page.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 except (OSError, ValueError) as exc:
                     logger.warning("nixl backend: cannot prepare %s: %s", page.path, exc)
@@ -461,16 +463,8 @@ class NixlBackend(StorageBackend):
 
     def _quarantine_page(self, page: _Page, reason: str) -> None:
         """Count ``page`` as corrupt and move its file aside (unless it was replaced)."""
-        logger.warning("nixl backend: corrupt page %s: %s", page.path, reason)
         self.report.corrupt(1)
-        try:
-            if os.stat(page.path).st_ino != os.fstat(page.fd).st_ino:
-                return  # someone stored a fresh copy meanwhile
-            dest = os.path.join(self._quarantine,
-                                f"{os.path.basename(page.path)}.{time.time_ns()}")
-            os.replace(page.path, dest)
-        except OSError:
-            pass
+        self.dir.quarantine(self.dir.name(page.key), reason, page.fd)
 
     # ---- maintenance ------------------------------------------------------------
 
@@ -482,17 +476,8 @@ class NixlBackend(StorageBackend):
         return True
 
     def clear(self) -> None:
-        """Remove every page file (and temporary and quarantined file) in the directory."""
-        for folder in (self.path, self._quarantine):
-            try:
-                names = os.listdir(folder)
-            except OSError:
-                continue
-            for name in names:
-                full = os.path.join(folder, name)
-                if os.path.isfile(full):
-                    with contextlib.suppress(OSError):
-                        os.unlink(full)
+        """Remove every page file and quarantined file in the directory."""
+        self.dir.clear()
 
     def close(self) -> None:
         with self._lock:

@@ -17,7 +17,8 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity  # noqa: E402
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError  # noqa: E402
 from hicache.tiers.l3.guard import guarded
-from hicache.tiers.l3.nixl_backend import QUARANTINE_DIR, NixlBackend  # noqa: E402
+from hicache.tiers.l3.nixl_backend import NixlBackend  # noqa: E402
+from hicache.tiers.l3.page_dir import QUARANTINE_DIR  # noqa: E402
 
 GEOMETRY = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=1024)
 LAYOUTS = ["page_first", "page_first_direct", "layer_first"]
@@ -55,11 +56,13 @@ def test_round_trip_bit_exact(tmp_path, layout):
     keys = keys_for(6)
     expect = [pool.read_page(s).clone() for s in range(6)]
     assert backend.batch_set_v1(keys, list(range(6))) == [True] * 6
-    # one file per page: header + payload, named by object_key; no temp files left
-    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
-    assert names == sorted(backend.object_key(k) for k in keys)
+    # one file per page in the shared page directory: header + payload; no temp files
+    names = sorted(p.relative_to(tmp_path / "pages").as_posix()
+                   for p in (tmp_path / "pages").rglob("*") if p.is_file())
+    assert names == sorted(f"{k[:2]}/{backend.object_key(k)}.nixl" for k in keys)
+    assert not list((tmp_path / "tmp").iterdir())
     for k in keys:
-        assert (tmp_path / backend.object_key(k)).stat().st_size == (
+        assert page_file(backend, k).stat().st_size == (
             integrity.HEADER_BYTES + GEOMETRY.page_bytes)
 
     pool.buffer.zero_()
@@ -158,7 +161,7 @@ def test_corrupt_page_is_a_counted_quarantined_miss(store, damage):
     fill(pool, 5)
     keys = keys_for(3)
     assert backend.batch_set_v1(keys, [0, 1, 2]) == [True] * 3
-    victim = root / backend.object_key(keys[1])
+    victim = page_file(backend, keys[1])
     damage(victim)
 
     assert backend.batch_exists(keys) == 3  # existence is only a hint
@@ -166,7 +169,7 @@ def test_corrupt_page_is_a_counted_quarantined_miss(store, damage):
     st = backend.stats()
     assert st.corrupt_pages == 1 and st.get_misses == 1 and st.get_hits == 2
     assert not victim.exists()
-    assert [p.name.split(".")[0] for p in (root / QUARANTINE_DIR).iterdir()] == [victim.name]
+    assert [p.name.rpartition(".")[0] for p in (root / QUARANTINE_DIR).iterdir()] == [victim.name]
     assert backend.batch_exists(keys) == 1
     assert backend.get(keys[1], torch.empty(GEOMETRY.page_bytes, dtype=torch.uint8)) is False
 
@@ -177,7 +180,7 @@ def test_page_deleted_between_exists_and_get_is_clean_miss(store):
     key = keys_for(1)[0]
     assert backend.batch_set_v1([key], [0]) == [True]
     assert backend.exists(key)
-    (root / backend.object_key(key)).unlink()
+    page_file(backend, key).unlink()
     assert backend.batch_get_v1([key], [3]) == [False]
     st = backend.stats()
     assert st.get_misses == 1 and st.corrupt_pages == 0 and st.errors == 0
@@ -192,7 +195,8 @@ def test_other_tp_rank_misses(tmp_path):
     assert rank1.batch_exists(keys) == 0
     assert rank1.batch_get_v1(keys, [4, 5]) == [False, False]
     # even under rank 1's file name, rank 0's bytes fail the fingerprint check
-    os.link(tmp_path / rank0.object_key(keys[0]), tmp_path / rank1.object_key(keys[0]))
+    page_file(rank1, keys[0]).parent.mkdir(exist_ok=True)
+    os.link(page_file(rank0, keys[0]), page_file(rank1, keys[0]))
     assert rank1.batch_get_v1(keys[:1], [4]) == [False]
     assert rank1.stats().corrupt_pages == 1
     assert rank0.batch_get_v1(keys, [6, 7]) == [True, True]
@@ -214,8 +218,29 @@ def test_transfer_timeout_is_a_miss(tmp_path):
     assert backend.batch_set_v1(keys, list(range(8))) == [True] * 8
     assert backend.batch_get_v1(keys, list(range(8, 16))) == [True] * 8
     assert torch.equal(pool.buffer[8:16], pool.buffer[:8])
-    assert not [p for p in tmp_path.iterdir() if ".tmp." in p.name]
+    assert not list((tmp_path / "tmp").iterdir())
     backend.close()
+
+
+def page_file(backend, key: str) -> Path:
+    return Path(backend.dir.path(backend.dir.name(key)))
+
+
+def test_page_files_of_the_flat_layout_are_adopted(tmp_path):
+    backend, pool = make(tmp_path)
+    fill(pool, 3)
+    keys = keys_for(3)
+    assert backend.batch_set_v1(keys, [0, 1, 2]) == [True] * 3
+    backend.close()
+    # what an earlier version left: <path>/<object_key>, no fan-out, no extension
+    for k in keys:
+        page_file(backend, k).rename(tmp_path / backend.object_key(k))
+    (tmp_path / "notes.txt").write_text("not a page")
+    again, pool2 = make(tmp_path)
+    assert again.batch_get_v1(keys, [5, 6, 7]) == [True] * 3
+    assert torch.equal(pool2.buffer[5:8], pool.buffer[0:3])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["notes.txt"]
+    again.close()
 
 
 @pytest.mark.parametrize("plugin", ["NO_SUCH_PLUGIN", "GDS"])
