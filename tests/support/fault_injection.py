@@ -67,7 +67,7 @@ class FaultyFileBackend(FileBackend):
         if self.delete_after_exists and found:
             # Everything goes: what was found, and the page objects that may hold the
             # same pages as a span object found (spans.py: pages a store cut out).
-            for _, path in self._page_files():
+            for _, path in self.dir.page_files():
                 with contextlib.suppress(FileNotFoundError):  # another thread's lookup
                     os.unlink(path)
         return found

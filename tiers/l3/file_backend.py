@@ -124,7 +124,6 @@ DEFAULT_DIR = "/tmp/hicache"
 FILE_HEADER_BYTES = 4096
 # integrity.py container layout of these files (1: header padded to FILE_HEADER_BYTES).
 FILE_LAYOUT = 1
-# Hex digits of the page key naming a page's sub-directory of pages/.
 # Retention entries kept before the expired ones are dropped.
 RETAINED_PRUNE_AT = 1 << 16
 # Address and length alignment of O_DIRECT transfers (covers 512 B and 4 KiB sectors).
@@ -242,7 +241,7 @@ class FileBackend(StorageBackend):
     def _rebuild_index(self) -> None:
         """Index existing pages oldest first."""
         entries = []
-        for name, path in self._page_files():
+        for name, path in self.dir.page_files():
             try:
                 st = os.stat(path)
             except FileNotFoundError:
@@ -254,9 +253,6 @@ class FileBackend(StorageBackend):
             for _, name, size in sorted(entries):
                 self._index[name] = size
                 self._index_bytes += size
-
-    def _page_files(self) -> list[tuple[str, str]]:
-        return self.dir.page_files()
 
     def _touch(self, name: str, size: int) -> None:
         with self._index_lock:

@@ -37,7 +37,8 @@ Contract (on top of ``base.py``):
   connection is reported ``down`` and the guard's breaker opens
   (tiers/l3/guard.py): calls fail at once while a probe thread asks the server
   (``answers``) every half second; when it answers, the instance registers
-  again (new shared memory if the server restarted) and the breaker closes. A heartbeat thread pings and re-registers (idempotent)
+  again (new shared memory if the server restarted) and the breaker closes.
+  A heartbeat thread pings and re-registers (idempotent)
   every ``heartbeat_interval_s`` so the server never reaps a quiet client.
 - ``clear`` deletes the pages this instance wrote or found (up to
   ``KNOWN_KEYS``, most recent first); LMCache's fs and Redis adapters cannot

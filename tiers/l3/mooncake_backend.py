@@ -41,7 +41,7 @@ Contract (on top of ``base.py``):
   retries the connect ~3 times, 1 s apart; not configurable in 0.3.13), so
   the first RPC failure (codes -900..-999) is reported ``down`` and the
   guard's breaker opens (tiers/l3/guard.py): every call then fails at once
-  (counted in ``errors``) while a background thread probes the master
+  (counted in ``refused_calls``) while a background thread probes the master
   (``answers``) every half second and closes the breaker when it answers.
   So after a master dies, at most one call per instance takes up to ~4.5 s
   (or ``MC_RPC_TIMEOUT_MS``); the rest return within microseconds.

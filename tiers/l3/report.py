@@ -58,18 +58,16 @@ class Report:
         return self._is_down is not None and self._is_down()
 
     def begin(self) -> BatchTally:
-        """Start this thread's tally of one call (the guard's side)."""
-        tally = BatchTally()
-        self._local.stack = [*getattr(self._local, "stack", []), tally]
-        return tally
+        """Start this thread's tally of one call (the guard's side; calls do not nest)."""
+        self._local.tally = BatchTally()
+        return self._local.tally
 
     def end(self) -> None:
-        self._local.stack = self._local.stack[:-1]
+        self._local.tally = None
 
     def _add(self, field: str, n: int) -> None:
-        stack = getattr(self._local, "stack", None)
-        if stack:
-            tally = stack[-1]
+        tally = getattr(self._local, "tally", None)
+        if tally is not None:
             setattr(tally, field, getattr(tally, field) + n)
         elif self._on_loose is not None:
             loose = BatchTally()
