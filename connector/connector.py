@@ -2,23 +2,20 @@
 
 See DESIGN.md "Processes and threads" and "Flow of one request".
 
-vLLM builds it twice: with role SCHEDULER in the engine-core process (owns
-``HiCacheScheduler``: tree, slots, plans) and with role WORKER in each worker
-process (owns ``HiCacheWorker``: host pool bytes, copies). This module only
-translates: vLLM's config is read once (vllm_shape.py), decisions live in
-tiers/controller/, data movement in tiers/worker/.
+vLLM builds it twice: with role SCHEDULER in the engine-core process (owns ``HiCacheScheduler``:
+tree, slots, plans) and with role WORKER in each worker process (owns ``HiCacheWorker``: host pool
+bytes, copies). This module only translates: vLLM's config is read once (vllm_shape.py),
+decisions live in tiers/controller/, data movement in tiers/worker/.
 
-Supported (DESIGN.md "Hybrid models"): attention KV-cache groups (MHA/GQA,
-MLA, sliding window, chunked local) and Mamba state groups as ``SupportsHMA``
-(tiers/index/kv_groups.py), synchronous L2 and asynchronous L3 loads, tensor
-parallelism (each rank applies the same plan to its shard; MLA pages reach L3
-from rank 0), vLLM's ``MultiConnector``. Pipeline parallelism is not supported.
+Supported (DESIGN.md "Hybrid models"): attention KV-cache groups (MHA/GQA, MLA, sliding window,
+chunked local) and Mamba state groups as ``SupportsHMA`` (tiers/index/kv_groups.py), synchronous
+L2 and asynchronous L3 loads, tensor parallelism (each rank applies the same plan to its shard;
+MLA pages reach L3 from rank 0), vLLM's ``MultiConnector``. Pipeline parallelism is not supported.
 
-A request's ``kv_transfer_params["hicache"]`` carry its cache controls
-(tiers/controller/hints.py). Every finished request's ``kv_transfer_params`` carry
-``{"hicache": {"cached_tokens": {"l1", "l2", "l3"}}}``: the prompt tokens vLLM's prefix
-cache, L2 and L3 served at its first admission, which add up to the ``cached_tokens``
-vLLM reports in ``usage``, and ``"error"`` when its controls were bad (then ignored).
+A request's ``kv_transfer_params["hicache"]`` carry its cache controls (tiers/controller/hints.py).
+A finished request's carry ``{"hicache": {"cached_tokens": {"l1", "l2", "l3"}}}``: the prompt
+tokens vLLM's prefix cache, L2 and L3 served at its first admission (summing to the
+``cached_tokens`` in ``usage``), and ``"error"`` when its controls were bad (then ignored).
 """
 
 from __future__ import annotations
@@ -184,11 +181,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                                             num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         with self.hicache_scheduler.lock:
             plan = self.hicache_scheduler.build_connector_meta(
                 scheduler_output.num_scheduled_tokens,
                 getattr(scheduler_output, "preempted_req_ids", None) or (),
-            )
+                getattr(block_state, "boundary_state_offloads", None))  # Mamba "align" states
         if self._admin is not None:
             plan.storage_commands = [*plan.storage_commands, *self._admin.take_commands()]
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0

@@ -46,16 +46,18 @@ def key_namespace(
 ) -> KeyNamespace:
     """Everything that changes the meaning of a page's bytes goes into its keys."""
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     groups = kv_cache_config.kv_cache_groups
     spec = next(g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, AttentionSpec))
     layout = kv_cache_config.kv_cache_layout or "default"
     extra: tuple[str, ...] = ()
     if len(groups) > 1:
-        # vLLM's hybrid manager: a page holds each group's layers in group order.
+        # vLLM's hybrid manager: a page holds each group's layers in group order, a
+        # Mamba group's checkpoint in the page's last block ("ckpt@last").
         extra = ("groups=" + ";".join(
             f"{type(g.kv_cache_spec).__name__}:{getattr(g.kv_cache_spec, 'sliding_window', 0)}"
+            f"{':ckpt@last' if isinstance(g.kv_cache_spec, MambaSpec) else ''}"
             f":{','.join(g.layer_names)}" for g in groups),)
     return KeyNamespace(
         model=f"{vllm_config.model_config.model}@{vllm_config.model_config.revision or ''}",

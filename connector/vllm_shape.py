@@ -36,15 +36,14 @@ def engine_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
     groups = kv_groups(kv_cache_config)
-    # The attention groups' block (vLLM may enlarge the configured one so that
-    # attention pages match a Mamba state's size).
+    config.check_groups(groups)
+    # The attention block (vLLM may enlarge it so attention pages match a Mamba state's).
     block_size = next(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
                       if not isinstance(g.kv_cache_spec, MambaSpec))
     page_size = config.resolved_page_size(block_size)
     if groups.hybrid and not hasattr(KVConnectorBase_V1, "get_transfer_results"):
-        # Several groups: a failed load can only go back per request
-        # (failed_recving), which older vLLMs do not offer; refuse rather
-        # than risk serving a request whose load failed.
+        # Several groups: a failed load can only go back per request (failed_recving),
+        # which older vLLMs do not offer; refuse rather than risk serving it.
         raise HiCacheConfigError(
             "HiCacheConnector with vLLM's hybrid KV cache manager needs a vLLM whose "
             "connectors report failed loads per request (get_transfer_results); with "
@@ -69,8 +68,8 @@ def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
     Every attention group must have one block size, and every group one block
     byte size (vLLM's hybrid manager makes them so). A Mamba / linear-attention
     state group (``MambaSpec``) needs vLLM's "none" Mamba cache mode (its prefix
-    caching off: one state block per request); other kinds are refused,
-    naming them."""
+    caching off: one state block per request) or "align" (a state per block);
+    other kinds are refused, naming them."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
@@ -88,11 +87,11 @@ def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
             f"model's KV cache groups are {names}")
     modes = {str(getattr(s, "mamba_cache_mode", "none")) for s in specs
              if isinstance(s, MambaSpec)}
-    if modes - {"none"}:
+    if modes - {"none", "align"} or len(modes) > 1:
         raise HiCacheConfigError(
-            f"HiCacheConnector with Mamba / linear-attention layers needs vLLM's prefix "
-            f"caching off (mamba_cache_mode 'none'; this engine: {sorted(modes)}): run with "
-            f"--no-enable-prefix-caching, HiCache is then the prefix cache")
+            f"HiCacheConnector with Mamba / linear-attention layers: mamba_cache_mode "
+            f"must be one of 'align' (prefix caching on), 'none' (off); this engine: "
+            f"{sorted(modes)}")
     attention = [s for s in specs if isinstance(s, AttentionSpec)]
     if len({spec.page_size_bytes for spec in specs}) > 1 or \
             len({spec.block_size for spec in attention}) > 1:
@@ -104,7 +103,7 @@ def kv_groups(kv_cache_config: KVCacheConfig) -> KVGroups:
     for group, spec in zip(groups, specs, strict=True):
         layers = len(group.layer_names)
         if isinstance(spec, MambaSpec):
-            out.append(KVGroup("state", 0, layers))
+            out.append(KVGroup("state", 0, layers, spec.mamba_cache_mode == "align"))
         elif isinstance(spec, SlidingWindowSpec):
             window = spec.sliding_window + int(getattr(spec, "extra_retained_tokens", 0) or 0)
             out.append(KVGroup("window", window, layers))

@@ -33,6 +33,7 @@ from hicache.tiers.controller.policies import (
     PrefetchSettings,
     WritePolicyName,
 )
+from hicache.tiers.index.kv_groups import KVGroups
 from hicache.tiers.l2.geometry import MemLayoutName
 from hicache.tiers.l3.factory import StorageBackendName
 from hicache.tiers.settings import Settings, explain
@@ -173,6 +174,17 @@ class HiCacheConfig(Settings):
     def backend_extra_config(self) -> dict[str, Any]:
         """The extra config the storage backend sees (HiCache's own keys removed)."""
         return dict(self.hicache_storage_backend_extra_config.model_extra or {})
+
+    def check_groups(self, groups: KVGroups) -> None:
+        """Refuse a setting this engine's KV-cache groups (kv_groups.py) cannot serve."""
+        if groups.aligned and self.hicache_write_policy == "write_back":
+            # vLLM hands a Mamba "align" state to a connector only in the step that
+            # computes it; when a request finishes it is gone (stores.py).
+            raise HiCacheConfigError(
+                "hicache_write_policy 'write_back' would store every page of a model with "
+                "Mamba layers in vLLM's 'align' cache mode without its state checkpoint, so "
+                "no request could load it; allowed here: 'write_through', "
+                "'write_through_selective' (or run with --no-enable-prefix-caching)")
 
     def resolved_page_size(self, block_size: int) -> int:
         """Page size in tokens for an engine whose KV block holds ``block_size`` tokens."""

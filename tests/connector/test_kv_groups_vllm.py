@@ -2,8 +2,8 @@
 
 A Gemma-3-style hybrid config gives window groups and a full group; the pool
 counts every group's layers and sizes a ratio budget from the engine's real
-tensors (which the groups share); a Mamba group is a state group without
-vLLM's own prefix caching, and refused with it, naming the flag to set.
+tensors (which the groups share); a Mamba group is a state group, "aligned"
+with vLLM's own prefix caching on.
 """
 
 from __future__ import annotations
@@ -58,6 +58,19 @@ def test_a_mamba_group_is_a_state_group():
     assert [g.kind for g in groups.groups] == ["state", "full", "state"]
 
 
-def test_mamba_with_vllms_prefix_caching_is_refused_naming_the_flag():
-    with pytest.raises(HiCacheConfigError, match=r"--no-enable-prefix-caching"):
-        kv_groups(_config([_attn(FullAttentionSpec), _mamba("align")]))
+def test_mamba_with_vllms_prefix_caching_is_an_aligned_state_group():
+    groups = kv_groups(_config([_attn(FullAttentionSpec), _mamba("align")]))
+    assert groups.groups == (KVGroup("full"), KVGroup("state", aligned=True))
+    assert groups.aligned
+    # write_back would store its pages after vLLM's hand-off of their states.
+    with pytest.raises(HiCacheConfigError, match=r"hicache_write_policy.*'write_through'"):
+        HiCacheConfig.from_extra_config({"hicache_write_policy": "write_back"}).check_groups(
+            groups)
+    HiCacheConfig.from_extra_config({}).check_groups(groups)
+
+
+def test_an_unknown_mamba_cache_mode_is_refused_naming_the_allowed_ones():
+    spec = _mamba("none")
+    object.__setattr__(spec, "mamba_cache_mode", "all")  # a mode this vLLM does not have
+    with pytest.raises(HiCacheConfigError, match=r"'align'.*'none'.*\['all'\]"):
+        kv_groups(_config([_attn(FullAttentionSpec), spec]))

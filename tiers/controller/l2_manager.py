@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from hicache.tiers.controller.events import EventRequest, PageEvents
 from hicache.tiers.controller.policies import EvictionPolicy, LeafFirstLRU
 from hicache.tiers.controller.stats import SchedulerStats
-from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
+from hicache.tiers.index.kv_groups import Checkpoints, GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.index.radix_tree import (
@@ -106,12 +106,12 @@ class L2Manager:
         return self._missing.get(slot, 0)
 
     def plan_store(self, keys: Sequence[PageKey], block_ids: GroupBlockIds,
-                   state_at: int | None = None, source: EventRequest | None = None,
+                   checkpoints: Checkpoints | None = None, source: EventRequest | None = None,
                    priority: int = DEFAULT_PRIORITY) -> list[PagePlan] | None:
         """Store the pages of ``keys`` beyond the prefix already in L2, from
         ``block_ids`` (the request's blocks, per group): allocate their slots
-        and publish them. ``state_at``: the page whose end the request's state
-        blocks hold the state after (state groups; None: no page). ``source``:
+        and publish them. ``checkpoints``: the L1 blocks holding state groups'
+        checkpoints, per page (kv_groups.py; None: no page has one). ``source``:
         the request whose pages they are (KV events); ``priority``: their eviction
         class (the tree's priorities).
 
@@ -126,7 +126,7 @@ class L2Manager:
         masks: list[int] = []
         page_blocks: list[tuple[int, ...]] = []
         for page in range(match.num_pages, len(keys)):
-            blocks = self.groups.page_blocks(block_ids, page, bpp, state_at=state_at)
+            blocks = self.groups.page_blocks(block_ids, page, bpp, checkpoints=checkpoints)
             mask = self.groups.missing_mask(blocks) if blocks else None
             if mask is None:
                 self._stats.store_skipped_pages += len(keys) - page

@@ -31,10 +31,11 @@ def hit_pages(keys: Sequence[PageKey], slots: Sequence[int], start: int, end: in
     ``slots`` (page i in ``slots[i]``), the blocks of that range no page covers);
     ``block_ids`` are the request's blocks per KV-cache group."""
     groups = groups or KVGroups.single()
-    # State groups (Mamba): the request's state block gets the checkpoint of the
-    # hit's last page.
-    state_at = end // page_size - 1 if end % page_size == 0 else None
     blocks_per_page = page_size // block_size
+    # State groups (Mamba): the request's state block gets the checkpoint of the
+    # hit's last page (in "align" mode, the one at the hit's last position).
+    checkpoints = groups.state_blocks(
+        block_ids, end // page_size - 1 if end % page_size == 0 else None, blocks_per_page)
     matched_tokens = len(slots) * page_size
     first_block = start // block_size
     end_block = -(-min(end, matched_tokens) // block_size)
@@ -47,7 +48,7 @@ def hit_pages(keys: Sequence[PageKey], slots: Sequence[int], start: int, end: in
         first = page * blocks_per_page
         pages.append(PagePlan(slot=slots[page], key=keys[page], first_offset=lo - first,
                               block_ids=groups.page_blocks(block_ids, page, blocks_per_page,
-                                                           lo - first, hi - first, state_at)))
+                                                           lo - first, hi - first, checkpoints)))
     unloadable = tuple(b for ids in block_ids for b in ids[end_block : -(-end // block_size)])
     return pages, unloadable
 

@@ -75,7 +75,7 @@ from hicache.tiers.controller.requests import (
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
 from hicache.tiers.index.commands import L3Removal, RetainPages, StorageCommand
-from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
+from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups, StateHandoff
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
 from hicache.tiers.index.spans import SpanLayout, pages_per_object
@@ -414,10 +414,12 @@ class HiCacheScheduler:
     # ---- per-step plan ------------------------------------------------------------
 
     def build_connector_meta(self, num_scheduled_tokens: Mapping[str, int],
-                             preempted: Iterable[str] = ()) -> StepPlan:
+                             preempted: Iterable[str] = (),
+                             handoffs: Mapping[str, StateHandoff] | None = None) -> StepPlan:
         """The step's plan; after it, the loads' pages may be evicted again.
         ``preempted``: requests vLLM preempted in this step (their blocks may be
-        reused by its forward pass)."""
+        reused by its forward pass); ``handoffs``: the step's Mamba "align"
+        boundary states (stores.py)."""
         if self.l2.drop_bad_slots():
             self.requests.forget_stored()
         self.pins.expire()  # before this plan evicts anything
@@ -425,7 +427,8 @@ class HiCacheScheduler:
         self._seq += 1
         flush = any(state is not None and self.stores.store_in_flight(state)
                     for state in map(self.requests.get, preempted))
-        stores, release = self.stores.plan_step(self.requests, num_scheduled_tokens, self._seq)
+        stores, release = self.stores.plan_step(self.requests, num_scheduled_tokens, self._seq,
+                                              handoffs)
         # Loads are taken (and their prefixes unlocked) after the stores are
         # planned: the eviction that makes room for a store must spare them.
         plan = StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,

@@ -13,6 +13,13 @@ Contract:
   store refused for lack of room is tried again at the next step.
 - Slots, eviction and publishing belong to ``L2Manager.plan_store``; the
   pages planned here go into the next ``StepPlan``.
+- State groups (Mamba, tiers/index/kv_groups.py): a stored page carries its
+  checkpoint where the step ends on the page's end ("none" mode: the
+  request's state block), or in "align" mode where vLLM handed the page's
+  end state off in this step (``handoffs``, only valid until the step's
+  stores are done, so such stores wait for their step). A finished
+  request's store in "align" mode has no hand-off: its pages go without
+  checkpoints.
 - Stores across steps (``async_stores``, tiers/worker/core.py): a store may
   still read a request's blocks after the step that planned it. Each rank
   reports the last plan whose stores are done (``on_stores_done``), so
@@ -29,7 +36,7 @@ from collections.abc import Callable, Mapping
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.policies import WritePolicy
 from hicache.tiers.controller.requests import RequestState, RequestTable
-from hicache.tiers.index.kv_groups import GroupBlockIds
+from hicache.tiers.index.kv_groups import Checkpoints, GroupBlockIds, StateHandoff
 from hicache.tiers.index.plans import PagePlan
 
 
@@ -78,9 +85,11 @@ class StorePlanner:
             self._release_after_store.append(req_id)
 
     def plan_step(self, requests: RequestTable, num_scheduled_tokens: Mapping[str, int],
-                  seq: int = 0) -> tuple[list[PagePlan], list[str]]:
+                  seq: int = 0, handoffs: Mapping[str, StateHandoff] | None = None,
+                  ) -> tuple[list[PagePlan], list[str]]:
         """This step's stores (finished requests' first) and the finished requests
-        whose blocks wait for them."""
+        whose blocks wait for them. ``handoffs``: vLLM's "align" boundary states
+        of this step, per request."""
         stores, release = self._deferred, self._release_after_store
         self._deferred, self._release_after_store = [], []
         for req_id, n in self.policy.running_requests(num_scheduled_tokens).items():
@@ -92,8 +101,9 @@ class StorePlanner:
             ready = min(end, len(request.all_token_ids))
             ready_pages = ready // self.page_size
             if ready_pages > state.stored_pages:
-                planned = self._store(state, ready_pages, self._block_ids_of(req_id),
-                                      self._state_page(end))
+                block_ids = self._block_ids_of(req_id)
+                planned = self._store(state, ready_pages, block_ids, self._checkpoints(
+                    block_ids, end, (handoffs or {}).get(req_id, ())))
                 if planned:
                     state.store_seq = seq
                 stores.extend(planned)
@@ -120,20 +130,25 @@ class StorePlanner:
         if ready_pages <= state.stored_pages:
             return False
         plans = self._store(state, ready_pages, block_ids,
-                            self._state_page(request.num_computed_tokens))
+                            self._checkpoints(block_ids, request.num_computed_tokens, ()))
         if not plans:
             return False
         self._deferred.extend(plans)
         self._release_after_store.append(request.request_id)
         return True
 
-    def _state_page(self, computed: int) -> int | None:
-        """The page whose end a request's state blocks hold the state after, once
-        ``computed`` tokens are computed (None: not a page end)."""
-        return computed // self.page_size - 1 if computed % self.page_size == 0 else None
+    def _checkpoints(self, block_ids: GroupBlockIds, computed: int,
+                     handoff: StateHandoff) -> Checkpoints:
+        """The state groups' checkpoints a store of the request may take once
+        ``computed`` tokens are computed (see the module docstring)."""
+        groups = self.l2.groups
+        if groups.aligned:
+            return groups.handed_off(handoff, self.page_size)
+        page = computed // self.page_size - 1 if computed % self.page_size == 0 else None
+        return groups.state_blocks(block_ids, page, self.l2.blocks_per_page)
 
     def _store(self, state: RequestState, ready_pages: int, block_ids: GroupBlockIds,
-               state_at: int | None = None) -> list[PagePlan]:
+               checkpoints: Checkpoints | None = None) -> list[PagePlan]:
         """Copies of the request's pages in [in-L2 prefix, ready_pages) worth storing."""
         if not state.hints.store:  # the client asked for no stores (hints.py)
             state.stored_pages = ready_pages
@@ -142,7 +157,7 @@ class StorePlanner:
         worth = self.policy.pages_worth_storing(keys, state.counted_pages)
         state.counted_pages = max(state.counted_pages, len(keys))
         keys = keys[:worth]
-        plans = self.l2.plan_store(keys, block_ids, state_at, source=state.request,
+        plans = self.l2.plan_store(keys, block_ids, checkpoints, source=state.request,
                                    priority=state.hints.rank)
         if plans is None:
             return []

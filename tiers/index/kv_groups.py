@@ -16,13 +16,24 @@ Contract:
   (the window moved on) is stored *missing* for that page (``missing_mask``,
   bit ``g`` = group ``g`` missing). A full-attention group is never missing:
   a page without it is not stored.
-- State groups (Mamba / linear attention, vLLM's ``MambaSpec`` without its
-  own prefix caching): a request has one state block, which holds the state
-  after its last computed token. A page carries it (a checkpoint: the state
-  after the page's last token) only when it was stored at a step that ended
-  exactly on the page's end (``state_at``); elsewhere the group is missing.
-  The checkpoint sits at the page's first block offset; the page's other
-  entries for the group are the null block.
+- State groups (Mamba / linear attention, vLLM's ``MambaSpec``): a page
+  carries the group's checkpoint (the state after the page's last token) at
+  its last block offset, the block whose end it is the state after; the
+  page's other entries for the group are the null block, and a page without
+  a checkpoint has the group missing. ``Checkpoints`` names, per page and
+  state group, the L1 block holding it:
+  - vLLM's "none" Mamba cache mode (its prefix caching off): a request has
+    one state block, the state after its last computed token, so it is the
+    checkpoint of a page only at a step that ended exactly on the page's end
+    (``state_blocks``);
+  - "align" mode (``KVGroup.aligned``, vLLM's prefix caching on): vLLM hands
+    each committed block-end state to the connector with its exact block
+    in the step that computes it (``SchedulerOutput.kv_connector_block_state``),
+    and ``handed_off`` keeps those on page ends; a block table cannot be read
+    positionally for stores there (vLLM nulls interior states and moves
+    speculative ones). Loads are positional: the state block at the hit's
+    last position is where vLLM reads a new request's initial state from
+    (``state_blocks``).
 - A hit may end after page ``P`` only where every windowed group has its
   bytes in the pages vLLM keeps real blocks for at that point (the last
   ``window`` tokens before the hit's end, from vLLM's own skip rule) and
@@ -34,7 +45,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +54,13 @@ from hicache.tiers.index.plans import NULL_BLOCK_ID
 
 # Per-group block ids of one request, in vLLM's group order.
 GroupBlockIds = Sequence[Sequence[int]]
+
+# Page -> state group -> the L1 block holding the state after the page's last
+# token (see the module docstring).
+Checkpoints = Mapping[int, Mapping[int, int]]
+
+# vLLM's hand-off of "align" boundary states: (group, block id, boundary tokens).
+StateHandoff = Sequence[tuple[int, int, int]]
 
 GroupKind = Literal["full", "window", "state"]
 
@@ -60,6 +78,9 @@ class KVGroup:
     window: int = 0
     # KV layers of the engine in this group.
     num_layers: int = 1
+    # Kind "state" in vLLM's "align" Mamba cache mode: a state block per block
+    # position, not one per request (see the module docstring).
+    aligned: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,25 +143,63 @@ class KVGroups:
         return (body_key(key),) if mask else (key, body_key(key))
 
     def page_blocks(self, block_ids: GroupBlockIds, page: int, blocks_per_page: int,
-                    lo: int = 0, hi: int | None = None, state_at: int | None = None,
+                    lo: int = 0, hi: int | None = None, checkpoints: Checkpoints | None = None,
                     ) -> tuple[int, ...]:
         """Blocks ``[lo, hi)`` of page ``page`` (block offsets in the page), every
         group's, concatenated in group order; () when a group lacks them. A state
-        group gives its state block where ``page == state_at`` (at offset 0), else
-        the null block."""
+        group gives the null block but at the page's last offset: its block in
+        ``checkpoints`` there (the null block when it has none)."""
         hi = blocks_per_page if hi is None else hi
         start = page * blocks_per_page
+        last = blocks_per_page - 1
+        own = (checkpoints or {}).get(page, {})
         out: list[int] = []
-        for group, ids in zip(self.groups, block_ids, strict=True):
+        for g, (group, ids) in enumerate(zip(self.groups, block_ids, strict=True)):
             if group.kind == "state":
-                here = page == state_at and lo == 0 and len(ids) > 0
-                out.extend([ids[0] if here else NULL_BLOCK_ID] + [NULL_BLOCK_ID] * (hi - lo - 1))
+                entries = [NULL_BLOCK_ID] * (hi - lo)
+                if lo <= last < hi:
+                    entries[last - lo] = own.get(g, NULL_BLOCK_ID)
+                out.extend(entries)
                 continue
             part = ids[start + lo : start + hi]
             if len(part) < hi - lo:
                 return ()
             out.extend(part)
         return tuple(out)
+
+    @property
+    def aligned(self) -> bool:
+        """State groups in vLLM's "align" Mamba cache mode (its prefix caching on)."""
+        return any(g.aligned for g in self.groups if g.kind == "state")
+
+    def state_blocks(self, block_ids: GroupBlockIds, page: int | None,
+                     blocks_per_page: int) -> dict[int, dict[int, int]]:
+        """The request's state blocks as the checkpoint of ``page``, the page whose
+        end its computed tokens stop at (None: no page, no checkpoint): its one
+        state block per group, or in "align" mode the one at the page's last
+        position (see the module docstring)."""
+        if page is None or not self.has_state:
+            return {}
+        at = (page + 1) * blocks_per_page - 1
+        own: dict[int, int] = {}
+        for g, (group, ids) in enumerate(zip(self.groups, block_ids, strict=True)):
+            if group.kind != "state":
+                continue
+            block = (ids[at] if at < len(ids) else NULL_BLOCK_ID) if group.aligned else \
+                (ids[0] if ids else NULL_BLOCK_ID)
+            if block != NULL_BLOCK_ID:
+                own[g] = block
+        return {page: own} if own else {}
+
+    def handed_off(self, handoff: StateHandoff, page_size: int) -> dict[int, dict[int, int]]:
+        """The checkpoints in vLLM's hand-off of "align" boundary states: those whose
+        boundary is a page end, for a state group of this engine."""
+        out: dict[int, dict[int, int]] = {}
+        for g, block, boundary in handoff:
+            if boundary > 0 and boundary % page_size == 0 and block != NULL_BLOCK_ID and \
+                    0 <= g < len(self.groups) and self.groups[g].kind == "state":
+                out.setdefault(boundary // page_size - 1, {})[g] = block
+        return out
 
     def split(self, blocks: Sequence[int]) -> list[Sequence[int]]:
         """A page's concatenated blocks, one slice per group."""
@@ -154,7 +213,7 @@ class KVGroups:
         mask = 0
         for g, (group, ids) in enumerate(zip(self.groups, self.split(blocks), strict=True)):
             if group.kind == "state":
-                if not ids or ids[0] == NULL_BLOCK_ID:
+                if not ids or ids[-1] == NULL_BLOCK_ID:
                     mask |= 1 << g
             elif NULL_BLOCK_ID in ids:
                 if group.kind == "full":

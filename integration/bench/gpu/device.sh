@@ -16,7 +16,9 @@
 #   runs              (started by stage1) the serving-under-load run (serve_load.py,
 #                     arguments $SERVE_ARGS; skipped when SERVE_ARGS=skip), then the
 #                     end-to-end run (e2e.py, arguments $E2E_ARGS; skipped when
-#                     E2E_ARGS=skip)
+#                     E2E_ARGS=skip), then the Mamba hybrid with vLLM's prefix caching
+#                     on (e2e.py on the nemotron_h preset, vLLM's "align" Mamba mode,
+#                     arguments $MAMBA_ARGS; skipped when MAMBA_ARGS=skip)
 #
 # The machine must stay warm between calls (the next call within its idle window), or
 # /tmp is gone and stage0/stage1 start over.
@@ -33,7 +35,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 running() { [ -f "$RES.pid" ] && kill -0 "$(cat "$RES.pid")" 2>/dev/null; }
 
 snapshot() {
-  for d in serve e2e; do
+  for d in serve e2e mamba; do
     mkdir -p "$OUT/$d"
     cp "$RES/$d"/results.json "$RES/$d"/report.md "$RES/$d"/*.png "$OUT/$d"/ 2>/dev/null
   done
@@ -50,7 +52,8 @@ collect() {
   running && echo "runs still going after ${t}s" || echo "runs finished"
   snapshot
   (cd "$RES" 2>/dev/null && tar czf "$OUT/case-logs.tgz" */case-*.log 2>/dev/null)
-  cat "$RES/serve/report.md" "$RES/e2e/report.md" 2>/dev/null || tail -50 "$RES.log"
+  cat "$RES/serve/report.md" "$RES/e2e/report.md" "$RES/mamba/report.md" 2>/dev/null \
+    || tail -50 "$RES.log"
 }
 
 case "${1:-}" in
@@ -95,6 +98,11 @@ runs)
   # shellcheck disable=SC2086
   [ "${E2E_ARGS:-}" = skip ] || python3 -m hicache.integration.bench.gpu.e2e run \
     --out "$RES/e2e" ${E2E_ARGS:-}
+  # shellcheck disable=SC2086
+  [ "${MAMBA_ARGS:-}" = skip ] || python3 -m hicache.integration.bench.gpu.e2e run \
+    --out "$RES/mamba" --preset nemotron_h --cases null-eager,hicache-eager \
+    --max-model-len 4096 --histories 1024,3072 --warmup 512 --host-gb 2 --case-timeout 300 \
+    ${MAMBA_ARGS:-}
   ;;
 collect)
   collect "${2:-500}"

@@ -149,7 +149,7 @@ def test_mamba_states_are_checkpointed_where_a_step_ends_on_a_page_end():
     sched.update_state_after_alloc(req, tables["a"], 0)
     # Step 1 computes 16 tokens: ends on page 1's end, whose state it checkpoints.
     stores = sched.build_connector_meta({"a": 16}).stores
-    assert [p.block_ids for p in stores] == [(0, 0, 300, 301), (50, 0, 302, 303)]
+    assert [p.block_ids for p in stores] == [(0, 0, 300, 301), (0, 50, 302, 303)]
     assert [sched.l2.missing_of(p.slot) for p in stores] == [0b01, 0]
     # A prompt sharing 20 tokens may only end after page 1 (the checkpoint)...
     back = request("b", list(range(100, 120)) + [1, 2, 3, 4, 5, 6, 7, 8, 9])
@@ -157,7 +157,7 @@ def test_mamba_states_are_checkpointed_where_a_step_ends_on_a_page_end():
     sched.update_state_after_alloc(back, [[60], list(range(400, 408))], 2 * PAGE)
     (fetch,) = sched.build_connector_meta({}).fetches
     # ...and its state block gets that checkpoint, the attention blocks every page.
-    assert [p.block_ids for p in fetch.l2_pages] == [(0, 0, 400, 401), (60, 0, 402, 403)]
+    assert [p.block_ids for p in fetch.l2_pages] == [(0, 0, 400, 401), (0, 60, 402, 403)]
     # A prompt that shares only page 0 has no checkpoint to end on.
     short = request("c", list(range(100, 108)) + [5, 6, 7])
     assert sched.get_num_new_matched_tokens(short, 0) == (0, False)
@@ -179,7 +179,7 @@ def test_mamba_l3_runs_over_bodies_and_ends_on_a_whole_page(tmp_path):
     (fetch,) = sched.build_connector_meta({}).fetches
     assert [p.l3_key for p in fetch.l3_pages] == [body_key(keys[0]), body_key(keys[1]), None]
     assert [p.block_ids for p in fetch.l3_pages] == [(0, 0, 10, 11), (0, 0, 12, 13),
-                                                     (70, 0, 14, 15)]
+                                                     (0, 70, 14, 15)]
     sched.on_worker_report(WorkerReport(fetched={"a": [3]}))
     match = sched.tree.match_prefix(keys)
     assert [sched.l2.missing_of(s) for s in match.host_slots] == [0b01, 0b01, 0]
@@ -202,4 +202,50 @@ def test_write_back_stores_a_mamba_request_whole_with_its_last_checkpoint():
     stores = sched.build_connector_meta({}).stores
     assert len(stores) == 4
     assert [sched.l2.missing_of(p.slot) for p in stores] == [0b01, 0b01, 0b01, 0]
-    assert stores[-1].block_ids == (50, 0, 306, 307)
+    assert stores[-1].block_ids == (0, 50, 306, 307)
+
+
+# vLLM's "align" Mamba cache mode (its prefix caching on): a state block per block.
+ALIGNED = KVGroups((KVGroup("state", aligned=True), KVGroup("full")))
+
+
+def test_aligned_mamba_stores_the_states_vllm_hands_off_and_loads_at_the_hits_end():
+    sched = make_scheduler(groups=ALIGNED, geometry=MAMBA_GEOM)
+    tables = sched.tables  # type: ignore[attr-defined]
+    req = request("a", range(100, 130))  # 30 tokens
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    # vLLM's table is not read for states: a column it shows is not the handed-off block.
+    tables["a"] = [[0, 66, 0, 0, 0, 0, 0, 0], list(range(300, 308))]
+    sched.update_state_after_alloc(req, tables["a"], 0)
+    # Step 1 computes 12 tokens; vLLM hands off the state after block 1 (8 tokens,
+    # page 0's end) in block 6 and after block 2 (12, no page end) in block 5.
+    stores = sched.build_connector_meta({"a": 12}, (), {"a": [(0, 6, 8), (0, 5, 12)]}).stores
+    assert [p.block_ids for p in stores] == [(0, 6, 300, 301)]
+    req.num_computed_tokens = 12
+    # Step 2 ends on page 2's end (24) but hands nothing off for it: page 1 and 2
+    # go without their checkpoints, a hand-off for another request is not theirs.
+    stores = sched.build_connector_meta({"a": 12}, (), {"b": [(0, 9, 24)]}).stores
+    assert [p.block_ids for p in stores] == [(0, 0, 302, 303), (0, 0, 304, 305)]
+    assert [sched.l2.missing_of(p.slot) for p in stores] == [0b01, 0b01]
+    # A returning prompt may end after page 0 only, and vLLM's table for that hit has
+    # its real state block in the hit's last column.
+    back = request("b", list(range(100, 130)) + [1, 2, 3])
+    assert sched.get_num_new_matched_tokens(back, 0) == (PAGE, True)
+    sched.update_state_after_alloc(back, [[0, 61], [400, 401]], PAGE)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert [p.block_ids for p in fetch.l2_pages] == [(0, 61, 400, 401)]
+
+
+def test_aligned_mamba_write_back_keeps_bodies_only():
+    # A finished request's store comes after vLLM's hand-offs: no checkpoint.
+    sched = make_scheduler(groups=ALIGNED, geometry=MAMBA_GEOM, write_policy="write_back")
+    tables = sched.tables  # type: ignore[attr-defined]
+    req = request("a", range(100, 116))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    tables["a"] = [[0, 0, 0, 50], list(range(300, 304))]
+    sched.update_state_after_alloc(req, tables["a"], 0)
+    assert sched.build_connector_meta({"a": 16}, (), {"a": [(0, 50, 16)]}).stores == []
+    req.num_computed_tokens = 16
+    assert sched.request_finished(req, tables["a"]) is True
+    stores = sched.build_connector_meta({}).stores
+    assert [sched.l2.missing_of(p.slot) for p in stores] == [0b01, 0b01]

@@ -79,11 +79,41 @@ MAMBA = KVGroups((KVGroup("state"), KVGroup("full"), KVGroup("state")))
 
 def test_a_state_block_goes_to_the_page_it_checkpoints_only():
     ids = [[9], [1, 2, 3, 4], [8]]  # one state block per request and state group
-    assert MAMBA.page_blocks(ids, 1, 2, state_at=1) == (9, 0, 3, 4, 8, 0)
-    assert MAMBA.page_blocks(ids, 0, 2, state_at=1) == (0, 0, 1, 2, 0, 0)
+    at_1 = MAMBA.state_blocks(ids, 1, 2)
+    assert at_1 == {1: {0: 9, 2: 8}}
+    # The checkpoint sits at the page's last block offset, the others are null.
+    assert MAMBA.page_blocks(ids, 1, 2, checkpoints=at_1) == (0, 9, 3, 4, 0, 8)
+    assert MAMBA.page_blocks(ids, 0, 2, checkpoints=at_1) == (0, 0, 1, 2, 0, 0)
     assert MAMBA.page_blocks(ids, 1, 2) == (0, 0, 3, 4, 0, 0)
-    assert MAMBA.missing_mask((9, 0, 3, 4, 8, 0)) == 0
+    assert MAMBA.state_blocks(ids, None, 2) == {}
+    assert MAMBA.missing_mask((0, 9, 3, 4, 0, 8)) == 0
     assert MAMBA.missing_mask((0, 0, 1, 2, 0, 0)) == 0b101
+    assert MAMBA.missing_mask((0, 9, 1, 2, 0, 0)) == 0b100
+
+
+# vLLM's "align" Mamba cache mode: a state block per block position.
+ALIGNED = KVGroups((KVGroup("state", aligned=True), KVGroup("full")))
+
+
+def test_an_aligned_load_fills_the_state_block_at_the_hits_last_position():
+    # vLLM's table for a 2-page hit (2 blocks a page): nulls but the last column,
+    # where its model runner reads a new request's initial state from.
+    ids = [[0, 0, 0, 7], [1, 2, 3, 4]]
+    at_1 = ALIGNED.state_blocks(ids, 1, 2)
+    assert at_1 == {1: {0: 7}}
+    assert ALIGNED.page_blocks(ids, 1, 2, checkpoints=at_1) == (0, 7, 3, 4)
+    # A load that starts mid-page (vLLM's own cache holds the head) still gets it.
+    assert ALIGNED.page_blocks(ids, 1, 2, 1, 2, checkpoints=at_1) == (7, 4)
+    assert ALIGNED.state_blocks(ids, 0, 2) == {}  # a null column: no checkpoint
+    assert ALIGNED.state_blocks([[0], [1, 2]], 1, 2) == {}  # a short table
+    assert ALIGNED.aligned and not MAMBA.aligned
+
+
+def test_handed_off_states_checkpoint_the_pages_they_end():
+    handoff = [(0, 6, 8), (0, 9, 24), (0, 5, 12), (1, 3, 16), (0, 0, 16), (0, 4, 0)]
+    # 12 is no page end, group 1 is no state group, block 0 is vLLM's null block.
+    assert ALIGNED.handed_off(handoff, 8) == {0: {0: 6}, 2: {0: 9}}
+    assert MAMBA.handed_off([(0, 6, 8), (2, 5, 8)], 8) == {0: {0: 6, 2: 5}}
 
 
 def test_a_hit_ends_on_a_checkpoint():

@@ -70,6 +70,24 @@ def test_each_group_is_copied_with_its_own_blocks():
     assert report is not None and report.fetched == {"r": [0]}
 
 
+def test_a_mamba_checkpoint_moves_from_its_page_end_to_the_block_vllm_reads():
+    """vLLM's "align" Mamba mode: the scheduler plans a state group's checkpoint at the
+    page's last offset (tiers/index/kv_groups.py); here the first layer is the state
+    group. A hit that starts mid-page (vLLM's own cache holds the head) still gets it."""
+    w = make_worker()
+    # State group: its checkpoint (block 3, handed off by vLLM) at offset 1; attention 1, 2.
+    w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (0, 3, 1, 2))]))
+    before = w.kv.clone()
+    w.kv[5:9] = -1
+    fetch = RequestFetch("r", (PagePlan(0, KEY_A, 1, (7, 6)),), ())
+    w.start_load(HiCacheStepMetadata(fetches=[fetch]))
+    w.finish_step(HiCacheStepMetadata())
+    assert torch.equal(w.kv[7], before[3])  # the state, where the request reads it
+    assert torch.equal(w.kv[6], before[2])  # the attention block of the page's tail
+    assert torch.equal(w.kv[5], torch.full_like(w.kv[5], -1))
+    assert w.take_received() == {"r"} and w.take_failed_recving() == set()
+
+
 def test_a_failed_hit_is_reported_per_request():
     w = make_worker()
     # Slot 1 never received KEY_B: the key check fails.
