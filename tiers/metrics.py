@@ -71,6 +71,7 @@ class WorkerKey(StrEnum):
     L3_BYTES_WRITTEN = "l3_bytes_written"
     L3_CORRUPT_PAGES = "l3_corrupt_pages"
     L3_ERRORS = "l3_errors"
+    L3_REFUSED_CALLS = "l3_refused_calls"
     L3_PAGES_IN_PLACE = "l3_pages_in_place"
     L3_FLUSHED_PAGES = "l3_flushed_pages"
     L3_RETAINED_PAGES = "l3_retained_pages"
@@ -187,6 +188,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _worker(WorkerKey.L3_BYTES_WRITTEN, "Payload bytes written to the HiCache L3 store"),
     _worker(WorkerKey.L3_CORRUPT_PAGES, "L3 pages rejected by the page key or checksum check"),
     _worker(WorkerKey.L3_ERRORS, "Errors raised by the HiCache L3 store"),
+    _worker(WorkerKey.L3_REFUSED_CALLS,
+            "HiCache L3 calls its open circuit breaker failed at once (the store was down)"),
     _worker(WorkerKey.L3_PAGES_IN_PLACE, "L3 pages read from store memory of this process (a "
             "Mooncake segment it holds), copied and checked in one pass"),
     _worker(WorkerKey.L3_FLUSHED_PAGES,

@@ -150,6 +150,7 @@ class L3Link:
             K.L3_BACKUP_FAILED_PAGES: io.backup_failed_pages,
             K.L3_BYTES_READ: backend.bytes_read, K.L3_BYTES_WRITTEN: backend.bytes_written,
             K.L3_CORRUPT_PAGES: backend.corrupt_pages, K.L3_ERRORS: backend.errors,
+            K.L3_REFUSED_CALLS: backend.refused_calls,
             K.L3_PAGES_IN_PLACE: backend.pages_in_place,
             K.L3_FLUSHED_PAGES: io.deleted_pages, K.L3_RETAINED_PAGES: io.retained_pages,
         }

@@ -21,11 +21,27 @@ NS = KeyNamespace("tiny", "float32", "cpu", 8, 1)
 KEY_A, KEY_B = page_keys(NS.seed(), list(range(16)), 8)
 
 
+class ProbedFiles(FileBackend):
+    """A file store that can go away: ``answers`` is its guard's breaker probe."""
+
+    up = True
+
+    def answers(self) -> bool:
+        return self.up
+
+    def batch_exists(self, keys: list[str]) -> int:
+        if not self.up:
+            raise ConnectionError("injected: the store went away")
+        return super().batch_exists(keys)
+
+
 def build(name: str, extra: dict) -> FileBackend:
     if extra.get("unreachable"):
         raise ConnectionError("injected: the store cannot be reached")
-    return guarded(FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
-                                     extra_config=extra)))
+    extra = dict(extra)
+    kind = ProbedFiles if extra.pop("probed", False) else FileBackend
+    return guarded(kind(StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
+                              extra_config=extra)))
 
 
 def pool() -> HostPagePool:
@@ -75,6 +91,20 @@ def test_counters_survive_a_detach_and_a_new_attach(tmp_path: Path):
     assert link.counters()[K.L3_BACKUP_PAGES] == 2  # never goes back
     assert link.backend.batch_exists([KEY_B.hex()]) == 1
     assert link.backend.batch_exists([KEY_A.hex()]) == 0  # another store
+    link.shutdown()
+
+
+def test_calls_the_open_breaker_refuses_are_counted(tmp_path: Path):
+    link = L3Link(build, ("file", {"path": str(tmp_path), "probed": True}))
+    assert link.start(pool(), no_load) and link.backend is not None
+    assert link.backend.batch_exists([KEY_A.hex()]) == 0
+    assert link.counters()[K.L3_REFUSED_CALLS] == 0
+    link.backend.inner.up = False
+    assert link.backend.batch_exists([KEY_A.hex()]) == 0  # raised: the breaker opens
+    assert link.backend.batch_exists([KEY_A.hex()]) == 0  # refused without a call
+    assert link.backend.batch_exists([KEY_A.hex()]) == 0
+    counters = link.counters()
+    assert counters[K.L3_REFUSED_CALLS] == 2 and counters[K.L3_ERRORS] == 1
     link.shutdown()
 
 
