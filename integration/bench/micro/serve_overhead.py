@@ -17,7 +17,10 @@ vLLM's CPU path computes differently as soon as any connector is configured, so
   connector recomputes what L1 lost, HiCache loads it from L2.
 
 Prints request throughput and median / p99 TTFT per case, with ratios to the null
-connector of the same L1, and writes ``serve_overhead.json``.
+connector of the same L1, and the server's mean running and waiting requests
+during the run (vLLM's own ``num_requests_running`` / ``num_requests_waiting``
+gauges, sampled from its ``/metrics`` every 0.2 s: how many requests L1 let run
+at once), and writes ``serve_overhead.json``.
 
     python -m hicache.integration.bench.micro.serve_overhead [--num-prompts 128]
 """
@@ -26,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +90,48 @@ def bench_command(args: argparse.Namespace, base_url: str, model: str, result: P
             "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
+class LoadSampler:
+    """vLLM's running / waiting request gauges, sampled from the server's /metrics on
+    a thread until stopped; ``means()`` over the samples."""
+
+    GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+
+    def __init__(self, base_url: str, interval_s: float = 0.2) -> None:
+        self.url = base_url.rstrip("/") + "/metrics"
+        self.interval_s = interval_s
+        self.samples: dict[str, list[float]] = {v: [] for v in self.GAUGES.values()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    text = client.get(self.url).text
+                except httpx.HTTPError:
+                    continue
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        key = self.GAUGES.get(sample.name)
+                        if key is not None:
+                            self.samples[key].append(sample.value)
+
+    def means(self) -> dict[str, float | None]:
+        return {f"mean_{k}": round(statistics.fmean(v), 2) if v else None
+                for k, v in self.samples.items()}
+
+
 def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from hicache.integration.vllm.engine import note_engine_start
     from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
@@ -109,8 +156,10 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         result = out / f"{case.name}.json"
         result.unlink(missing_ok=True)
         t0 = time.monotonic()
-        done = subprocess.run(bench_command(args, lp.base_url, resolve_model(cfg.model), result),
-                              capture_output=True, text=True, env=server_env(lp))
+        with LoadSampler(lp.base_url) as load:
+            done = subprocess.run(
+                bench_command(args, lp.base_url, resolve_model(cfg.model), result),
+                capture_output=True, text=True, env=server_env(lp))
         (out / f"{case.name}.bench.log").write_text(done.stdout + done.stderr)
         if done.returncode or not result.exists():
             return {"case": case.name, "status": f"bench failed (see {case.name}.bench.log)"}
@@ -119,7 +168,8 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "seconds": round(time.monotonic() - t0, 1),
                 "completed": data.get("completed"), "failed": data.get("failed", 0),
                 "req_per_s": data["request_throughput"],
-                "ttft_p50_ms": data["p50_ttft_ms"], "ttft_p99_ms": data["p99_ttft_ms"]}
+                "ttft_p50_ms": data["p50_ttft_ms"], "ttft_p99_ms": data["p99_ttft_ms"],
+                **load.means()}
     finally:
         stop_server(proc)
 
@@ -138,15 +188,17 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| round | case | L1 blocks | req/s | × null | TTFT p50 ms | × null | TTFT p99 ms "
-             "| × null |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| × null | running | waiting |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['round']} | {r['case']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['round']} | {r['case']} | {r['status']} | | | | | | | | |")
             continue
         lines.append(
             f"| {r['round']} | {r['case']} | {r['l1_blocks']} | {r['req_per_s']:.2f} | "
             f"{r.get('throughput_x', 1):.3f} | {r['ttft_p50_ms']:.0f} | "
-            f"{r.get('ttft_p50_x', 1):.3f} | {r['ttft_p99_ms']:.0f} | {r.get('ttft_p99_x', 1):.3f} |")
+            f"{r.get('ttft_p50_x', 1):.3f} | {r['ttft_p99_ms']:.0f} | {r.get('ttft_p99_x', 1):.3f} "
+            f"| {r.get('mean_running')} | {r.get('mean_waiting')} |")
     return "\n".join(lines)
 
 
