@@ -177,14 +177,16 @@ class HiCacheConfig(Settings):
 
     def check_groups(self, groups: KVGroups) -> None:
         """Refuse a setting this engine's KV-cache groups (kv_groups.py) cannot serve."""
-        if groups.aligned and self.hicache_write_policy == "write_back":
+        if groups.aligned and self.hicache_write_policy != "write_through":
             # vLLM hands a Mamba "align" state to a connector only in the step that
-            # computes it; when a request finishes it is gone (stores.py).
+            # computes it (stores.py): write_back stores when the request ends, and
+            # write_through_selective mostly when a later request hits vLLM's own
+            # cache, both after the hand-off.
             raise HiCacheConfigError(
-                "hicache_write_policy 'write_back' would store every page of a model with "
-                "Mamba layers in vLLM's 'align' cache mode without its state checkpoint, so "
-                "no request could load it; allowed here: 'write_through', "
-                "'write_through_selective' (or run with --no-enable-prefix-caching)")
+                f"hicache_write_policy {self.hicache_write_policy!r} would store the pages "
+                f"of a model with Mamba layers in vLLM's 'align' cache mode (prefix caching "
+                f"on) without their state checkpoints, so no request could load them; "
+                f"allowed here: 'write_through' (or run with --no-enable-prefix-caching)")
 
     def resolved_page_size(self, block_size: int) -> int:
         """Page size in tokens for an engine whose KV block holds ``block_size`` tokens."""

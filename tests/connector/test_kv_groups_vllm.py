@@ -62,11 +62,16 @@ def test_mamba_with_vllms_prefix_caching_is_an_aligned_state_group():
     groups = kv_groups(_config([_attn(FullAttentionSpec), _mamba("align")]))
     assert groups.groups == (KVGroup("full"), KVGroup("state", aligned=True))
     assert groups.aligned
-    # write_back would store its pages after vLLM's hand-off of their states.
-    with pytest.raises(HiCacheConfigError, match=r"hicache_write_policy.*'write_through'"):
-        HiCacheConfig.from_extra_config({"hicache_write_policy": "write_back"}).check_groups(
-            groups)
+    # Policies that store pages after vLLM's hand-off of their states are refused.
+    for policy in ("write_back", "write_through_selective"):
+        with pytest.raises(HiCacheConfigError, match=rf"hicache_write_policy '{policy}'.*"
+                                                     r"allowed here: 'write_through'"):
+            HiCacheConfig.from_extra_config({"hicache_write_policy": policy}).check_groups(
+                groups)
     HiCacheConfig.from_extra_config({}).check_groups(groups)
+    # Without vLLM's prefix caching every policy stays.
+    none = kv_groups(_config([_attn(FullAttentionSpec), _mamba("none")]))
+    HiCacheConfig.from_extra_config({"hicache_write_policy": "write_back"}).check_groups(none)
 
 
 def test_an_unknown_mamba_cache_mode_is_refused_naming_the_allowed_ones():
