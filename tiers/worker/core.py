@@ -196,8 +196,9 @@ class HiCacheWorker:
         )
         self.pool = HostPagePool(geometry, layout=self.layout, device=layers[0].device)
         if self.copy_path.precompile is not None:
-            # Triton's JIT now, not on the first load of a serving engine. A failure
-            # here costs only that: the first copy compiles as before.
+            # Triton's JIT (GPU) or numba's (CPU) now, not on the first copy of a
+            # serving engine. A failure here costs only that: the first copy
+            # compiles as before.
             try:
                 compiled = self.copy_path.precompile(layers, self.pool.canonical)
                 logger.info("HiCache: %d copy kernels compiled ahead", compiled)
