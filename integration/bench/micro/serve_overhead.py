@@ -20,7 +20,8 @@ Prints request throughput and median / p99 TTFT per case, with ratios to the nul
 connector of the same L1, and the server's mean running and waiting requests
 during the run (vLLM's own ``num_requests_running`` / ``num_requests_waiting``
 gauges, sampled from its ``/metrics`` every 0.2 s: how many requests L1 let run
-at once), and writes ``serve_overhead.json``.
+at once), and writes ``serve_overhead.json``; each case's ``<case>.json`` is vLLM
+bench's detailed result (every request's TTFT, in order).
 
     python -m hicache.integration.bench.micro.serve_overhead [--num-prompts 128]
 """
@@ -86,7 +87,7 @@ def bench_command(args: argparse.Namespace, base_url: str, model: str, result: P
             "--prefix-repetition-output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
             "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,e2el",
-            "--metric-percentiles", "50,99", "--save-result",
+            "--metric-percentiles", "50,99", "--save-result", "--save-detailed",
             "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
