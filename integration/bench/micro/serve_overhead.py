@@ -17,10 +17,11 @@ vLLM's CPU path computes differently as soon as any connector is configured, so
   connector recomputes what L1 lost, HiCache loads it from L2.
 
 Prints request throughput and median / p99 TTFT per case, with ratios to the null
-connector of the same L1, and the server's mean running and waiting requests
-during the run (vLLM's own ``num_requests_running`` / ``num_requests_waiting``
-gauges, sampled from its ``/metrics`` every 0.2 s: how many requests L1 let run
-at once), and writes ``serve_overhead.json``; each case's ``<case>.json`` is vLLM
+connector of the same L1, and with ``--sample-load`` the server's mean running
+and waiting requests during the run (vLLM's own ``num_requests_running`` /
+``num_requests_waiting`` gauges, sampled from its ``/metrics`` every 0.2 s: how
+many requests L1 let run at once; off by default, because that polling stalls a
+HiCache server, see docs/benchmarks.md), and writes ``serve_overhead.json``; each case's ``<case>.json`` is vLLM
 bench's detailed result (every request's TTFT, in order).
 
     python -m hicache.integration.bench.micro.serve_overhead [--num-prompts 128]
@@ -97,7 +98,7 @@ class LoadSampler:
 
     GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
 
-    def __init__(self, base_url: str, interval_s: float = 0.2) -> None:
+    def __init__(self, base_url: str, interval_s: float | None = 0.2) -> None:
         self.url = base_url.rstrip("/") + "/metrics"
         self.interval_s = interval_s
         self.samples: dict[str, list[float]] = {v: [] for v in self.GAUGES.values()}
@@ -105,19 +106,21 @@ class LoadSampler:
         self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
 
     def __enter__(self) -> LoadSampler:
-        self._thread.start()
+        if self.interval_s is not None:  # None: sample nothing
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
 
         with httpx.Client(timeout=5.0) as client:
-            while not self._stop.wait(self.interval_s):
+            while not self._stop.wait(self.interval_s or 0.2):
                 try:
                     text = client.get(self.url).text
                 except httpx.HTTPError:
@@ -157,7 +160,8 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         result = out / f"{case.name}.json"
         result.unlink(missing_ok=True)
         t0 = time.monotonic()
-        with LoadSampler(lp.base_url) as load:
+        load = LoadSampler(lp.base_url, interval_s=0.2 if args.sample_load else None)
+        with load:
             done = subprocess.run(
                 bench_command(args, lp.base_url, resolve_model(cfg.model), result),
                 capture_output=True, text=True, env=server_env(lp))
@@ -218,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated, of: {', '.join(c.name for c in CASES)}")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the cases this many times, in turn (machine noise)")
+    p.add_argument("--sample-load", action="store_true",
+                   help="poll vLLM's /metrics every 0.2 s for its running / waiting "
+                        "requests (perturbs a HiCache server: docs/benchmarks.md)")
     p.add_argument("--out", default="bench_results/serve-overhead")
     args = p.parse_args(argv)
     known = {c.name: c for c in CASES}
