@@ -34,8 +34,7 @@ def hit_pages(keys: Sequence[PageKey], slots: Sequence[int], start: int, end: in
     blocks_per_page = page_size // block_size
     # State groups (Mamba): the request's state block gets the checkpoint of the
     # hit's last page (in "align" mode, the one at the hit's last position).
-    checkpoints = groups.state_blocks(
-        block_ids, end // page_size - 1 if end % page_size == 0 else None, blocks_per_page)
+    checkpoints = groups.state_blocks(block_ids, end, page_size, blocks_per_page)
     matched_tokens = len(slots) * page_size
     first_block = start // block_size
     end_block = -(-min(end, matched_tokens) // block_size)

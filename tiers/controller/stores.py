@@ -144,8 +144,7 @@ class StorePlanner:
         groups = self.l2.groups
         if groups.aligned:
             return groups.handed_off(handoff, self.page_size)
-        page = computed // self.page_size - 1 if computed % self.page_size == 0 else None
-        return groups.state_blocks(block_ids, page, self.l2.blocks_per_page)
+        return groups.state_blocks(block_ids, computed, self.page_size, self.l2.blocks_per_page)
 
     def _store(self, state: RequestState, ready_pages: int, block_ids: GroupBlockIds,
                checkpoints: Checkpoints | None = None) -> list[PagePlan]:

@@ -172,14 +172,15 @@ class KVGroups:
         """State groups in vLLM's "align" Mamba cache mode (its prefix caching on)."""
         return any(g.aligned for g in self.groups if g.kind == "state")
 
-    def state_blocks(self, block_ids: GroupBlockIds, page: int | None,
+    def state_blocks(self, block_ids: GroupBlockIds, computed: int, page_size: int,
                      blocks_per_page: int) -> dict[int, dict[int, int]]:
-        """The request's state blocks as the checkpoint of ``page``, the page whose
-        end its computed tokens stop at (None: no page, no checkpoint): its one
-        state block per group, or in "align" mode the one at the page's last
-        position (see the module docstring)."""
-        if page is None or not self.has_state:
+        """The request's state blocks as the checkpoint of the page whose end its
+        ``computed`` tokens stop at (none unless that is a page end): its one state
+        block per group, or in "align" mode the one at the page's last position
+        (see the module docstring)."""
+        if computed % page_size or not computed or not self.has_state:
             return {}
+        page = computed // page_size - 1
         at = (page + 1) * blocks_per_page - 1
         own: dict[int, int] = {}
         for g, (group, ids) in enumerate(zip(self.groups, block_ids, strict=True)):

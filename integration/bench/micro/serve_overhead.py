@@ -21,8 +21,9 @@ connector of the same L1, and with ``--sample-load`` the server's mean running
 and waiting requests during the run (vLLM's own ``num_requests_running`` /
 ``num_requests_waiting`` gauges, sampled from its ``/metrics`` every 0.2 s: how
 many requests L1 let run at once; off by default, because that polling stalls a
-HiCache server, see docs/benchmarks.md), and writes ``serve_overhead.json``; each case's ``<case>.json`` is vLLM
-bench's detailed result (every request's TTFT, in order).
+HiCache server, see docs/benchmarks.md), and writes ``serve_overhead.json``.
+Each case's ``<case>.json`` is vLLM bench's detailed result (every request's
+TTFT, in order).
 
     python -m hicache.integration.bench.micro.serve_overhead [--num-prompts 128]
 """
@@ -30,6 +31,7 @@ bench's detailed result (every request's TTFT, in order).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -98,7 +100,7 @@ class LoadSampler:
 
     GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
 
-    def __init__(self, base_url: str, interval_s: float | None = 0.2) -> None:
+    def __init__(self, base_url: str, interval_s: float = 0.2) -> None:
         self.url = base_url.rstrip("/") + "/metrics"
         self.interval_s = interval_s
         self.samples: dict[str, list[float]] = {v: [] for v in self.GAUGES.values()}
@@ -106,21 +108,19 @@ class LoadSampler:
         self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
 
     def __enter__(self) -> LoadSampler:
-        if self.interval_s is not None:  # None: sample nothing
-            self._thread.start()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._thread.join()
 
     def _run(self) -> None:
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
 
         with httpx.Client(timeout=5.0) as client:
-            while not self._stop.wait(self.interval_s or 0.2):
+            while not self._stop.wait(self.interval_s):
                 try:
                     text = client.get(self.url).text
                 except httpx.HTTPError:
@@ -160,8 +160,8 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         result = out / f"{case.name}.json"
         result.unlink(missing_ok=True)
         t0 = time.monotonic()
-        load = LoadSampler(lp.base_url, interval_s=0.2 if args.sample_load else None)
-        with load:
+        load = LoadSampler(lp.base_url) if args.sample_load else None
+        with load or contextlib.nullcontext():
             done = subprocess.run(
                 bench_command(args, lp.base_url, resolve_model(cfg.model), result),
                 capture_output=True, text=True, env=server_env(lp))
@@ -174,7 +174,7 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "completed": data.get("completed"), "failed": data.get("failed", 0),
                 "req_per_s": data["request_throughput"],
                 "ttft_p50_ms": data["p50_ttft_ms"], "ttft_p99_ms": data["p99_ttft_ms"],
-                **load.means()}
+                **(load.means() if load else {})}
     finally:
         stop_server(proc)
 

@@ -79,13 +79,13 @@ MAMBA = KVGroups((KVGroup("state"), KVGroup("full"), KVGroup("state")))
 
 def test_a_state_block_goes_to_the_page_it_checkpoints_only():
     ids = [[9], [1, 2, 3, 4], [8]]  # one state block per request and state group
-    at_1 = MAMBA.state_blocks(ids, 1, 2)
+    at_1 = MAMBA.state_blocks(ids, 2 * PAGE, PAGE, 2)
     assert at_1 == {1: {0: 9, 2: 8}}
     # The checkpoint sits at the page's last block offset, the others are null.
     assert MAMBA.page_blocks(ids, 1, 2, checkpoints=at_1) == (0, 9, 3, 4, 0, 8)
     assert MAMBA.page_blocks(ids, 0, 2, checkpoints=at_1) == (0, 0, 1, 2, 0, 0)
     assert MAMBA.page_blocks(ids, 1, 2) == (0, 0, 3, 4, 0, 0)
-    assert MAMBA.state_blocks(ids, None, 2) == {}
+    assert MAMBA.state_blocks(ids, 2 * PAGE - 1, PAGE, 2) == {}  # no page end
     assert MAMBA.missing_mask((0, 9, 3, 4, 0, 8)) == 0
     assert MAMBA.missing_mask((0, 0, 1, 2, 0, 0)) == 0b101
     assert MAMBA.missing_mask((0, 9, 1, 2, 0, 0)) == 0b100
@@ -99,13 +99,13 @@ def test_an_aligned_load_fills_the_state_block_at_the_hits_last_position():
     # vLLM's table for a 2-page hit (2 blocks a page): nulls but the last column,
     # where its model runner reads a new request's initial state from.
     ids = [[0, 0, 0, 7], [1, 2, 3, 4]]
-    at_1 = ALIGNED.state_blocks(ids, 1, 2)
+    at_1 = ALIGNED.state_blocks(ids, 2 * PAGE, PAGE, 2)
     assert at_1 == {1: {0: 7}}
     assert ALIGNED.page_blocks(ids, 1, 2, checkpoints=at_1) == (0, 7, 3, 4)
     # A load that starts mid-page (vLLM's own cache holds the head) still gets it.
     assert ALIGNED.page_blocks(ids, 1, 2, 1, 2, checkpoints=at_1) == (7, 4)
-    assert ALIGNED.state_blocks(ids, 0, 2) == {}  # a null column: no checkpoint
-    assert ALIGNED.state_blocks([[0], [1, 2]], 1, 2) == {}  # a short table
+    assert ALIGNED.state_blocks(ids, PAGE, PAGE, 2) == {}  # a null column: no checkpoint
+    assert ALIGNED.state_blocks([[0], [1, 2]], 2 * PAGE, PAGE, 2) == {}  # a short table
     assert ALIGNED.aligned and not MAMBA.aligned
 
 
