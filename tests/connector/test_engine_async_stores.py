@@ -70,9 +70,9 @@ def run(tiny_model, oracle):
         preempted: list[str] = []
         plan = sched.build_connector_meta
 
-        def spy(num_scheduled_tokens, preempted_ids=()):
+        def spy(num_scheduled_tokens, preempted_ids=(), handoffs=None):
             preempted.extend(preempted_ids)
-            return plan(num_scheduled_tokens, preempted_ids)
+            return plan(num_scheduled_tokens, preempted_ids, handoffs)
 
         sched.build_connector_meta = spy  # records what vLLM preempted; plans unchanged
         first, _ = generate(llm, prompts())
