@@ -80,6 +80,16 @@ class WorkerKey(StrEnum):
     L3_FETCH_SECONDS = "l3_fetch_seconds"
 
 
+class WorkerGauge(StrEnum):
+    """Current values a rank reports when they change (``WorkerReport.gauges``); the
+    admin view keeps each rank's latest and shows their sum."""
+
+    L3_FETCH_QUEUE = "l3_fetch_queue"
+    L3_BACKUP_QUEUE_PAGES = "l3_backup_queue_pages"
+    # 1 while this rank's L3 circuit breaker is open (its store stopped answering).
+    L3_BREAKER_OPEN = "l3_breaker_open"
+
+
 # Copy time of one step's pages on one rank: tens of microseconds to seconds.
 COPY_SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                         0.25, 0.5, 1.0, 2.5)
@@ -157,6 +167,9 @@ METRICS: tuple[MetricSpec, ...] = (
           "Pages read from the tier that failed verification."),
     _tier("indexed_pages", "indexed_pages", "gauge",
           "Pages the HiRadixTree records in the tier (L3: what this engine knows it holds)."),
+    _tier("unreachable_ranks", "unreachable_ranks", "gauge",
+          "TP ranks whose circuit breaker for the tier is open: their store stopped "
+          "answering, their calls fail at once and their hits are recomputed (L3)."),
     # Queues and configuration.
     MetricSpec(f"{PREFIX}_queue_depth", "gauge", "Items waiting in a HiCache queue.",
                "queues", EVERY_KEY, ("queue",)),

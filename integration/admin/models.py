@@ -205,6 +205,9 @@ class TierStats(BaseModel):
     recent_load_gbps: float | None = Field(None, description="GB/s (1e9 bytes/s), recent window")
     recent_save_gbps: float | None = Field(None, description="GB/s (1e9 bytes/s), recent window")
     corrupt_pages: int | None = None
+    unreachable_ranks: int | None = Field(
+        None, description="L3: TP ranks whose circuit breaker is open (the store stopped "
+        "answering; their L3 hits are recomputed)")
 
 
 class StatsResponse(BaseModel):

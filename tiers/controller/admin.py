@@ -56,6 +56,7 @@ from hicache.tiers.index.commands import (
 )
 from hicache.tiers.l3.base import StorageBackend, StorageConfigError
 from hicache.tiers.metrics import LatencyBuckets, section_metrics
+from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
 
 if TYPE_CHECKING:
@@ -110,7 +111,8 @@ class SchedulerAdmin:
         self.storage_name: str | None = config.hicache_storage_backend
         self._l1_pages = l1_pages
         self.worker_counters: dict[str, float] = {}
-        self.worker_gauges: dict[str, float] = {}
+        # rank -> its latest gauges (tiers/metrics.py WorkerGauge)
+        self.worker_gauges: dict[int, dict[str, float]] = {}
         self.worker_latency: dict[str, LatencyBuckets] = {
             m.key: LatencyBuckets(m.buckets) for m in section_metrics("latency")}
         self._samples: deque[tuple[float, float, float]] = deque()
@@ -123,7 +125,8 @@ class SchedulerAdmin:
         with self._lock:
             for name, value in report.counters.items():
                 self.worker_counters[name] = self.worker_counters.get(name, 0) + value
-            self.worker_gauges.update(report.gauges)
+            for rank, latest in report.gauges.items():
+                self.worker_gauges.setdefault(rank, {}).update(latest)
             for name, values in report.observations.items():
                 if name in self.worker_latency:
                     self.worker_latency[name].observe(values)
@@ -162,7 +165,11 @@ class SchedulerAdmin:
             pins = s.pins.stats()
             counters = st.as_dict()
         with self._lock:
-            w, g = dict(self.worker_counters), dict(self.worker_gauges)
+            w = dict(self.worker_counters)
+            g: dict[str, float] = {}
+            for values in self.worker_gauges.values():
+                for name, value in values.items():
+                    g[name] = g.get(name, 0) + value
             latency = {k: v.as_dict() for k, v in self.worker_latency.items()}
             load_gbps, save_gbps = self._rates()
         tiers: dict[str, dict[str, Any]] = {
@@ -187,13 +194,14 @@ class SchedulerAdmin:
                 "bytes_saved": int(w.get(K.L3_BYTES_WRITTEN, 0)),
                 "corrupt_pages": int(w.get(K.L3_CORRUPT_PAGES, 0)),
                 "indexed_pages": l3_indexed,
+                "unreachable_ranks": int(g.get(G.L3_BREAKER_OPEN, 0)),
             }
         return {
             "tiers": tiers,
             "queues": {
                 "l3_fetch_requests_inflight": inflight,
-                "l3_fetch_queue": int(g.get("l3_fetch_queue", 0)),
-                "l3_backup_queue_pages": int(g.get("l3_backup_queue_pages", 0)),
+                G.L3_FETCH_QUEUE.value: int(g.get(G.L3_FETCH_QUEUE, 0)),
+                G.L3_BACKUP_QUEUE_PAGES.value: int(g.get(G.L3_BACKUP_QUEUE_PAGES, 0)),
             },
             "policy": {
                 "write_policy": self.hicache_config.hicache_write_policy,

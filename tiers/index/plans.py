@@ -151,8 +151,9 @@ class WorkerReport:
     fetched: dict[str, list[int]] = field(default_factory=dict)
     # Counter increments since the last report (bytes, pages), summed over ranks.
     counters: dict[str, float] = field(default_factory=dict)
-    # Current values (queue depths), summed over ranks; absent = unchanged.
-    gauges: dict[str, float] = field(default_factory=dict)
+    # rank -> its current values that changed (tiers/metrics.py WorkerGauge: queue
+    # depths, an open L3 breaker); a value absent is unchanged on that rank.
+    gauges: dict[int, dict[str, float]] = field(default_factory=dict)
     # Latency observations since the last report (seconds), every rank's.
     observations: dict[str, list[float]] = field(default_factory=dict)
     # rank -> the highest plan ``seq`` whose stores (and all before) are done on
@@ -167,11 +168,12 @@ class WorkerReport:
         fetched = {k: list(v) for k, v in self.fetched.items()}
         for req_id, counts in other.fetched.items():
             fetched.setdefault(req_id, []).extend(counts)
-        counters, gauges = dict(self.counters), dict(self.gauges)
+        counters = dict(self.counters)
         for name, value in other.counters.items():
             counters[name] = counters.get(name, 0) + value
-        for name, value in other.gauges.items():
-            gauges[name] = gauges.get(name, 0) + value
+        gauges = {rank: dict(values) for rank, values in self.gauges.items()}
+        for rank, latest in other.gauges.items():
+            gauges.setdefault(rank, {}).update(latest)
         observations = {k: list(v) for k, v in self.observations.items()}
         for name, values in other.observations.items():
             observations.setdefault(name, []).extend(values)

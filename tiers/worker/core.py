@@ -52,7 +52,8 @@ Contract:
 - Counters and latencies (tiers/worker/stats.py) leave the worker once
   per step, in ``take_report``: counter increments since the previous
   report, latency observations (copy time of the step's L2 loads and
-  stores, time of each finished L3 fetch), changed queue depths. That
+  stores, time of each finished L3 fetch), this rank's changed gauges (queue
+  depths, whether its L3 breaker is open). That
   report feeds both the admin view and vLLM's stats
   (connector/vllm_metrics.py).
 """
@@ -638,7 +639,8 @@ class HiCacheWorker:
             return None
         self._gauges_reported.update(gauges)
         self._done_reported = self._done_seq
-        report = WorkerReport(self._bad_slots, self._fetched, deltas, gauges, observations,
+        report = WorkerReport(self._bad_slots, self._fetched, deltas,
+                              {self.rank: gauges} if gauges else {}, observations,
                               done, l3_stored)
         self._bad_slots, self._fetched = set(), {}
         return report

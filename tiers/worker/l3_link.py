@@ -29,6 +29,7 @@ from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.l3.io_thread import FetchResult, StorageIO
+from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
 
 logger = logging.getLogger(__name__)
@@ -129,8 +130,11 @@ class L3Link:
         return out
 
     def gauges(self) -> dict[str, float]:
+        """Queue depths, and whether this rank's L3 breaker is open (1) or not (0)."""
         fetches, backups = self.io.queue_depths() if self.io else (0, 0)
-        return {"l3_fetch_queue": fetches, "l3_backup_queue_pages": backups}
+        down = self.backend is not None and not getattr(self.backend, "reachable", True)
+        return {G.L3_FETCH_QUEUE: fetches, G.L3_BACKUP_QUEUE_PAGES: backups,
+                G.L3_BREAKER_OPEN: float(down)}
 
     def shutdown(self) -> None:
         if self.io is not None:

@@ -3,6 +3,7 @@ real file backends under tmp_path and a real host pool."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file_backend import FileBackend
 from hicache.tiers.l3.guard import guarded
+from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
 from hicache.tiers.worker.l3_link import L3Link
 
@@ -66,7 +68,8 @@ def test_without_a_spec_there_is_no_l3():
     link = L3Link(build, None)
     assert not link.start(pool(), no_load) and link.backend is None and not link.writes
     assert link.counters() == {} and link.take_backed_up() == []
-    assert link.gauges() == {"l3_fetch_queue": 0, "l3_backup_queue_pages": 0}
+    assert link.gauges() == {G.L3_FETCH_QUEUE: 0, G.L3_BACKUP_QUEUE_PAGES: 0,
+                             G.L3_BREAKER_OPEN: 0.0}
 
 
 def test_an_unreachable_store_leaves_the_rank_without_l3(tmp_path: Path, caplog):
@@ -94,9 +97,10 @@ def test_counters_survive_a_detach_and_a_new_attach(tmp_path: Path):
     link.shutdown()
 
 
-def test_calls_the_open_breaker_refuses_are_counted(tmp_path: Path):
+def test_an_open_breaker_is_reported_and_the_calls_it_refuses_are_counted(tmp_path: Path):
     link = L3Link(build, ("file", {"path": str(tmp_path), "probed": True}))
     assert link.start(pool(), no_load) and link.backend is not None
+    assert link.gauges()[G.L3_BREAKER_OPEN] == 0
     assert link.backend.batch_exists([KEY_A.hex()]) == 0
     assert link.counters()[K.L3_REFUSED_CALLS] == 0
     link.backend.inner.up = False
@@ -105,6 +109,12 @@ def test_calls_the_open_breaker_refuses_are_counted(tmp_path: Path):
     assert link.backend.batch_exists([KEY_A.hex()]) == 0
     counters = link.counters()
     assert counters[K.L3_REFUSED_CALLS] == 2 and counters[K.L3_ERRORS] == 1
+    assert link.gauges()[G.L3_BREAKER_OPEN] == 1
+    link.backend.inner.up = True  # its probe answers again: the breaker closes
+    give_up = time.monotonic() + 120  # a generous bound on a 0.5 s probe, not a timing
+    while link.gauges()[G.L3_BREAKER_OPEN] and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert link.gauges()[G.L3_BREAKER_OPEN] == 0
     link.shutdown()
 
 
