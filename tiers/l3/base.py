@@ -327,6 +327,12 @@ class StorageBackend(ABC):
         backend used without one has none (all zero)."""
         return StorageStats()
 
+    @property
+    def reachable(self) -> bool:
+        """False while calls fail fast: the guard's breaker is open
+        (``GuardedBackend.reachable``); a backend used without one has no breaker."""
+        return True
+
     def answers(self) -> bool:
         """Whether the store answers now: the guard's breaker probe, called every half
         second while the breaker is open. Override it where a store can go away (the

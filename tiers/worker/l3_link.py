@@ -132,7 +132,7 @@ class L3Link:
     def gauges(self) -> dict[str, float]:
         """Queue depths, and whether this rank's L3 breaker is open (1) or not (0)."""
         fetches, backups = self.io.queue_depths() if self.io else (0, 0)
-        down = self.backend is not None and not getattr(self.backend, "reachable", True)
+        down = self.backend is not None and not self.backend.reachable
         return {G.L3_FETCH_QUEUE: fetches, G.L3_BACKUP_QUEUE_PAGES: backups,
                 G.L3_BREAKER_OPEN: float(down)}
 
