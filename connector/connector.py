@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
+from hicache.connector.profile import instrument
 from hicache.connector.vllm_events import kv_events_enabled, to_vllm
 from hicache.connector.vllm_keys import (
     PageHashes,
@@ -92,6 +93,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._start_scheduler(vllm_config, kv_cache_config)
         else:
             self._start_worker([list(g.layer_names) for g in kv_cache_config.kv_cache_groups])
+        # HICACHE_PROFILE: one JSON line per step (tiers/profile.py).
+        instrument(self, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
 
     def _start_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         config, shape = self.config, self.shape

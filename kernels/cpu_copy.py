@@ -1,13 +1,20 @@
-"""CPU batch copy: every (layer, run) of a transfer in one compiled, parallel call.
+"""CPU batch copy: every (layer, run) of a transfer in one compiled call.
 
 Contract: same as ``block_copy.save_blocks`` / ``load_blocks`` (engine
 blocks <-> the pool's canonical view, complete on return), for KV tensors
 and pool in CPU memory. It turns the transfer into byte offsets inside the
-two underlying storages and lets a numba kernel copy them, in parallel over
-copies. Per-copy cost is a few nanoseconds instead of the microseconds a
-torch slice ``copy_`` costs to dispatch, which is what kept the torch path at
-~60% of memcpy for 64-256 KiB copies. ``available()`` is False without numba
-(the torch path then serves).
+two underlying storages and lets a numba kernel copy them one after another
+in the calling thread, without the GIL. Per-copy cost is a few nanoseconds
+instead of the microseconds a torch slice ``copy_`` costs to dispatch, which
+is what kept the torch path at ~60% of memcpy for 64-256 KiB copies.
+``available()`` is False without numba (the torch path then serves).
+
+The kernel is serial on purpose, never ``parallel=True``: numba's parallel
+loops run on an OpenMP team of their own (the system's libgomp), and on
+vLLM's CPU engine, whose forward pass already runs OpenMP threads pinned to
+every core, that second team cost the forward pass ~40% of its throughput
+(docs/benchmarks.md, "Where HiCache's time went"). A copy of a step's pages
+is memory-bound and short; one thread does it.
 """
 
 from __future__ import annotations
@@ -41,9 +48,9 @@ def _batch_copy() -> Any:
     if _kernel is None:
         import numba
 
-        @numba.njit(parallel=True, cache=True, nogil=True)
+        @numba.njit(cache=True, nogil=True)
         def batch_copy(src, src_off, dst, dst_off, nbytes):  # noqa: ANN001, ANN202
-            for i in numba.prange(src_off.shape[0]):
+            for i in range(src_off.shape[0]):
                 dst[dst_off[i] : dst_off[i] + nbytes[i]] = src[src_off[i] : src_off[i] + nbytes[i]]
 
         _kernel = batch_copy
@@ -60,25 +67,23 @@ def _offsets(
     layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer,
     layer_indices: Sequence[int],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(engine byte offsets, pool byte offsets, lengths), one row per contiguous copy."""
+    """(engine byte offsets, pool byte offsets, lengths), one row per contiguous copy,
+    layer after layer; whole-array arithmetic, no Python loop over runs."""
     block_bytes = pool.shape[3]
     s_slot, s_layer, s_block, _ = pool.stride()
-    pool_base = pool.storage_offset()
-    # A run is one copy when its blocks are adjacent in the pool too.
-    whole_runs = s_block == block_bytes
-    engine, host, lengths = [], [], []
-    for layer_idx in layer_indices:
-        layer = layers[layer_idx]
-        base, stride = layer.storage_offset(), layer.stride(0)
-        for run in transfer.runs:
-            pieces = [(0, run.length)] if whole_runs else [(i, 1) for i in range(run.length)]
-            for first, count in pieces:
-                engine.append(base + (run.block_start + first) * stride)
-                host.append(pool_base + run.slot * s_slot + layer_idx * s_layer
-                            + (run.offset + first) * s_block)
-                lengths.append(count * block_bytes)
-    as_np = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-    return as_np(engine), as_np(host), as_np(lengths)
+    if s_block == block_bytes:  # a run is one copy when its blocks are adjacent in the pool
+        start, slot, offset, length = transfer.run_array
+    else:
+        start, slot, offset = transfer.units
+        length = np.ones_like(start)
+    rows = np.asarray(layer_indices, dtype=np.int64)
+    base = np.array([layers[i].storage_offset() for i in layer_indices], dtype=np.int64)
+    stride = np.array([layers[i].stride(0) for i in layer_indices], dtype=np.int64)
+    engine = base[:, None] + start[None, :] * stride[:, None]
+    host = (pool.storage_offset() + slot * s_slot + offset * s_block)[None, :] \
+        + (rows * s_layer)[:, None]
+    lengths = np.broadcast_to(length * block_bytes, engine.shape)
+    return engine.ravel(), host.ravel(), np.ascontiguousarray(lengths).ravel()
 
 
 def _by_storage(layers: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[int]]:

@@ -21,10 +21,21 @@ Contract (both modes):
 - A failed copy never raises into the caller: it is reported by ``drain`` so
   the caller can degrade to recompute.
 
-CPU mode (``LayerPipeline()``, the default): one background thread runs the
+Inline mode (``LayerPipeline(inline=True)``): no thread at all. ``start_load``
+and ``submit`` run the copies in the calling thread before they return,
+``wait_layer`` returns at once, checkpoints are done when taken, and
+``inline`` is True so callers can skip per-layer work that only pays when
+copies overlap the forward pass. This is what a CPU engine uses by default:
+its forward pass runs OpenMP threads pinned to every core, so a copy thread
+that wakes during it takes a core from one of them and every other one waits
+for it at the next barrier (docs/benchmarks.md, "Where HiCache's time went");
+the copy costs less where the forward pass is not running.
+
+CPU mode (``LayerPipeline()``): one background thread runs the
 queued copies in order; ``wait_layer`` blocks the caller until the layer's
 copy returned. Copies release the GIL (torch ``copy_``, the numba kernel), so
-the thread runs while the forward pass computes.
+the thread runs while the forward pass computes (stores that finish across
+steps, ``hicache_async_stores``, need it).
 
 CUDA mode (``LayerPipeline(device)`` with a CUDA device): copies are enqueued
 on a dedicated side stream from the calling thread, and ordering is kept by
@@ -49,6 +60,7 @@ CUDA events, never by blocking the host:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -96,15 +108,18 @@ class Checkpoint:
 class LayerPipeline:
     """Runs queued copies in order (thread or side stream); per-layer completion for loads."""
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, *,
+                 inline: bool = False) -> None:
         self._failures: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
         dev = torch.device(device) if device is not None else None
         self._cuda = _CudaQueue(dev, self._record) if dev is not None and dev.type == "cuda" \
             else None
+        # Inline: every copy in the caller's thread (CPU only; a GPU keeps its stream).
+        self.inline = inline and self._cuda is None
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-copy")
-            if self._cuda is None else None
+            if self._cuda is None and not self.inline else None
         )
         self._futures: list[Future[None]] = []
         self._layer_done: list[threading.Event] = []
@@ -117,6 +132,11 @@ class LayerPipeline:
     def start_load(self, copy_layer: Callable[[int], None], num_layers: int) -> None:
         if self._cuda is not None:
             self._cuda.start_load(copy_layer, num_layers)
+            return
+        if self.inline:
+            self._layer_done = []
+            for i in range(num_layers):
+                self._run_now("load", functools.partial(copy_layer, i))
             return
         events = [threading.Event() for _ in range(num_layers)]
         self._layer_done = events
@@ -142,6 +162,9 @@ class LayerPipeline:
         if self._cuda is not None:
             self._cuda.submit(kind, fn)
             return
+        if self.inline:
+            self._run_now(kind, fn)
+            return
 
         def run() -> None:
             try:
@@ -155,6 +178,8 @@ class LayerPipeline:
         """A mark after everything queued so far."""
         if self._cuda is not None:
             return Checkpoint(event=self._cuda.checkpoint())
+        if self.inline:
+            return Checkpoint()  # everything queued has run
         return Checkpoint(future=self._submit(lambda: None))
 
     def idle(self) -> bool:
@@ -185,6 +210,12 @@ class LayerPipeline:
         self.drain()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    def _run_now(self, kind: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported by drain()
+            self._record(kind, exc)
 
     def _submit(self, run: Callable[[], None]) -> Future[None]:
         assert self._executor is not None

@@ -1,4 +1,5 @@
-"""``hicache bench run|compare`` and ``hicache simulate``: the typer commands.
+"""``hicache bench run|replay|compare``, ``hicache profile`` and ``hicache simulate``: the
+typer commands.
 
 They parse options, turn bad input into exit code 2 with a message that
 names the option and the allowed values, and call client.py, compare.py and
@@ -107,6 +108,75 @@ def run_cmd(
     console.print_json(data=result.to_dict()["summary"])
     console.print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots)
                   + (f", trace {trace}" if trace else ""))
+
+
+@bench_app.command("replay")
+def replay_cmd(
+    trace: Annotated[Path, typer.Option(
+        "--trace", exists=True, dir_okay=False,
+        help="A recorded trace (e.g. Mooncake's FAST'25 conversation_trace.jsonl).")],
+    fmt: Annotated[str, typer.Option("--format", help="Trace format: mooncake.")] = "mooncake",
+    url: Annotated[str, typer.Option("--url", help="OpenAI-compatible server base URL.")] =
+        "http://127.0.0.1:8000",
+    model: Annotated[str | None, typer.Option(help="Model id (default: the server's first).")] = None,
+    requests: Annotated[int, typer.Option(
+        help="Requests to replay, from the start of the trace (skipped ones not counted).")]
+        = 800,
+    block_tokens: Annotated[int, typer.Option(
+        help="Tokens per trace block (Mooncake's are 512; fewer scales prompts down).")] = 128,
+    max_model_len: Annotated[int, typer.Option(
+        help="Skip requests whose prompt + answer exceed this many tokens.")] = 4096,
+    max_output_tokens: Annotated[int, typer.Option(
+        help="Answer length: the trace's, capped at this.")] = 16,
+    output_tokens: Annotated[int | None, typer.Option(
+        help="Answer length for every request (overrides the trace's).")] = None,
+    concurrency: Annotated[int, typer.Option(
+        help="Requests in flight at most (closed loop without --time-scale).")] = 16,
+    time_scale: Annotated[float | None, typer.Option(
+        help="Send each request at its trace timestamp times this (open loop).")] = None,
+    token_high: Annotated[int, typer.Option(
+        help="Token ids are drawn below this (the model's vocabulary size or less).")] = 2000,
+    seed: Annotated[int, typer.Option(help="Seed of the token runs (same seed, same prompts).")]
+        = 0,
+    admin_url: Annotated[str | None, typer.Option(
+        help="HiCache admin API, for hits per tier (e.g. http://127.0.0.1:8790).")] = None,
+    admin_token: Annotated[str | None, typer.Option(envvar="HICACHE_ADMIN_TOKEN")] = None,
+    name: Annotated[str, typer.Option(help="Label of this run in the table and plots.")] =
+        "replay",
+    out: Annotated[Path, typer.Option(help="Directory for replay.json and the plots.")] =
+        Path("bench_results/replay"),
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a production trace against a running server; print and save its numbers."""
+    from hicache.integration.bench.replay import ReplaySpec, load_trace, replay_sync
+    from hicache.integration.bench.report import format_table, write_plots
+
+    try:
+        spec = ReplaySpec(block_tokens=block_tokens, max_model_len=max_model_len,
+                          requests=requests, max_output_tokens=max_output_tokens,
+                          output_tokens=output_tokens, token_high=token_high, seed=seed)
+        loaded = load_trace(trace, fmt, spec)
+    except ValueError as e:
+        _fail(str(e))
+    if not loaded.requests:
+        _fail(f"--trace {trace}: no request fits --max-model-len {max_model_len}")
+    try:
+        result = replay_sync(url, loaded, concurrency=concurrency, time_scale=time_scale,
+                             model=model, admin_url=admin_url, admin_token=admin_token,
+                             progress=progress)
+    except ValueError as e:
+        _fail(str(e))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.json").write_text(json.dumps(result, indent=1) + "\n")
+    plots = write_plots({name: result}, out)
+    console = Console()
+    console.print(format_table({name: result}))
+    t = result["trace"]
+    console.print(f"replayed {t['replayed']} of {t['lines_read']} trace lines "
+                  f"({t['skipped_too_long']} longer than --max-model-len skipped); wrote "
+                  f"{out / 'replay.json'}" + "".join(f", {p}" for p in plots), highlight=False)
+    if result["summary"]["n_errors"]:
+        raise typer.Exit(1)
 
 
 @bench_app.command("compare")
@@ -237,7 +307,61 @@ def simulate_cmd(
     console.print(f"wrote {out / 'simulate.json'}, {png}")
 
 
+profile_app = typer.Typer(
+    help="Read step profiles (a server started with HICACHE_PROFILE=FILE): where each "
+         "engine step's time went, HiCache against a baseline.",
+    no_args_is_help=True,
+)
+
+ProfileFiles = Annotated[list[Path], typer.Argument(
+    exists=True, dir_okay=False, help="Profile files; the first is the baseline.")]
+
+
+def _load_profiles(files: list[Path], names: str | None) -> list[Any]:
+    from hicache.integration.bench.profile_report import load
+
+    labels = [n.strip() for n in names.split(",")] if names else [None] * len(files)
+    if len(labels) != len(files):
+        _fail(f"--names: {len(labels)} names for {len(files)} files")
+    try:
+        return [load(f, n) for f, n in zip(files, labels, strict=True)]
+    except ValueError as e:
+        _fail(str(e))
+
+
+@profile_app.command("summary")
+def profile_summary_cmd(
+    files: ProfileFiles,
+    names: Annotated[str | None, typer.Option(help="Comma-separated labels, one per file.")]
+        = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the summaries as JSON.")]
+        = False,
+) -> None:
+    """Per-step means and per-request latencies, side by side with ratios to the first."""
+    from hicache.integration.bench.profile_report import compare_table, summarize
+
+    sums = [summarize(p) for p in _load_profiles(files, names)]
+    if json_out:
+        Console().print_json(data=sums)
+    else:
+        print(compare_table(sums))
+
+
+@profile_app.command("plot")
+def profile_plot_cmd(
+    files: ProfileFiles,
+    names: Annotated[str | None, typer.Option(help="Comma-separated labels, one per file.")]
+        = None,
+    out: Annotated[Path, typer.Option(help="PNG to write.")] = Path("bench_results/profile.png"),
+) -> None:
+    """Steps over time and where a step's time goes, as a PNG."""
+    from hicache.integration.bench.profile_report import plot
+
+    print(plot(_load_profiles(files, names), out))
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``bench`` and ``simulate`` to the top-level ``hicache`` app."""
+    """Add ``bench``, ``profile`` and ``simulate`` to the top-level ``hicache`` app."""
     app.add_typer(bench_app, name="bench")
+    app.add_typer(profile_app, name="profile")
     app.command("simulate")(simulate_cmd)

@@ -16,8 +16,11 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorRole,
     SupportsHMA,
 )
+
+from hicache.connector.profile import instrument
 
 TRANSFER_CONFIG = {"kv_connector": "NullConnector", "kv_role": "kv_both",
                    "kv_connector_module_path": "hicache.integration.vllm.null_connector"}
@@ -25,7 +28,14 @@ TRANSFER_CONFIG = {"kv_connector": "NullConnector", "kv_role": "kv_both",
 
 class NullConnector(KVConnectorBase_V1, SupportsHMA):
     """Every hook present, none does anything: never a cache hit. ``SupportsHMA``,
-    so a hybrid model keeps vLLM's hybrid KV cache manager, as with HiCache."""
+    so a hybrid model keeps vLLM's hybrid KV cache manager, as with HiCache.
+    With ``HICACHE_PROFILE`` set its hooks are timed like HiCache's
+    (connector/profile.py): the baseline of a step profile."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        instrument(self, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:

@@ -127,6 +127,7 @@ def test_cpu_resolves_both_backends_to_the_batch_copy():
 
 
 PRECOMPILE_CHECK = """
+import os
 import torch
 from hicache.kernels import cpu_copy
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view
@@ -137,6 +138,7 @@ layers = [block_byte_view(kv[i], 6) for i in range(2)]
 pool = HostPagePool(PoolGeometry(2, 2, 2, layers[0].shape[1]), layout="page_first",
                     pin_memory=False)
 assert cpu_copy._kernel is None
+threads = len(os.listdir("/proc/self/task"))
 assert cpu_copy.precompile(layers, pool.canonical) == 1
 compiled = list(cpu_copy._kernel.signatures)
 cpu_copy.save_blocks(layers, pool.canonical, BlockTransfer.from_lists([1, 2], [0, 0], [0, 1]))
@@ -144,13 +146,17 @@ cpu_copy.load_blocks(pool.canonical, layers, BlockTransfer.from_lists([3, 4], [0
 raw = kv.view(torch.uint8)  # random bytes: compare bits, not (NaN) values
 assert torch.equal(raw[:, 3:5], raw[:, 1:3])
 assert list(cpu_copy._kernel.signatures) == compiled, (compiled, cpu_copy._kernel.signatures)
+# No thread of its own: a parallel kernel starts an OpenMP team beside vLLM's.
+assert len(os.listdir("/proc/self/task")) == threads, (threads, os.listdir("/proc/self/task"))
 print("ok", len(compiled))
 """
 
 
 def test_cpu_precompile_builds_the_kernel_the_first_copy_runs():
     """In a fresh process: after ``precompile`` (vLLM registering its KV caches) the
-    first save and load compile nothing more, and copy the right bytes."""
+    first save and load compile nothing more, copy the right bytes, and start no
+    thread (numba's parallel loops would start an OpenMP team of their own, which
+    cost vLLM's CPU forward pass ~40% of its throughput)."""
     import subprocess
     import sys
 

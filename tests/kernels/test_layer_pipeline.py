@@ -1,5 +1,5 @@
 """The copy thread (CPU) or side stream (CUDA) lets layer i be used while later layers
-are still copying."""
+are still copying; inline mode (a CPU engine's default) copies in the caller's thread."""
 
 import contextlib
 import threading
@@ -65,6 +65,48 @@ def test_failures_are_reported_not_raised_and_later_work_still_runs():
     assert ran == ["load0", "load2", "save"]
     assert pipeline.drain() == []  # nothing stays in flight after a drain
     pipeline.shutdown()
+
+
+# ---- inline mode -----------------------------------------------------------------
+
+
+def test_inline_mode_copies_in_the_callers_thread_before_returning():
+    pipeline = LayerPipeline(inline=True)
+    assert pipeline.inline and not pipeline.on_cuda
+    caller = threading.get_ident()
+    ran: list[tuple[str, int]] = []
+    pipeline.start_load(lambda i: ran.append((f"load{i}", threading.get_ident())), 2)
+    assert ran == [("load0", caller), ("load1", caller)]  # done on return
+    pipeline.wait_layer(1)  # nothing to wait for
+    pipeline.submit("save", lambda: ran.append(("save", threading.get_ident())))
+    assert ran[-1] == ("save", caller)
+    mark = pipeline.checkpoint()
+    assert mark.done() and mark.wait() and pipeline.idle()
+    assert not [t for t in threading.enumerate() if t.name.startswith("hicache-copy")]
+    pipeline.shutdown()
+
+
+def test_inline_mode_reports_failures_like_the_thread():
+    pipeline = LayerPipeline(inline=True)
+    ran: list[str] = []
+
+    def copy_layer(i: int) -> None:
+        if i == 1:
+            raise OSError("disk on fire")
+        ran.append(f"load{i}")
+
+    pipeline.start_load(copy_layer, num_layers=3)  # never raises into the caller
+    pipeline.submit("save", lambda: 1 / 0)
+    assert ran == ["load0", "load2"]
+    assert [kind for kind, _ in pipeline.take_failures()] == ["load", "save"]
+    assert pipeline.drain() == []
+
+
+def test_inline_is_ignored_on_a_gpu_stream(monkeypatch):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    pipeline = LayerPipeline("cuda", inline=True)
+    assert pipeline.on_cuda and not pipeline.inline
 
 
 # ---- CUDA mode -------------------------------------------------------------------

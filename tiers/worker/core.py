@@ -61,6 +61,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -144,7 +145,9 @@ class HiCacheWorker:
         self._bad_slots: set[int] = set()
         self._released: set[str] = set()
         self._released_recv: set[str] = set()
-        self._pipeline = LayerPipeline()
+        # CPU: copies in the forward thread, between forward passes (kernels/layer_pipeline.py
+        # "Inline mode"); a copy thread only where stores finish across steps.
+        self._pipeline = LayerPipeline(inline=not async_stores)
         self._per_layer_min = PER_LAYER_SAVE_MIN_BYTES["cpu"]
         # Per-step state, reset by finish_step.
         self._loading: list[int] = []
@@ -280,11 +283,18 @@ class HiCacheWorker:
         self._loading = [b for p in pages for b in p.block_ids if b != NULL_BLOCK_ID]
         self._loading_bytes = transfer.num_bytes(self.geometry.block_bytes)
         copy_in = self._load_clock.wrap(self._copy_fn("load"))
-        group_of = self._group_of_row
-        self._pipeline.start_load(
-            lambda row: copy_in(pool.canonical, self.layers, transfer.groups[group_of[row]],
-                                [row]),
-            len(self.layers))
+        if self._pipeline.inline:
+            # Before the forward pass, in its thread: one copy of every layer per group.
+            for group, rows in enumerate(self._group_rows):
+                if len(transfer.groups[group]):
+                    self._pipeline.submit("load", functools.partial(
+                        copy_in, pool.canonical, self.layers, transfer.groups[group], rows))
+        else:
+            group_of = self._group_of_row
+            self._pipeline.start_load(
+                lambda row: copy_in(pool.canonical, self.layers, transfer.groups[group_of[row]],
+                                    [row]),
+                len(self.layers))
         self._load_mark = self._pipeline.checkpoint()
 
     def _serve_from_l2(self, fetch: RequestFetch) -> None:
@@ -360,7 +370,8 @@ class HiCacheWorker:
         """This layer's KV is final for the step: copy its planned stores while later
         layers compute."""
         index = self._layer_index.get(layer_name)
-        if not meta.stores or index is None or index in self._saved_layers:
+        if (not meta.stores or index is None or index in self._saved_layers
+                or self._pipeline.inline):  # inline: one copy of every layer at the end
             return
         store = self._store_of(meta)
         group = self._group_of_row[index]
@@ -441,6 +452,8 @@ class HiCacheWorker:
         """Whether this step's store is copied here, not on the copy thread: a small
         store on a CPU in a step that waits for its stores anyway, no layer of it
         queued yet, and nothing else in the queue."""
+        if self._pipeline.inline:
+            return True
         return (not self.async_stores and not self._pipeline.on_cuda and not self._saved_layers
                 and store.transfer.num_bytes(self.geometry.block_bytes)
                 < INLINE_STORE_MAX_BYTES and self._pipeline.idle())

@@ -1,0 +1,275 @@
+"""A production trace replayed against vLLM alone, HiCache and the all-in-L1 floor.
+
+Each case is a ``vllm serve`` of the tiny model (bf16, CPU, block 32) driven by
+``hicache bench replay``'s client (integration/bench/replay.py): the first
+``--requests`` replayable requests of a Mooncake-format trace (default: the
+FAST'25 conversation trace in ``../shared/traces``), ``--concurrency`` in
+flight, answers of ``--output-tokens`` tokens (1: prefill-bound, as SGLang's
+multi-turn HiCache benchmark simulates PD) or of the trace's length capped at
+``--max-output-tokens``.
+
+Cases (``--cases``, in this order within a round; ``--rounds`` alternates them):
+
+- ``vllm``: vLLM with a do-nothing connector and the small L1 (``--l1-blocks``):
+  what a server without HiCache does on the same load. The do-nothing
+  connector is the baseline because vLLM's CPU path computes differently once
+  any connector is configured.
+- ``hicache``: the same L1, HiCache with L2 = ``--l2-ratio`` x L1 and a file L3
+  in a fresh directory (HiCache's defaults otherwise; ``--extra`` adds keys).
+- ``hicache-l2``: the same without L3.
+- ``floor``: the do-nothing connector with an L1 that holds every page of
+  the slice (nothing is ever evicted): what a perfect cache gives.
+
+Prints, per case and round, request throughput, TTFT mean / p50 / p99 and the
+share of prompt tokens served from a cache (vLLM's ``cached_tokens``), with
+ratios to ``vllm`` and ``floor`` of the same round; then the medians over
+rounds. Writes ``trace_replay.json``, each case's replay (``<case>-r<round>.json``)
+and a TTFT CDF of the last round. ``--profile`` turns on HiCache's step profile
+(``HICACHE_PROFILE``, connector/profile.py) in every server and keeps each
+case's timeline next to its result.
+
+    python -m hicache.integration.bench.micro.trace_replay --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache.integration.bench.compare import stop_server, wait_ready
+from hicache.integration.bench.mooncake_service import free_port
+from hicache.integration.bench.replay import (
+    LoadedTrace,
+    ReplaySpec,
+    ideal_cached_share,
+    load_trace,
+    replay_sync,
+)
+from hicache.integration.bench.systems import CompareConfig, SystemSpec, plan, server_env
+
+DEFAULT_TRACE = Path("../shared/traces/mooncake_fast25/conversation_trace.jsonl")
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # "null" | "hicache"
+    l1: str = "small"  # "small" | "all"
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+CASES = (
+    Case("vllm", "null"),
+    Case("hicache", "hicache", extra_config={"l3": "file"}),
+    Case("hicache-l2", "hicache"),
+    Case("floor", "null", l1="all"),
+)
+
+
+def floor_blocks(trace: LoadedTrace, concurrency: int) -> int:
+    """L1 blocks that hold every distinct full block of the slice and the running batch."""
+    seen: set[int] = set()
+    for r in trace.requests:
+        chain = 0
+        for b in range(len(r.prompt) // BLOCK):
+            chain = hash((chain, r.prompt[b * BLOCK:(b + 1) * BLOCK]))
+            seen.add(chain)
+    longest = max(math.ceil((len(r.prompt) + r.output_tokens) / BLOCK) for r in trace.requests)
+    return len(seen) + concurrency * longest + 64
+
+
+def config(args: argparse.Namespace, l1_blocks: int) -> CompareConfig:
+    return CompareConfig(
+        name="trace-replay", model="tiny", workload={}, systems=(), seed=0,
+        memory_budget_gb=0.0, l1_blocks=l1_blocks, block_size=BLOCK, page_size=BLOCK,
+        max_model_len=args.max_model_len, dtype=args.dtype, ready_timeout_s=300.0,
+        vllm_args=("--enforce-eager", "--max-num-seqs", str(args.concurrency)),
+        env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+
+
+def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTrace,
+             out: Path, all_blocks: int) -> dict[str, Any]:
+    from hicache.integration.vllm.engine import note_engine_start
+    from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
+
+    l1 = args.l1_blocks if case.l1 == "small" else all_blocks
+    cfg = config(args, l1)
+    tag = f"{case.name}-r{round_}"
+    env: dict[str, str] = {}
+    if args.profile:
+        env["HICACHE_PROFILE"] = str((out / f"{tag}.profile.jsonl").resolve())
+    if case.kind == "null":
+        spec = SystemSpec(name=case.name, kind="vllm", env=env, extra_args=(
+            "--kv-transfer-config", json.dumps(TRANSFER_CONFIG, separators=(",", ":"))))
+    else:
+        extra = {k: v for k, v in case.extra_config.items() if k != "l3"}
+        extra.update({"hicache_ratio": args.l2_ratio, "hicache_size": 0,
+                      **json.loads(args.extra)})
+        spec = SystemSpec(name=case.name, kind="hicache", l3=case.extra_config.get("l3"),
+                          extra_config=extra, env=env)
+    admin_port = free_port() if case.kind == "hicache" else 0
+    lp = plan(cfg, spec, port=free_port(), admin_port=admin_port, workdir=out / "work")
+    log = out / f"{tag}.log"
+    note_engine_start(f"{case.name} server")
+    with log.open("wb") as f:
+        proc = subprocess.Popen(lp.cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env=server_env(lp), start_new_session=True)
+    try:
+        why = wait_ready(proc, lp.base_url, cfg.ready_timeout_s)
+        if why is not None:
+            return {"case": case.name, "round": round_, "status": f"not run: {why} (see {log})"}
+        t0 = time.monotonic()
+        result = replay_sync(lp.base_url, trace, concurrency=args.concurrency,
+                             admin_url=lp.admin_url,
+                             admin_token=lp.env.get("HICACHE_ADMIN_TOKEN"),
+                             progress=args.progress)
+        if lp.admin_url is not None:  # every counter of the run, for what went wrong
+            import httpx
+
+            headers = {"Authorization": f"Bearer {lp.env['HICACHE_ADMIN_TOKEN']}"}
+            result["admin_stats"] = httpx.get(f"{lp.admin_url}/stats", headers=headers,
+                                              timeout=30).json()
+        (out / f"{tag}.json").write_text(json.dumps(result) + "\n")
+        s = result["summary"]
+        return {"case": case.name, "round": round_, "status": "ok", "l1_blocks": l1,
+                "seconds": round(time.monotonic() - t0, 1), "errors": s["n_errors"],
+                "req_per_s": s["request_throughput"], "ttft_mean_ms": s["ttft_ms"]["mean"],
+                "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+                "cached_share": s["cached_share"], "tiers": result.get("tiers"),
+                "worker": (result.get("admin_stats") or {}).get("worker")}
+    finally:
+        stop_server(proc)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each case against ``vllm`` and ``floor`` of the same round."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    for base in ("vllm", "floor"):
+        by_round = {r["round"]: r for r in ok if r["case"] == base}
+        for r in ok:
+            b = by_round.get(r["round"])
+            if b is None:
+                continue
+            r[f"req_x_{base}"] = r["req_per_s"] / b["req_per_s"]
+            r[f"ttft_x_{base}"] = r["ttft_mean_ms"] / b["ttft_mean_ms"]
+            if r["cached_share"] and b["cached_share"]:
+                r[f"cached_x_{base}"] = r["cached_share"] / b["cached_share"]
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = ("req_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "cached_share",
+            "req_x_vllm", "req_x_floor", "ttft_x_vllm", "ttft_x_floor", "cached_x_floor")
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        rs = [r for r in rows if r["case"] == case and r["status"] == "ok"]
+        if not rs:
+            continue
+        m: dict[str, Any] = {"case": case, "rounds": len(rs)}
+        for k in keys:
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            m[k] = statistics.median(vals) if vals else None
+        out.append(m)
+    return out
+
+
+def _f(x: Any, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(rows: list[dict[str, Any]], title: str) -> str:
+    lines = [f"{title}",
+             "| case | round | req/s | × vllm | × floor | TTFT mean ms | × floor | p50 ms "
+             "| p99 ms | cached | × floor |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("status", "ok") != "ok":
+            lines.append(f"| {r['case']} | {r['round']} | {r['status']} |||||||||")
+            continue
+        lines.append(
+            f"| {r['case']} | {r.get('round', r.get('rounds'))} | {_f(r['req_per_s'], '.2f')} "
+            f"| {_f(r.get('req_x_vllm'), '.2f')} | {_f(r.get('req_x_floor'), '.2f')} "
+            f"| {_f(r['ttft_mean_ms'], ',.0f')} | {_f(r.get('ttft_x_floor'), '.2f')} "
+            f"| {_f(r['ttft_p50_ms'], ',.0f')} | {_f(r['ttft_p99_ms'], ',.0f')} "
+            f"| {_f(r['cached_share'] and 100 * r['cached_share'], '.1f')}% "
+            f"| {_f(r.get('cached_x_floor'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--format", default="mooncake")
+    p.add_argument("--requests", type=int, default=800)
+    p.add_argument("--block-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--output-tokens", type=int, default=1,
+                   help="answer length for every request (0: the trace's, capped)")
+    p.add_argument("--max-output-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--l1-blocks", type=int, default=400)
+    p.add_argument("--l2-ratio", type=float, default=4.0)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--extra", default="{}", help="more HiCache keys (JSON) for every "
+                   "HiCache case")
+    p.add_argument("--cases", default="vllm,hicache,floor",
+                   help=f"comma-separated, of: {', '.join(c.name for c in CASES)}")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--profile", action="store_true",
+                   help="HICACHE_PROFILE in every server (one JSON line per step)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--out", default="bench_results/trace-replay")
+    args = p.parse_args(argv)
+    known = {c.name: c for c in CASES}
+    names = [n for n in args.cases.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        p.error(f"--cases: unknown {unknown}; allowed: {', '.join(known)}")
+    if not args.trace.exists():
+        p.error(f"--trace {args.trace}: no such file (the traces live in ../shared/traces)")
+    try:
+        json.loads(args.extra)
+    except ValueError as e:
+        p.error(f"--extra: not JSON: {e}")
+    spec = ReplaySpec(block_tokens=args.block_tokens, max_model_len=args.max_model_len,
+                      requests=args.requests, max_output_tokens=args.max_output_tokens,
+                      output_tokens=args.output_tokens or None)
+    trace = load_trace(args.trace, args.format, spec)
+    all_blocks = floor_blocks(trace, args.concurrency)
+    ideal = ideal_cached_share(trace.requests, BLOCK)
+    print(f"{len(trace.requests)} requests ({trace.skipped_too_long} of the first "
+          f"{trace.lines_read} skipped: longer than {args.max_model_len}), "
+          f"{trace.prompt_tokens:,} prompt tokens, ideal cached share {100 * ideal:.1f}%, "
+          f"floor L1 {all_blocks} blocks", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    runs = [(r, n) for r in range(1, args.rounds + 1) for n in names]
+    for i, (round_, name) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] round {round_}: {name} ...", flush=True)
+        rows.append(run_case(known[name], round_, args, trace, out, all_blocks))
+        print(f"    {rows[-1]}", flush=True)
+    add_ratios(rows)
+    summary = medians(rows)
+    (out / "trace_replay.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "ideal_cached_share": ideal,
+         "requests": len(trace.requests), "rows": rows, "medians": summary}, indent=2))
+    from hicache.integration.bench.report import write_plots
+
+    last = {r["case"]: json.loads((out / f"{r['case']}-r{r['round']}.json").read_text())
+            for r in rows if r["status"] == "ok" and r["round"] == args.rounds}
+    if last:
+        write_plots(last, out)
+    print(table(rows, "per round"))
+    print(table(summary, "medians over rounds"))
+
+
+if __name__ == "__main__":
+    main()
