@@ -65,6 +65,7 @@ class WorkerKey(StrEnum):
     L3_FETCHED_PAGES = "l3_fetched_pages"
     L3_FETCH_FAILED_PAGES = "l3_fetch_failed_pages"
     L3_FETCH_DEADLINE_MISSES = "l3_fetch_deadline_misses"
+    L3_FETCH_LATE_PAGES = "l3_fetch_late_pages"
     L3_BACKUP_PAGES = "l3_backup_pages"
     L3_BACKUP_FAILED_PAGES = "l3_backup_failed_pages"
     L3_BYTES_READ = "l3_bytes_read"
@@ -193,7 +194,9 @@ METRICS: tuple[MetricSpec, ...] = (
             "(backlog, a preempted request's blocks, a slot read from L3, an L3 deletion)"),
     _worker(WorkerKey.L3_FETCHED_PAGES, "Pages read from the HiCache L3 store"),
     _worker(WorkerKey.L3_FETCH_FAILED_PAGES,
-            "L3 pages not fetched (missing, corrupt, late, failed)"),
+            "L3 pages a fetch read and did not get (missing, corrupt, store errors)"),
+    _worker(WorkerKey.L3_FETCH_LATE_PAGES,
+            "L3 pages not read because their fetch's deadline passed or it was cancelled"),
     _worker(WorkerKey.L3_FETCH_DEADLINE_MISSES, "L3 fetches stopped by their deadline"),
     _worker(WorkerKey.L3_BACKUP_PAGES, "Pages written to the HiCache L3 store"),
     _worker(WorkerKey.L3_BACKUP_FAILED_PAGES, "Pages the HiCache L3 store did not accept"),

@@ -3,7 +3,10 @@
 Contract:
 - The lookup walks the HiRadixTree first: the pages after the L2 match that
   the tree knows L3 holds (backed up, fetched or found before; see
-  l2_manager.py) need no store round trip. Only the pages after those are
+  l2_manager.py) need no store round trip, except where the store keeps span
+  objects: a page inside one is readable only by requests sharing that whole
+  span, which the tree, indexed page by page, cannot tell, so the store is
+  asked for the whole run. Only the pages after those are
   asked of the store (its ``batch_exists``, as SGLang asks before every
   prefetch), and what it finds enters the tree. With ``probes`` (the
   connector's setting) and a store whose lookups may run concurrently, the
@@ -152,7 +155,12 @@ class L3Fetches:
         if len(run) < threshold:
             return 0
         checkpoints = self.l2.groups.has_state
-        known = min(known, len(run)) if self.l2.l3_index else 0
+        # The tree indexes L3 page by page, but a page stored inside a span object is
+        # readable only by requests that share that whole span (its key is its last
+        # page's): where the store keeps spans, the store itself says what this
+        # request can read (spans.py run_in_store), never the tree.
+        trusted = self.l2.l3_index and not self.l2.spans.enabled
+        known = min(known, len(run)) if trusted else 0
         if known == len(run):
             self._stats.l3_lookups_from_tree += 1
             found = known

@@ -103,7 +103,9 @@ class FetchResult:
 class StorageIOStats:
     fetches: int = 0
     fetched_pages: int = 0
+    # Pages a read did not return, and pages never read (deadline passed, cancelled).
     fetch_failed_pages: int = 0
+    fetch_late_pages: int = 0
     fetch_deadline_misses: int = 0
     max_fetch_seconds: float = 0.0
     backup_pages: int = 0
@@ -481,7 +483,10 @@ class StorageIO:
         with self._cv:  # fetches may finish on several threads
             self.stats.fetches += 1
             self.stats.fetched_pages += fetched
-            self.stats.fetch_failed_pages += len(pages) - fetched
+            if missed or job.cancel:
+                self.stats.fetch_late_pages += len(pages) - fetched
+            else:
+                self.stats.fetch_failed_pages += len(pages) - fetched
             self.stats.fetch_deadline_misses += missed
             self.stats.max_fetch_seconds = max(self.stats.max_fetch_seconds, result.seconds)
             job.result = result

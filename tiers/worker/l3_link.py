@@ -149,6 +149,7 @@ class L3Link:
         return {
             K.L3_FETCHED_PAGES: io.fetched_pages,
             K.L3_FETCH_FAILED_PAGES: io.fetch_failed_pages,
+            K.L3_FETCH_LATE_PAGES: io.fetch_late_pages,
             K.L3_FETCH_DEADLINE_MISSES: io.fetch_deadline_misses,
             K.L3_BACKUP_PAGES: io.backup_pages,
             K.L3_BACKUP_FAILED_PAGES: io.backup_failed_pages,

@@ -125,3 +125,44 @@ def test_a_store_that_starts_inside_a_span_backs_its_leading_pages_up_as_page_ob
     # b's page 3 is stored as a page object (its span began before the store).
     assert meta.stores[0].key == b_keys[3] and meta.stores[0].span is None
     assert sched.build_connector_meta({}).backups == []
+
+
+def test_a_request_that_leaves_a_span_early_is_never_promised_pages_only_that_span_holds(
+        tmp_path):
+    """a's pages 2 and 3 are one span object, which the tree indexes page by page. b
+    shares a's first 3 pages: its own span of pages 2-3 has another key, so page 2 is
+    out of b's reach as long as it lives only inside a's object. The lookup must not
+    trust the tree for it (the fetch used to fail that page: the "failed L3 fetch
+    pages" of a single engine nobody else writes to); it asks the store, which finds
+    what b can read, and the real I/O thread then reads every page it was promised."""
+    from hicache.tiers.l3.io_thread import StorageIO
+
+    sched = scheduler(tmp_path)
+    meta = prefill(sched, request("a", TOKENS), list(range(1, 16)))
+    store = writer(tmp_path)
+    pool = HostPagePool(GEOM, layout="page_first", pin_memory=False)
+    store.register_host_pool(pool)
+    # The worker's backups of a's plan: whole spans as span objects, the tail as pages.
+    spanned = [p for p in meta.stores if p.span is not None]
+    assert all(store.batch_set_spans([p.key.hex() for p in spanned],
+                                     [p.slot for p in spanned], [p.span for p in spanned]))
+    assert all(store.batch_set_v1([p.key.hex() for p in meta.stores if p.span is None],
+                                  [p.slot for p in meta.stores if p.span is None]))
+    sched.on_worker_report(WorkerReport(l3_stored={0: [p.key for p in meta.stores]}))
+    sched.flush({"l2"}, None)  # a's pages leave L2; the tree still knows L3 has them
+    assert sched.tree.match_prefix(KEYS).l3_pages == 7
+    other = TOKENS[: 3 * PAGE] + list(range(900, 900 + 4 * PAGE + 3))
+    b = request("b", other)
+    hit, is_async = sched.get_num_new_matched_tokens(b, 0)
+    assert is_async and hit == 2 * PAGE  # pages 0-1 (a's first span, b's too); not 2
+    sched.update_state_after_alloc(b, [list(range(20, 35))], hit)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    io = StorageIO(store, pool, lambda pages: None)
+    try:
+        io.submit_fetch(fetch)
+        assert io.wait_results(60)  # a hang guard, not a speed check
+        (result,) = io.poll()
+    finally:
+        io.shutdown()
+    assert result.fetched_pages == len(fetch.l3_pages) == 2
+    assert io.stats.fetch_failed_pages == 0

@@ -132,6 +132,8 @@ def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, monkeypatch, timeo
     # Stopped after the batch in flight: one batch of 32 pages.
     assert result.fetched_pages == 32 and len(result.error_block_ids) == 8
     assert io.stats.fetch_deadline_misses == 1
+    # Never read, not failed: an operator tells a slow store from a broken one.
+    assert (io.stats.fetch_late_pages, io.stats.fetch_failed_pages) == (8, 0)
     io.shutdown()
 
 
@@ -141,6 +143,7 @@ def test_failing_store_is_a_miss_not_an_exception(tmp_path):
     io.submit_fetch(RequestFetch("r", (), plan(40, 4), (), None))
     (result,) = wait_result(io)
     assert result.fetched_pages == 0 and len(result.error_block_ids) == 4
+    assert (io.stats.fetch_failed_pages, io.stats.fetch_late_pages) == (4, 0)
     io.shutdown()
 
 
