@@ -29,6 +29,7 @@ from pydantic import (
 
 from hicache.kernels.io_backend import IoBackendName
 from hicache.tiers.controller.policies import (
+    L3AdmissionName,
     PrefetchPolicyName,
     PrefetchSettings,
     WritePolicyName,
@@ -87,6 +88,12 @@ class HiCacheConfig(Settings):
     hicache_write_through_threshold: PositiveInt = Field(
         2, description="requests that must compute a page before write_through_selective "
         "keeps it")
+    # all: every page L2 stores is backed up to L3; reused: a page once a second
+    # request uses it (recomputes it, or finds it in L2), and every page of a request
+    # with retain_s. The default is the trace replays' choice (docs/benchmarks.md,
+    # "Back up what will return").
+    hicache_l3_admission: L3AdmissionName = Field(
+        "all", description="which pages L2 stores are backed up to L3")
     # SGLang's current default is page_first.
     hicache_mem_layout: MemLayoutName = Field(
         "page_first", description="byte layout of the L2 host pool")

@@ -197,6 +197,15 @@ class L2Manager:
         self._backups.extend(PagePlan(slots[p], keys[p], 0, ()) for p in range(first, start)
                              if not self._missing.get(slots[p], 0))
 
+    def back_up(self, pages: Sequence[tuple[PageKey, int]]) -> None:
+        """Back up these (key, slot) pages L2 holds to L3 with the next plan (the L3
+        admission rule admitted them late: policies.py ``reused``); a page stored
+        without some group's blocks stays in L2 (kv_groups.py ``l3_keys``)."""
+        for key, slot in pages:
+            at = self.groups.l3_keys(key, self.missing_of(slot))
+            if at:
+                self._backups.append(PagePlan(slot, key, 0, (), l3_keys=at))
+
     def take_backups(self) -> list[PagePlan]:
         """The L2 pages to back up to L3 as page objects with the next plan."""
         backups, self._backups = self._backups, []

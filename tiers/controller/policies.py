@@ -22,6 +22,13 @@ meanings follow SGLang HiCache:
 - Eviction policy: which unlocked L2 pages make room. ``lru`` is the tree's
   leaf-first LRU (a leaf longer than needed loses only its tail pages), lower
   priority classes first (a request's ``priority`` hint, hints.py).
+- L3 admission (``hicache_l3_admission``): which pages L2 stores are backed up
+  to L3. ``all`` backs up every one; ``reused`` only a page used a second
+  time: stored again by a later request (it had left every tier and was
+  recomputed) or found in L2 by a later request's lookup (then backed up from
+  L2 at once), and every page of a request whose hints say it returns
+  (``retain_s``). SGLang's ``write_through_selective`` backs up on hits the
+  same way. The default, ``all``, is the replays' choice (docs/benchmarks.md).
 
 Policies decide; they move nothing and never touch a request's state.
 """
@@ -43,10 +50,12 @@ from hicache.tiers.settings import Settings
 WritePolicyName = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicyName = Literal["best_effort", "wait_complete", "timeout"]
 EvictionPolicyName = Literal["lru"]
+L3AdmissionName = Literal["all", "reused"]
 
 WRITE_POLICY_NAMES: tuple[str, ...] = get_args(WritePolicyName)
 PREFETCH_POLICY_NAMES: tuple[str, ...] = get_args(PrefetchPolicyName)
 EVICTION_POLICY_NAMES: tuple[str, ...] = get_args(EvictionPolicyName)
+L3_ADMISSION_NAMES: tuple[str, ...] = get_args(L3AdmissionName)
 
 
 # ---- write -----------------------------------------------------------------------
@@ -245,6 +254,84 @@ def make_eviction_policy(name: str = "lru") -> EvictionPolicy:
     return _lookup(EVICTION_POLICIES, name, "eviction policy")()
 
 
+# ---- L3 admission -----------------------------------------------------------------
+
+
+class L3Admission(ABC):
+    """Which pages stored in L2 are backed up to L3, and when."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def configured(cls, *, l2_pages: int) -> L3Admission:
+        return cls()
+
+    @abstractmethod
+    def admit(self, keys: Sequence[PageKey], returns: bool) -> int:
+        """Of ``keys`` (one request's pages about to be stored in L2, in prefix order),
+        how many leading ones go to L3 with their store; ``returns``: the request's
+        hints say it comes back."""
+
+    def reused(self, keys: Sequence[PageKey]) -> list[int]:
+        """Positions in ``keys`` (pages a lookup found in L2: a later request reached
+        them) of the pages to back up now."""
+        return []
+
+
+class AdmitAll(L3Admission):
+    """Every page stored in L2 goes to L3 behind its store."""
+
+    name = "all"
+
+    def admit(self, keys: Sequence[PageKey], returns: bool) -> int:
+        return len(keys)
+
+
+@dataclass
+class AdmitReused(L3Admission):
+    """A page goes to L3 the second time it is used (see the module docstring).
+
+    An LRU of at most ``capacity`` page keys remembers which were seen and which
+    were admitted, so a page forgotten there is treated as new."""
+
+    name: ClassVar[str] = "reused"
+    capacity: int = 1 << 16
+    # page key -> admitted
+    _seen: OrderedDict[PageKey, bool] = field(default_factory=OrderedDict, repr=False)
+
+    @classmethod
+    def configured(cls, *, l2_pages: int) -> L3Admission:
+        return cls(capacity=max(1 << 16, 8 * l2_pages))
+
+    def _remember(self, key: PageKey, admitted: bool) -> None:
+        self._seen[key] = admitted
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def admit(self, keys: Sequence[PageKey], returns: bool) -> int:
+        n = 0
+        for key in keys:
+            if not (returns or key in self._seen):  # a first computation
+                break
+            self._remember(key, True)
+            n += 1
+        for key in keys[n:]:
+            self._remember(key, self._seen.get(key, False))
+        return n
+
+    def reused(self, keys: Sequence[PageKey]) -> list[int]:
+        out = [i for i, key in enumerate(keys) if not self._seen.get(key, False)]
+        for i in out:
+            self._remember(keys[i], True)
+        return out
+
+
+def make_l3_admission(name: str = "all", *, l2_pages: int = 0) -> L3Admission:
+    """The L3 admission rule called ``name`` (``l2_pages`` bounds ``reused``'s memory)."""
+    return _lookup(L3_ADMISSIONS, name, "L3 admission rule").configured(l2_pages=l2_pages)
+
+
 # ---- registries ------------------------------------------------------------------
 
 WRITE_POLICIES: dict[str, type[WritePolicy]] = {
@@ -252,6 +339,7 @@ WRITE_POLICIES: dict[str, type[WritePolicy]] = {
 PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {
     p.name: p for p in (BestEffort, WaitComplete, Timeout)}
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LeafFirstLRU,)}
+L3_ADMISSIONS: dict[str, type[L3Admission]] = {p.name: p for p in (AdmitAll, AdmitReused)}
 
 _P = TypeVar("_P")
 

@@ -60,6 +60,7 @@ from hicache.tiers.controller.pins import PinRefused, Pins
 from hicache.tiers.controller.policies import (
     EvictionPolicy,
     make_eviction_policy,
+    make_l3_admission,
     make_prefetch_policy,
     make_write_policy,
 )
@@ -111,6 +112,7 @@ class HiCacheScheduler:
         block_ids_of: Callable[[str], GroupBlockIds],
         write_policy: str = "write_through",
         write_threshold: int = 2,
+        l3_admission: str = "all",
         storage: L3Store | None = None,
         prefetch_policy: str = "timeout",
         prefetch: dict[str, float] | None = None,
@@ -175,7 +177,8 @@ class HiCacheScheduler:
             self.l2, make_write_policy(write_policy, threshold=write_threshold,
                                        l2_pages=geometry.num_slots),
             page_size=page_size, block_ids_of=block_ids_of, async_stores=async_stores,
-            tp_size=tp_size)
+            tp_size=tp_size,
+            l3_admission=make_l3_admission(l3_admission, l2_pages=geometry.num_slots))
         self._seq = 0  # StepPlan.seq of the last plan
         settings = dict(prefetch or {})
         self.pins = Pins(self.tree, geometry.num_slots, max_share=retain_max_share,
@@ -227,6 +230,7 @@ class HiCacheScheduler:
             block_size=shape.block_size, block_ids_of=block_ids_of,
             write_policy=config.hicache_write_policy,
             write_threshold=config.hicache_write_through_threshold, storage=storage,
+            l3_admission=config.hicache_l3_admission,
             prefetch_policy=config.hicache_storage_prefetch_policy,
             prefetch=config.prefetch_settings(),
             tp_size=shape.tp_size, hash_block_size=hash_block_size,
@@ -289,6 +293,11 @@ class HiCacheScheduler:
                             (num_computed_tokens + hints.max_load_tokens) // self.page_size)
         match = self.tree.match_prefix(keys[:max_pages])
         self.stats.lookups += 1
+        if self.storage is not None and match.num_pages:
+            # A later request reached these pages in L2: back them up now if the
+            # L3 admission rule waited for that (policies.py ``reused``).
+            self.l2.back_up([(keys[i], match.host_slots[i]) for i in
+                             self.stores.l3_admission.reused(keys[:match.num_pages])])
         l3_pages = 0
         if (gate == "open" and hints.reads_l3
                 and request.request_id not in self.fetches.came_short):

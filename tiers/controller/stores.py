@@ -20,6 +20,8 @@ Contract:
   stores are done, so such stores wait for their step). A finished
   request's store in "align" mode has no hand-off: its pages go without
   checkpoints.
+- Which stored pages the workers back up to L3 is the L3 admission rule's
+  (policies.py): a page it does not admit is planned without L3 keys.
 - Stores across steps (``async_stores``, tiers/worker/core.py): a store may
   still read a request's blocks after the step that planned it. Each rank
   reports the last plan whose stores are done (``on_stores_done``), so
@@ -31,12 +33,14 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 from hicache.tiers.controller.l2_manager import L2Manager
-from hicache.tiers.controller.policies import WritePolicy
+from hicache.tiers.controller.policies import AdmitAll, L3Admission, WritePolicy
 from hicache.tiers.controller.requests import RequestState, RequestTable
 from hicache.tiers.index.kv_groups import Checkpoints, GroupBlockIds, StateHandoff
+from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan
 
 
@@ -45,8 +49,11 @@ class StorePlanner:
 
     def __init__(self, l2: L2Manager, policy: WritePolicy, *, page_size: int,
                  block_ids_of: Callable[[str], GroupBlockIds], async_stores: bool = False,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, l3_admission: L3Admission | None = None) -> None:
         self.l2 = l2
+        # Which stored pages go on to L3 (policies.py; the workers back up what a
+        # plan gives L3 keys).
+        self.l3_admission = l3_admission or AdmitAll()
         self.async_stores = async_stores
         self.tp_size = tp_size
         # rank -> the last plan whose stores that rank has done.
@@ -161,4 +168,8 @@ class StorePlanner:
         if plans is None:
             return []
         state.stored_pages = ready_pages
-        return plans
+        admitted = self.l3_admission.admit([PageKey(p.key) for p in plans],
+                                           bool(state.hints.retain_s))
+        # The rest stay in L2 only: no L3 keys, so no backup (transfers.py l3_keys).
+        return plans[:admitted] + [dataclasses.replace(p, l3_keys=(), span=None)
+                                   for p in plans[admitted:]]

@@ -404,12 +404,16 @@ class HiCacheWorker:
             self._queued += 1
             store.order = self._queued
             self._pending.append(store)
-        elif meta.release_after_store:
-            # Stores of earlier steps may still read these requests' blocks.
-            if self._pending:
-                self._pending[-1].release.extend(meta.release_after_store)
-            else:
-                self._released.update(meta.release_after_store)
+        else:
+            if meta.release_after_store:
+                # Stores of earlier steps may still read these requests' blocks.
+                if self._pending:
+                    self._pending[-1].release.extend(meta.release_after_store)
+                else:
+                    self._released.update(meta.release_after_store)
+            # L2 pages only, no store of this plan to wait for (a slot a store still
+            # fills is skipped by the I/O thread: its key is not set yet).
+            self._back_up(meta)
         if self._loading:
             self._finish_loads()
         if not self.async_stores:
@@ -550,11 +554,7 @@ class HiCacheWorker:
                 io.submit_backup(
                     [(p.key, p.slot, at) for p, at in backups],
                     [p.span if at == p.key else None for p, at in backups])
-            if io is not None and store.plan.backups:
-                # Pages a store cut out of a span, as page objects (plans.py ``backups``);
-                # the I/O thread skips a slot that no longer holds its page.
-                io.submit_backup([(p.key, p.slot, p.key)
-                                               for p in store.plan.backups])
+            self._back_up(store.plan)
             self.stats.saved_pages += len(store.pages)
             seconds = store.clock.take_seconds()
             if seconds is not None:
@@ -562,6 +562,14 @@ class HiCacheWorker:
             self.stats.saved_bytes += len(store.pages) * pool.geometry.page_bytes
         self._released.update(store.release)
         self._done_seq = max(self._done_seq, store.plan.seq)
+
+    def _back_up(self, plan: StepPlan) -> None:
+        """Back up the plan's ``backups``, pages already in L2 (plans.py: pages a store
+        cut out of a span, pages the L3 admission rule admitted late) under their L3
+        keys; the I/O thread skips a slot that no longer holds its page."""
+        io = self.storage_io if self.l3.writes else None
+        if io is not None and plan.backups:
+            io.submit_backup([(p.key, p.slot, at) for p in plan.backups for at in l3_keys(p)])
 
     def _wait_stores_into(self, slots: set[int]) -> None:
         """Wait for the stores in flight into any of ``slots``."""

@@ -227,3 +227,36 @@ def test_the_l3_only_index_is_bounded(tmp_path):
         sched.flush({"l2"}, None)  # every page L3-only now
     assert sched.tree.l3_only_pages() <= 4
     sched.tree.check_invariants()
+
+
+def test_reused_admission_backs_a_page_up_once_a_later_request_reaches_it(tmp_path):
+    """``hicache_l3_admission: reused``: a first computation is stored in L2 only; the
+    first later request that finds it in L2 gets it backed up with the next plan (once);
+    with ``all`` every store goes on to L3."""
+    sched = make(tmp_path, l3_admission="reused")
+    first = tokens_of(100, 3)
+    req = request("a", first)
+    sched.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(1, len(first) // BS + 2))
+    sched.update_state_after_alloc(req, [blocks], 0)
+    sched.tables["a"] = blocks  # type: ignore[attr-defined]
+    plan = sched.build_connector_meta({"a": len(first)})
+    assert [p.l3_keys for p in plan.stores] == [()] * 3 and plan.backups == []
+    req.num_computed_tokens = len(first)
+    # b shares a's first two pages: they are in L2, b reached them.
+    b = request("b", first[: 2 * PAGE] + list(range(900, 900 + PAGE + 1)))
+    assert sched.get_num_new_matched_tokens(b, 0)[0] == 2 * PAGE
+    backups = sched.build_connector_meta({}).backups
+    assert [(p.key, p.l3_keys) for p in backups] == [(k, (k,)) for k in keys_of(
+        NS.seed(), first, PAGE)[:2]]
+    assert [p.slot for p in backups] == sched.tree.match_prefix(
+        [p.key for p in backups]).host_slots
+    sched.get_num_new_matched_tokens(b, 0)  # asked again next step: nothing new
+    assert sched.build_connector_meta({}).backups == []
+    every = make(tmp_path / "all")
+    again = request("a", first)
+    every.get_num_new_matched_tokens(again, 0)
+    every.update_state_after_alloc(again, [blocks], 0)
+    every.tables["a"] = blocks  # type: ignore[attr-defined]
+    stores = every.build_connector_meta({"a": len(first)}).stores
+    assert len(stores) == 3 and all(p.l3_keys == (p.key,) for p in stores)

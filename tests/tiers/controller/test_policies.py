@@ -1,5 +1,6 @@
 """Policy objects chosen by name: each write policy's decision, each prefetch policy's
-timeout, the selective threshold and its bounded memory, eviction order, unknown names."""
+timeout, the selective threshold and its bounded memory, eviction order, the L3
+admission rules, unknown names."""
 
 import itertools
 
@@ -8,14 +9,18 @@ import pytest
 from hicache.tiers.controller.policies import (
     EVICTION_POLICIES,
     EVICTION_POLICY_NAMES,
+    L3_ADMISSION_NAMES,
+    L3_ADMISSIONS,
     PREFETCH_POLICIES,
     PREFETCH_POLICY_NAMES,
     WRITE_POLICIES,
     WRITE_POLICY_NAMES,
+    AdmitReused,
     LeafFirstLRU,
     Timeout,
     WriteThroughSelective,
     make_eviction_policy,
+    make_l3_admission,
     make_prefetch_policy,
     make_write_policy,
 )
@@ -33,6 +38,9 @@ def test_every_configurable_name_has_exactly_one_policy():
     assert tuple(WRITE_POLICIES) == WRITE_POLICY_NAMES
     assert tuple(PREFETCH_POLICIES) == PREFETCH_POLICY_NAMES
     assert tuple(EVICTION_POLICIES) == EVICTION_POLICY_NAMES
+    assert tuple(L3_ADMISSIONS) == L3_ADMISSION_NAMES
+    for name in L3_ADMISSION_NAMES:
+        assert make_l3_admission(name).name == name
     for name in WRITE_POLICY_NAMES:
         assert make_write_policy(name).name == name
     for name in PREFETCH_POLICY_NAMES:
@@ -43,6 +51,7 @@ def test_every_configurable_name_has_exactly_one_policy():
     (make_write_policy, "write policy", WRITE_POLICY_NAMES),
     (make_prefetch_policy, "prefetch policy", PREFETCH_POLICY_NAMES),
     (make_eviction_policy, "eviction policy", EVICTION_POLICY_NAMES),
+    (make_l3_admission, "L3 admission rule", L3_ADMISSION_NAMES),
 ])
 def test_unknown_name_is_an_error_naming_the_allowed_values(make, kind, allowed):
     with pytest.raises(ValueError, match=f"unknown {kind} 'write-through'") as err:
@@ -129,3 +138,31 @@ def test_lru_evicts_the_least_recent_leaf_tail_first():
     assert tree.match_prefix(pages("a0", "a1")).num_pages == 1
     tree.lock(tree.match_prefix(pages("b0", "b1")).node)
     assert policy.evict(tree, 5) == [0]  # locked pages never leave
+
+
+def test_all_admits_every_stored_page_to_l3():
+    rule = make_l3_admission("all")
+    assert rule.admit(pages("a", "b"), returns=False) == 2
+    assert rule.reused(pages("a", "b")) == []
+
+
+def test_reused_admits_a_page_the_second_time_it_is_used():
+    rule = make_l3_admission("reused", l2_pages=4)
+    assert rule.admit(pages("s", "a1", "a2"), returns=False) == 0  # first computations
+    # A later request reaches s and a1 in L2: both go to L3 now, once.
+    assert rule.reused(pages("s", "a1")) == [0, 1]
+    assert rule.reused(pages("s", "a1", "a2")) == [2]
+    assert rule.reused(pages("s", "a1", "a2")) == []
+    # A page that left every tier and is computed again is admitted with its store;
+    # admission is a prefix: a new page ends it.
+    assert rule.admit(pages("b1", "b2"), returns=False) == 0
+    assert rule.admit(pages("b1", "b2", "b3"), returns=False) == 2
+    # A request whose hints say it returns (retain_s) is admitted whole.
+    assert rule.admit(pages("c1", "c2"), returns=True) == 2
+
+
+def test_reused_forgets_the_oldest_pages_beyond_its_capacity():
+    rule = AdmitReused(capacity=2)
+    rule.admit(pages("a", "b", "c"), returns=False)
+    assert rule.admit(pages("a"), returns=False) == 0  # forgotten: new again
+    assert rule.admit(pages("c"), returns=False) == 1

@@ -125,3 +125,23 @@ def test_every_worker_counter_has_its_row_in_the_metrics_table(tmp_path):
                                                     if m.section == "latency"}
     finally:
         w.shutdown()
+
+
+def test_a_page_the_l3_admission_rule_holds_back_stays_in_l2_until_its_backup_is_planned(
+        tmp_path):
+    """A store planned without L3 keys (``hicache_l3_admission: reused``, a first
+    computation) is not backed up; a later plan that only names it in ``backups`` (a
+    second request reached it in L2) backs it up, though that plan stores nothing."""
+    w = make_worker(tmp_path, writer=True)
+    try:
+        w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4), l3_keys=()),
+                                                  PagePlan(1, KEY_B, 0, (5, 6))]))
+        assert _backups_settled(w, 1) == 1
+        assert w.storage.batch_exists([KEY_A.hex()]) == 0
+        assert w.storage.batch_exists([KEY_B.hex()]) == 1
+        w.finish_step(HiCacheStepMetadata(backups=[PagePlan(0, KEY_A, 0, (),
+                                                            l3_keys=(KEY_A,))]))
+        assert _backups_settled(w, 2) == 2
+        assert w.storage.batch_exists([KEY_A.hex()]) == 1
+    finally:
+        w.shutdown()
