@@ -12,7 +12,8 @@ Contract:
 - Scheduler records (one per ``build_connector_meta``, covering everything
   since the previous one): ``seq`` (stamped on the step's metadata as
   ``hicache_profile_seq``, which the workers read back), ``scheduled``
-  (requests and tokens vLLM scheduled), ``deferred`` (lookups answered
+  (requests and tokens vLLM scheduled), ``batch`` (tokens per request id),
+  ``deferred`` (lookups answered
   None: the request waits a step), ``admitted`` (requests allocated for the
   first time: id, ``arrival`` wall time, prompt, local and external tokens),
   ``first_token`` (requests whose last prompt token is computed in this
@@ -50,13 +51,15 @@ def instrument(connector: Any, role: str) -> None:
     path = profile_path()
     if path is None:
         return
-    profiler = _SchedulerProfile(path) if role == "scheduler" else _WorkerProfile(path)
+    name = type(connector).__name__
+    profiler = (_SchedulerProfile(path, name) if role == "scheduler"
+                else _WorkerProfile(path, name))
     profiler.attach(connector)
 
 
 class _Profile:
-    def __init__(self, path: str, role: str) -> None:
-        self.writer = ProfileWriter(path, role)
+    def __init__(self, path: str, role: str, connector: str) -> None:
+        self.writer = ProfileWriter(path, role, connector)
         self.hooks = HookClock()
         self.threads = ThreadClock()
 
@@ -78,8 +81,8 @@ class _Profile:
 
 
 class _SchedulerProfile(_Profile):
-    def __init__(self, path: str) -> None:
-        super().__init__(path, "scheduler")
+    def __init__(self, path: str, connector: str) -> None:
+        super().__init__(path, "scheduler", connector)
         self.seq = 0
         self.t0 = time.time()
         self.deferred = 0
@@ -144,14 +147,15 @@ class _SchedulerProfile(_Profile):
             "hooks": self.hooks.take(), "cpu": self.threads.delta(),
             "scheduled": {"requests": len(out.num_scheduled_tokens),
                           "tokens": out.total_num_scheduled_tokens},
+            "batch": dict(out.num_scheduled_tokens),
             "deferred": self.deferred, "admitted": self.admitted,
             "first_token": self._first_tokens(out)})
         self.t0, self.deferred, self.admitted = now, 0, []
 
 
 class _WorkerProfile(_Profile):
-    def __init__(self, path: str) -> None:
-        super().__init__(path, "worker")
+    def __init__(self, path: str, connector: str) -> None:
+        super().__init__(path, "worker", connector)
         self.seq: int | None = None
         self.t0 = 0.0
         self.cpu_between: dict[str, float] = {}

@@ -18,7 +18,9 @@ Contract:
   the whole process, and the seconds the calling thread waited, runnable,
   for a CPU (``/proc/thread-self/schedstat``, Linux; 0 elsewhere).
   ``delta()`` is what changed since the previous call.
-- A record is a plain dict: ``role`` ("scheduler" | "worker"), ``pid``,
+- A record is a plain dict: ``role`` ("scheduler" | "worker"), ``connector``
+  (the instrumented class: inside vLLM's MultiConnector each child writes its
+  own), ``pid``,
   ``seq`` (the step's plan number, the same in both halves' records of a
   step), wall-clock ``t0``/``t1``, ``hooks`` ({name: [calls, seconds]}),
   ``cpu`` (ThreadClock's delta) and the role's own fields (the adapter's
@@ -115,9 +117,10 @@ class ThreadClock:
 class ProfileWriter:
     """Appends records to the profile file as single-line writes."""
 
-    def __init__(self, path: str, role: str) -> None:
+    def __init__(self, path: str, role: str, connector: str = "") -> None:
         self.path = path
         self.role = role
+        self.connector = connector
         self.pid = os.getpid()
         self._fd: int | None = None
         self._failed = False
@@ -125,7 +128,8 @@ class ProfileWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._failed:
             return
-        line = json.dumps({"role": self.role, "pid": self.pid, **record},
+        line = json.dumps({"role": self.role, "connector": self.connector, "pid": self.pid,
+                           **record},
                           separators=(",", ":")) + "\n"
         try:
             if self._fd is None:

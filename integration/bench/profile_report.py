@@ -67,6 +67,12 @@ def load(path: str | Path, name: str | None = None) -> Profile:
                 prof.worker.append(rec)
             else:
                 raise ValueError(f"{path}:{n}: role must be scheduler or worker, got {role!r}")
+    # Inside vLLM's MultiConnector every child writes records: keep HiCache's (else the
+    # first child's), one record per step and rank.
+    for records in (prof.scheduler, prof.worker):
+        names = list(dict.fromkeys(r.get("connector", "") for r in records))
+        keep = "HiCacheConnector" if "HiCacheConnector" in names else (names or [""])[0]
+        records[:] = [r for r in records if r.get("connector", "") == keep]
     return prof
 
 

@@ -285,12 +285,19 @@ class HiCacheScheduler:
         if not hints.loads:  # the client asked for no HiCache loads
             state.pending_match, state.pending_l3_pages, state.lookup = None, 0, None
             return 0, False
-        keys = state.page_keys()
         # At least one token must be left for the forward pass to produce logits.
         max_pages = (request.num_tokens - 1) // self.page_size
         if hints.max_load_tokens is not None:
             max_pages = min(max_pages,
                             (num_computed_tokens + hints.max_load_tokens) // self.page_size)
+        if max_pages * self.page_size <= num_computed_tokens:
+            # vLLM's own prefix cache holds all a hit could cover: nothing to look up,
+            # and no L3 answer to wait for (admission as without HiCache).
+            self.stats.lookups += 1
+            state.pending_match, state.pending_l3_pages = None, 0
+            state.lookup = (max_pages, num_computed_tokens // self.page_size, 0, 0)
+            return 0, False
+        keys = state.page_keys()
         match = self.tree.match_prefix(keys[:max_pages])
         self.stats.lookups += 1
         if self.storage is not None and match.num_pages:

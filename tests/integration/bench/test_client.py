@@ -236,3 +236,47 @@ def test_agent_sessions_pause_retain_and_prefetch(server, runs, tmp_path):
     assert pins["pins"] >= 1 and pins["pinned_pages"] > 0
     with pytest.raises(BenchError, match="prefetch_lead_s needs the admin endpoint"):
         run_bench_sync(base, spec, progress=False)
+
+
+def test_a_mooncake_trace_replays_through_the_cli(server, tmp_path):
+    """``hicache bench replay`` on a Mooncake-format slice the test writes (32-token
+    blocks here): one request at a time, so what each reuses is known exactly. b
+    extends a (4 blocks, then 2 more): its cached tokens are a's 4 blocks; c shares
+    only block 0 with them; d is longer than the model and is skipped; e repeats b
+    after c: all of it but its last page. Then the same slice at once (time scale 0,
+    2 in flight): every request completes, in trace order."""
+    from typer.testing import CliRunner
+
+    from hicache.integration.cli.main import app
+
+    base, admin = server
+    ids = {"a": [100, 101, 102, 103], "b": [100, 101, 102, 103, 104, 105],
+           "c": [100, 200], "d": list(range(300, 400)), "e": [100, 101, 102, 103, 104, 105]}
+    lines = [json.dumps({"timestamp": 1000 * i, "input_length": 512 * len(v),
+                         "output_length": 4, "hash_ids": v}) for i, v in enumerate(ids.values())]
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    common = ["bench", "replay", "--trace", str(trace), "--url", base, "--block-tokens", "32",
+              "--max-model-len", "2048", "--token-high", "1000", "--seed", "4",
+              "--admin-url", admin, "--admin-token", TOKEN, "--no-progress"]
+    done = CliRunner().invoke(app, [*common, "--concurrency", "1", "--out", str(tmp_path / "1")])
+    assert done.exit_code == 0, done.output
+    assert "replayed 4 of 5 trace lines (1 longer than --max-model-len skipped)" in " ".join(
+        done.output.split())
+    result = json.loads((tmp_path / "1" / "replay.json").read_text())
+    reqs = result["requests"]
+    assert [r["id"] for r in reqs] == ["line1", "line2", "line3", "line5"]
+    assert [r["prompt_tokens"] for r in reqs] == [128, 192, 64, 192]
+    assert all(r["error"] is None and r["output_tokens"] == 4 for r in reqs)
+    assert reqs[1]["cached_tokens"] == 128 and reqs[2]["cached_tokens"] == 32
+    assert reqs[3]["cached_tokens"] == (192 - 1) // PAGE * PAGE
+    tiers = result["tiers"]
+    assert sum(tiers[t]["hits"] * PAGE for t in ("l1", "l2")) == sum(
+        r["cached_tokens"] for r in reqs)
+    assert (tmp_path / "1" / "ttft_cdf.png").stat().st_size > 5000
+    done = CliRunner().invoke(app, [*common, "--concurrency", "2", "--time-scale", "0",
+                                    "--out", str(tmp_path / "2")])
+    assert done.exit_code == 0, done.output
+    again = json.loads((tmp_path / "2" / "replay.json").read_text())["requests"]
+    assert [r["id"] for r in again] == ["line1", "line2", "line3", "line5"]
+    assert all(r["error"] is None for r in again)

@@ -193,3 +193,32 @@ def test_cached_tokens_split_by_tier_at_the_first_admission(tmp_path):
     assert sched.get_num_new_matched_tokens(fresh, 0) == (0, False)
     sched.update_state_after_alloc(fresh, [[]], 0)
     assert sched.cached_tokens_of("c").as_dict() == {"l1": 0, "l2": 0, "l3": 0}
+
+
+def test_a_request_vllm_already_holds_is_admitted_without_asking_l3(tmp_path):
+    """Everything a hit could cover is in vLLM's own prefix cache: no L3 answer could
+    matter, so none is waited for (a store that never answers is never asked), and the
+    request's pages count as L1 hits."""
+    from support.fakes import GatedStore
+
+    from hicache.tiers.controller.probes import L3Probes
+
+    store = GatedStore(found=4)  # would hold the request forever if asked
+    sched = HiCacheScheduler(geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
+                             block_ids_of=lambda rid: [[]], storage=store,
+                             prefetch={"prefetch_threshold": 0})
+    sched.fetches.probes = L3Probes(fast_wait_s=0)
+    try:
+        tokens = list(range(100, 133))  # 4 full pages + 1 token
+        req = request("r", tokens)
+        assert sched.get_num_new_matched_tokens(req, 4 * PAGE) == (0, False)
+        assert not store.inside.acquire(blocking=False)  # the store was never asked
+        sched.update_state_after_alloc(req, [[]], 0)
+        assert sched.stats.l1_hit_pages == 4 and sched.stats.l3_miss_pages == 0
+        # One page short of that: the store is asked, and the answer is awaited.
+        other = request("s", list(range(300, 333)))
+        assert sched.get_num_new_matched_tokens(other, 3 * PAGE) == (None, False)
+        store.entered(1)
+    finally:
+        store.gate.set()
+        sched.fetches.probes.close()
