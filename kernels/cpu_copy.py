@@ -71,7 +71,7 @@ def _offsets(
     layer after layer; whole-array arithmetic, no Python loop over runs."""
     block_bytes = pool.shape[3]
     s_slot, s_layer, s_block, _ = pool.stride()
-    if s_block == block_bytes:  # a run is one copy when its blocks are adjacent in the pool
+    if s_block == block_bytes or pool.shape[2] == 1:  # a run's blocks are adjacent there
         start, slot, offset, length = transfer.run_array
     else:
         start, slot, offset = transfer.units

@@ -45,6 +45,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -101,25 +102,30 @@ class KVGroups:
         return ", ".join(f"{g.kind}{f'({g.window})' if g.kind == 'window' else ''} "
                          f"x{g.num_layers}" for g in self.groups)
 
-    @property
+    @functools.cached_property
+    def plain(self) -> bool:
+        """One full-attention group (most models): a page is its blocks, nothing else."""
+        return len(self.groups) == 1 and self.groups[0].kind == "full"
+
+    @functools.cached_property
     def hybrid(self) -> bool:
         """More than one group: vLLM's hybrid KV cache manager is on."""
         return len(self.groups) > 1
 
-    @property
+    @functools.cached_property
     def num_layers(self) -> int:
         return sum(g.num_layers for g in self.groups)
 
-    @property
+    @functools.cached_property
     def windowed(self) -> bool:
         """Some group lacks bytes in some pages: hits end where they are complete."""
         return any(g.kind != "full" for g in self.groups)
 
-    @property
+    @functools.cached_property
     def has_state(self) -> bool:
         return any(g.kind == "state" for g in self.groups)
 
-    @property
+    @functools.cached_property
     def state_mask(self) -> int:
         """The bits of the state groups (a page without its checkpoint)."""
         return sum(1 << g for g, group in enumerate(self.groups) if group.kind == "state")
