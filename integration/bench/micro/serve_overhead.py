@@ -160,7 +160,7 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         result = out / f"{case.name}.json"
         result.unlink(missing_ok=True)
         t0 = time.monotonic()
-        load = LoadSampler(lp.base_url) if args.sample_load else None
+        load = LoadSampler(lp.base_url, args.sample_interval) if args.sample_load else None
         with load or contextlib.nullcontext():
             done = subprocess.run(
                 bench_command(args, lp.base_url, resolve_model(cfg.model), result),
@@ -174,9 +174,23 @@ def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "completed": data.get("completed"), "failed": data.get("failed", 0),
                 "req_per_s": data["request_throughput"],
                 "ttft_p50_ms": data["p50_ttft_ms"], "ttft_p99_ms": data["p99_ttft_ms"],
+                **waves(data.get("ttfts") or [], args.concurrency),
                 **(load.means() if load else {})}
     finally:
         stop_server(proc)
+
+
+def waves(ttfts: list[float], concurrency: int) -> dict[str, float | None]:
+    """From vLLM bench's per-request TTFTs (in the order the requests were sent): the
+    first burst's slowest (the first ``concurrency`` requests, a fresh server's
+    first wave) and the steady p99 (every request after the first four waves)."""
+    import numpy as np
+
+    first = ttfts[:concurrency]
+    steady = ttfts[4 * concurrency:]
+    return {"first_burst_max_ms": round(1e3 * max(first), 1) if first else None,
+            "steady_p99_ms": round(1e3 * float(np.percentile(steady, 99)), 1)
+            if steady else None}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -189,20 +203,30 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["throughput_x"] = r["req_per_s"] / b["req_per_s"]
             r["ttft_p50_x"] = r["ttft_p50_ms"] / b["ttft_p50_ms"]
             r["ttft_p99_x"] = r["ttft_p99_ms"] / b["ttft_p99_ms"]
+            for key in ("steady_p99", "first_burst_max"):
+                if r.get(f"{key}_ms") and b.get(f"{key}_ms"):
+                    r[f"{key}_x"] = r[f"{key}_ms"] / b[f"{key}_ms"]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| round | case | L1 blocks | req/s | × null | TTFT p50 ms | × null | TTFT p99 ms "
-             "| × null | running | waiting |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| × null | steady p99 ms | × null | first burst max ms | × null "
+             "| running | waiting |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['round']} | {r['case']} | {r['status']} | | | | | | | | |")
+            lines.append(f"| {r['round']} | {r['case']} | {r['status']} |" + " |" * 12)
             continue
         lines.append(
             f"| {r['round']} | {r['case']} | {r['l1_blocks']} | {r['req_per_s']:.2f} | "
             f"{r.get('throughput_x', 1):.3f} | {r['ttft_p50_ms']:.0f} | "
             f"{r.get('ttft_p50_x', 1):.3f} | {r['ttft_p99_ms']:.0f} | {r.get('ttft_p99_x', 1):.3f} "
+            f"| {f(r.get('steady_p99_ms'), '.0f')} | {f(r.get('steady_p99_x', 1), '.3f')} "
+            f"| {f(r.get('first_burst_max_ms'), '.0f')} | {f(r.get('first_burst_max_x', 1), '.3f')} "
             f"| {r.get('mean_running')} | {r.get('mean_waiting')} |")
     return "\n".join(lines)
 
@@ -225,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-load", action="store_true",
                    help="poll vLLM's /metrics every 0.2 s for its running / waiting "
                         "requests (perturbs a HiCache server: docs/benchmarks.md)")
+    p.add_argument("--sample-interval", type=float, default=0.2,
+                   help="seconds between two --sample-load reads of /metrics")
     p.add_argument("--out", default="bench_results/serve-overhead")
     args = p.parse_args(argv)
     known = {c.name: c for c in CASES}

@@ -16,6 +16,8 @@ Cases (``--cases``, in this order within a round; ``--rounds`` alternates them):
   any connector is configured.
 - ``hicache``: the same L1, HiCache with L2 = ``--l2-ratio`` x L1 and a file L3
   in a fresh directory (HiCache's defaults otherwise; ``--extra`` adds keys).
+- ``hicache-reused``: ``hicache`` with ``hicache_l3_admission: reused`` (a page
+  goes to L3 once a second request uses it).
 - ``hicache-l2``: the same without L3.
 - ``floor``: the do-nothing connector with an L1 that holds every page of
   the slice (nothing is ever evicted): what a perfect cache gives.
@@ -26,7 +28,8 @@ ratios to ``vllm`` and ``floor`` of the same round; then the medians over
 rounds. Writes ``trace_replay.json``, each case's replay (``<case>-r<round>.json``)
 and a TTFT CDF of the last round. ``--profile`` turns on HiCache's step profile
 (``HICACHE_PROFILE``, connector/profile.py) in every server and keeps each
-case's timeline next to its result.
+case's timeline next to its result. ``--scrape-interval S`` reads vLLM's
+``/metrics`` every S seconds during each replay, as a Prometheus server would.
 
     python -m hicache.integration.bench.micro.trace_replay --rounds 2
 """
@@ -34,10 +37,12 @@ case's timeline next to its result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,9 +74,42 @@ class Case:
 CASES = (
     Case("vllm", "null"),
     Case("hicache", "hicache", extra_config={"l3": "file"}),
+    Case("hicache-reused", "hicache",
+         extra_config={"l3": "file", "hicache_l3_admission": "reused"}),
     Case("hicache-l2", "hicache"),
     Case("floor", "null", l1="all"),
 )
+
+
+class Scraper:
+    """Reads ``/metrics`` every ``interval_s`` on a thread while entered (a Prometheus
+    scrape's load on the server); counts the scrapes."""
+
+    def __init__(self, base_url: str, interval_s: float) -> None:
+        self.url = base_url.rstrip("/") + "/metrics"
+        self.interval_s = interval_s
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=10.0) as client:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    client.get(self.url).raise_for_status()
+                    self.scrapes += 1
+                except httpx.HTTPError:
+                    continue
 
 
 def floor_blocks(trace: LoadedTrace, concurrency: int) -> int:
@@ -127,10 +165,13 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
         if why is not None:
             return {"case": case.name, "round": round_, "status": f"not run: {why} (see {log})"}
         t0 = time.monotonic()
-        result = replay_sync(lp.base_url, trace, concurrency=args.concurrency,
-                             admin_url=lp.admin_url,
-                             admin_token=lp.env.get("HICACHE_ADMIN_TOKEN"),
-                             progress=args.progress)
+        scraper = (Scraper(lp.base_url, args.scrape_interval) if args.scrape_interval
+                   else contextlib.nullcontext())
+        with scraper:
+            result = replay_sync(lp.base_url, trace, concurrency=args.concurrency,
+                                 admin_url=lp.admin_url,
+                                 admin_token=lp.env.get("HICACHE_ADMIN_TOKEN"),
+                                 progress=args.progress)
         if lp.admin_url is not None:  # every counter of the run, for what went wrong
             import httpx
 
@@ -222,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", default="vllm,hicache,floor",
                    help=f"comma-separated, of: {', '.join(c.name for c in CASES)}")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--scrape-interval", type=float, default=0.0,
+                   help="read vLLM's /metrics every this many seconds during each replay")
     p.add_argument("--profile", action="store_true",
                    help="HICACHE_PROFILE in every server (one JSON line per step)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)

@@ -42,3 +42,13 @@ def test_a_server_without_samples_has_no_means_and_the_table_says_so():
     add_ratios(rows)
     assert rows[1]["throughput_x"] == 0.5 and rows[1]["ttft_p99_x"] == 1.5
     assert table(rows).splitlines()[-1].endswith("| 1.5 | 2.0 |")
+
+
+def test_waves_split_the_first_burst_from_the_steady_state():
+    from hicache.integration.bench.micro.serve_overhead import waves
+
+    ttfts = [2.0, 1.0] + [0.1] * 6 + [0.2] * 100  # 2 clients: the first wave is 2 requests
+    w = waves(ttfts, concurrency=2)
+    assert w["first_burst_max_ms"] == 2000.0
+    assert w["steady_p99_ms"] == 200.0  # waves 1-4 (8 requests) left out
+    assert waves([], 2) == {"first_burst_max_ms": None, "steady_p99_ms": None}
