@@ -13,6 +13,8 @@ Contract:
   since the previous one): ``seq`` (stamped on the step's metadata as
   ``hicache_profile_seq``, which the workers read back), ``scheduled``
   (requests and tokens vLLM scheduled), ``batch`` (tokens per request id),
+  ``output_at`` (when the engine core took the workers' output of the step
+  before: ``update_connector_output``),
   ``deferred`` (lookups answered
   None: the request waits a step), ``admitted`` (requests allocated for the
   first time: id, ``arrival`` wall time, prompt, local and external tokens),
@@ -88,13 +90,15 @@ class _SchedulerProfile(_Profile):
         self.deferred = 0
         self.admitted: list[dict[str, Any]] = []
         self.prompt_len: dict[str, int] = {}
+        self.output_at: float | None = None
 
     def attach(self, connector: Any) -> None:
         for name in SCHEDULER_HOOKS:
             after = {"get_num_new_matched_tokens": self._answered,
                      "update_state_after_alloc": self._allocated,
                      "request_finished_all_groups": self._finished}.get(name)
-            self._wrap(connector, name, after=after)
+            before = self._output if name == "update_connector_output" else None
+            self._wrap(connector, name, before=before, after=after)
         original = connector.build_connector_meta
 
         @functools.wraps(original)
@@ -104,6 +108,9 @@ class _SchedulerProfile(_Profile):
             return meta
 
         connector.build_connector_meta = build
+
+    def _output(self, *args: Any) -> None:
+        self.output_at = time.time()
 
     def _answered(self, result: Any, *args: Any) -> None:
         if result[0] is None:
@@ -144,13 +151,14 @@ class _SchedulerProfile(_Profile):
         now = time.time()
         self.writer.write({
             "seq": self.seq, "t0": round(self.t0, 6), "t1": round(now, 6),
+            "output_at": None if self.output_at is None else round(self.output_at, 6),
             "hooks": self.hooks.take(), "cpu": self.threads.delta(),
             "scheduled": {"requests": len(out.num_scheduled_tokens),
                           "tokens": out.total_num_scheduled_tokens},
             "batch": dict(out.num_scheduled_tokens),
             "deferred": self.deferred, "admitted": self.admitted,
             "first_token": self._first_tokens(out)})
-        self.t0, self.deferred, self.admitted = now, 0, []
+        self.t0, self.deferred, self.admitted, self.output_at = now, 0, [], None
 
 
 class _WorkerProfile(_Profile):

@@ -140,7 +140,8 @@ class L3Fetches:
         return req_id in self.in_flight
 
     def lookup(self, keys: Sequence[PageKey], start: int, end: int, req_id: str = "",
-               known: int = 0, source: EventRequest | None = None) -> int | None:
+               known: int = 0, source: EventRequest | None = None,
+               wait: bool = True) -> int | None:
         """Pages of ``keys[start:end]`` (after the L2 match ``keys[:start]``) that L3
         holds consecutively and that are worth fetching; None while a background
         lookup for ``req_id`` is not finished. ``known``: how many of them the tree
@@ -168,7 +169,7 @@ class L3Fetches:
                 and getattr(self.storage, "concurrent_lookups", False)):
             started = self.probes.started
             answer = self.probes.result(req_id, run[known:], self.storage,
-                                        self._span_count(keys, start + known, end))
+                                        self._span_count(keys, start + known, end), wait)
             self._stats.l3_lookups += self.probes.started - started
             if answer is None:
                 self._stats.l3_lookups_pending += 1

@@ -130,8 +130,10 @@ class ArrivalPrefetches:
         max_pages = (request.num_tokens - 1) // self.page_size
         l2 = self.fetches.l2
         match = l2.tree.match_prefix(keys[:max_pages])
+        # Never waited for: vLLM's scheduling thread takes arrivals, and the answer
+        # is wanted only when vLLM tries to admit the request (the lookup then).
         found = self.fetches.lookup(keys, match.num_pages, max_pages, req_id,
-                                    known=match.l3_pages, source=request)
+                                    known=match.l3_pages, source=request, wait=False)
         if found is None:
             return  # the probe is still running: advance() asks again
         del self._asking[req_id]

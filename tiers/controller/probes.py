@@ -4,8 +4,9 @@ Contract:
 - ``L3Probes.result(req_id, keys, store)`` answers how many leading ``keys``
   ``store`` holds (its ``batch_exists``), as ``(found, failed)``, or None
   while that is not known yet. The first call for a request starts a probe
-  on a small thread pool and waits at most ``fast_wait_s`` for it, so a fast
-  store still answers in the same call; a slow or dead one costs vLLM one
+  on a small thread pool and waits at most ``fast_wait_s`` for it (not at
+  all with ``wait=False``: a request's arrival), so a fast store still
+  answers in the same call; a slow or dead one costs vLLM one
   retry per step (``get_num_new_matched_tokens`` returns None), never a
   stalled step. Probes of different requests run side by side, so a batch
   of new requests pays about one lookup latency, not one each.
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 from hicache.tiers.index.page_keys import PageKey
@@ -63,9 +65,12 @@ class L3Probes:
         self.started = 0
 
     def result(self, req_id: str, keys: Sequence[PageKey], store: object,
-               ask: Callable[[], int] | None = None) -> tuple[int, bool] | None:
+               ask: Callable[[], int] | None = None, wait: bool = True,
+               ) -> tuple[int, bool] | None:
         """``ask``: how the run is counted (default: ``store.batch_exists`` of
-        ``keys``), e.g. through span objects (tiers/index/spans.py)."""
+        ``keys``), e.g. through span objects (tiers/index/spans.py). ``wait``
+        False: a new probe is started and not waited for at all (a request's
+        arrival: its answer is needed only when vLLM tries to admit it)."""
         probe = self._probes.get(req_id)
         offset = probe.offset_of(keys, store) if probe is not None else None
         if probe is None or offset is None:
@@ -78,8 +83,8 @@ class L3Probes:
             probe = self._probes[req_id] = _Probe(list(keys), store, future)
             offset = 0
             self.started += 1
-            if self.fast_wait_s > 0:
-                wait([future], timeout=self.fast_wait_s)
+            if wait and self.fast_wait_s > 0:
+                futures_wait([future], timeout=self.fast_wait_s)
         if not probe.future.done():
             return None
         try:

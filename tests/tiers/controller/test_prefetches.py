@@ -300,3 +300,24 @@ def test_an_admin_prefetch_makes_the_next_turn_an_l2_hit_with_no_l3_read(tmp_pat
     plan = sched.build_connector_meta({})
     assert plan.fetches == [] and len(plan.loads[0].pages) == 4
     assert admin.prefetch(TOKENS, None)["prefetch_tokens"] == 0  # L2 holds it all
+
+
+def test_an_arrival_never_waits_for_its_probe(tmp_path, monkeypatch):
+    """vLLM's scheduling thread takes arrivals: the probe an arrival starts is not
+    waited for at all (it used to wait up to the 1 ms fast path for each arriving
+    request); the lookup at admission still gives a fast store its 1 ms."""
+    waits: list[float] = []
+    monkeypatch.setattr("hicache.tiers.controller.probes.futures_wait",
+                        lambda futures, timeout: waits.append(timeout))
+    store = GatedStore(store=file_store(tmp_path, NS, GEOM))
+    sched = make(tmp_path, store=store)
+    try:
+        sched.on_new_request(request("r", TOKENS))
+        store.entered(1)  # the probe runs, held at the gate
+        assert waits == []
+        assert sched.get_num_new_matched_tokens(request("s", list(range(500, 533))), 0) == (
+            None, False)
+        assert waits == [sched.fetches.probes.fast_wait_s]  # the admission's fast path
+    finally:
+        store.gate.set()
+        sched.fetches.probes.close()
