@@ -107,13 +107,17 @@ class L2Manager:
 
     def plan_store(self, keys: Sequence[PageKey], block_ids: GroupBlockIds,
                    checkpoints: Checkpoints | None = None, source: EventRequest | None = None,
-                   priority: int = DEFAULT_PRIORITY) -> list[PagePlan] | None:
+                   priority: int = DEFAULT_PRIORITY,
+                   known: Sequence[PageKey] | None = None) -> list[PagePlan] | None:
         """Store the pages of ``keys`` beyond the prefix already in L2, from
         ``block_ids`` (the request's blocks, per group): allocate their slots
         and publish them. ``checkpoints``: the L1 blocks holding state groups'
         checkpoints, per page (kv_groups.py; None: no page has one). ``source``:
         the request whose pages they are (KV events); ``priority``: their eviction
-        class (the tree's priorities).
+        class (the tree's priorities). ``known``: every page key of the request
+        known now (its prompt's, beyond ``keys``): a page of a span these keys
+        complete goes to L3 inside that span's object, queued by the plan that
+        stores the span's last page (``_complete_spans``), not as a page object.
 
         Returns the copies to plan ([] when nothing is missing or storable),
         or None when L2 has no room now (the caller may try again later).
@@ -159,17 +163,21 @@ class L2Manager:
             self.slots.free(sorted(leftover))
         plans = []
         spans = self._store_spans(keys, match.num_pages, masks, leftover, slots)
-        self._cut_span_backups(keys, match)
+        later = self._later_spans(known, match.num_pages, len(keys), masks, spans, leftover,
+                                  slots)
+        self._cut_span_backups(keys, match, known if any(later) else None)
         for i, slot in enumerate(slots):
             if slot in leftover:
                 continue
             page = match.num_pages + i
             self._missing[slot] = masks[i]
             self._stats.stored_partial_pages += masks[i] != 0
-            plans.append(PagePlan(slot, keys[page], 0, page_blocks[i],
-                                  l3_keys=(keys[page],) if plain
-                                  else self.groups.l3_keys(keys[page], masks[i]),
+            # A page its span object will carry gets no page object of its own.
+            at = () if later[i] is not None else (keys[page],) if plain \
+                else self.groups.l3_keys(keys[page], masks[i])
+            plans.append(PagePlan(slot, keys[page], 0, page_blocks[i], l3_keys=at,
                                   span=spans[i]))
+        self._complete_spans(keys, later, match, slots)
         if source is not None:
             self.events.added(source, [(p.slot, match.num_pages + i, p.key)
                                        for i, p in enumerate(plans)])
@@ -188,15 +196,52 @@ class L2Manager:
                if ref is not None and (mask or slot in leftover)}
         return [None if ref is None or ref.key in bad else ref for ref in refs]
 
-    def _cut_span_backups(self, keys: Sequence[PageKey], match: MatchResult) -> None:
+    def _later_spans(self, known: Sequence[PageKey] | None, start: int, end: int,
+                     masks: list[int], whole: list[SpanRef | None], leftover: set[int],
+                     slots: list[int]) -> list[SpanRef | None]:
+        """Per page stored from ``start`` to ``end``: the span object that will carry
+        it, where the request's ``known`` keys complete its span but this plan does
+        not store the span whole (a prefill cut into steps, a head another request
+        stored); None: whole in this plan, or a page object."""
+        none: list[SpanRef | None] = [None] * (end - start)
+        if known is None or not self.spans.enabled or self.groups.has_state:
+            return none
+        refs = self.spans.refs(known, start, end)
+        return [None if ref is None or whole[i] is not None or masks[i]
+                or slots[i] in leftover else ref for i, ref in enumerate(refs)]
+
+    def _complete_spans(self, keys: Sequence[PageKey], later: list[SpanRef | None],
+                        match: MatchResult, slots: list[int]) -> None:
+        """Each span whose last page this plan stores and which ``_later_spans`` gave
+        an object: back up every page of it from L2 as that one object with the next
+        plan (the earlier pages are in L2: this plan's match holds them)."""
+        start = match.num_pages
+        for i, ref in enumerate(later):
+            if ref is None or ref.index != ref.count - 1:
+                continue
+            first = start + i - ref.count + 1
+            places = [match.host_slots[p] if p < start else slots[p - start]
+                      for p in range(first, start + i + 1)]
+            whole = all(not self._missing.get(slot, 0) for slot in places)
+            self._backups.extend(
+                PagePlan(slot, keys[first + j], 0, (), l3_keys=(keys[first + j],),
+                         span=SpanRef(ref.key, j, ref.count) if whole else None)
+                for j, slot in enumerate(places) if not self._missing.get(slot, 0))
+
+    def _cut_span_backups(self, keys: Sequence[PageKey], match: MatchResult,
+                          known: Sequence[PageKey] | None = None) -> None:
         """A store that starts inside a span leaves that span's leading pages (in L2,
         stored by whichever request came first) inside that request's span object,
         which a lookup of this request cannot name: they are backed up as page objects
-        too, so the lookup finds them page by page (spans.py ``run_in_store``)."""
+        too, so the lookup finds them page by page (spans.py ``run_in_store``).
+        Not where this request's ``known`` keys complete the span: its own span
+        object will hold them (``_complete_spans``)."""
         layout, start = self.spans, match.num_pages
         if not layout.enabled or self.groups.has_state or not start % layout.pages:
             return
         if start >= len(keys) or not layout.has_span(keys, start):
+            return
+        if known is not None and layout.has_span(known, start):
             return
         first = start - start % layout.pages
         slots = match.host_slots

@@ -163,8 +163,11 @@ class StorePlanner:
         worth = self.policy.pages_worth_storing(keys, state.counted_pages)
         state.counted_pages = max(state.counted_pages, len(keys))
         keys = keys[:worth]
+        # Where every stored page goes to L3, a span the request's known pages complete
+        # is backed up as one object when its last page is stored (l2_manager.py).
+        known = state.page_keys() if isinstance(self.l3_admission, AdmitAll) else None
         plans = self.l2.plan_store(keys, block_ids, checkpoints, source=state.request,
-                                   priority=state.hints.rank)
+                                   priority=state.hints.rank, known=known)
         if plans is None:
             return []
         state.stored_pages = ready_pages

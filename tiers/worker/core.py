@@ -569,7 +569,9 @@ class HiCacheWorker:
         keys; the I/O thread skips a slot that no longer holds its page."""
         io = self.storage_io if self.l3.writes else None
         if io is not None and plan.backups:
-            io.submit_backup([(p.key, p.slot, at) for p in plan.backups for at in l3_keys(p)])
+            backups = [(p, at) for p in plan.backups for at in l3_keys(p)]
+            io.submit_backup([(p.key, p.slot, at) for p, at in backups],
+                             [p.span if at == p.key else None for p, at in backups])
 
     def _wait_stores_into(self, slots: set[int]) -> None:
         """Wait for the stores in flight into any of ``slots``."""

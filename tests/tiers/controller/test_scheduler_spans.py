@@ -104,11 +104,13 @@ def test_retention_names_the_span_objects_too(tmp_path):
     assert set(command.keys) == set(KEYS) | set(LAYOUT.object_keys(KEYS))
 
 
-def test_a_store_that_starts_inside_a_span_backs_its_leading_pages_up_as_page_objects(
+def test_a_store_that_starts_inside_a_span_backs_the_whole_span_up_as_its_own_object(
         tmp_path):
     """Request b shares a's first 3 pages and goes on with its own: its store starts
-    inside the span of pages 2 and 3, whose object (a's) a lookup of b cannot name, so
-    page 2 is backed up as a page object too."""
+    inside the span of pages 2 and 3, whose object (a's) a lookup of b cannot name. b's
+    own span of pages 2-3 (a's page 2, b's page 3) goes to L3 as one object, read from
+    L2 with the next plan, and b's page 3 gets no page object of its own; a lookup of
+    b's prompt then finds every span through b's objects."""
     sched = scheduler(tmp_path)
     prefill(sched, request("a", TOKENS), list(range(1, 16)))
     other = TOKENS[: 3 * PAGE] + list(range(900, 900 + 4 * PAGE + 3))
@@ -118,13 +120,41 @@ def test_a_store_that_starts_inside_a_span_backs_its_leading_pages_up_as_page_ob
     blocks = list(range(20, 35))
     sched.update_state_after_alloc(b, [blocks], hit)
     sched.tables["b"] = blocks  # type: ignore[attr-defined]
+    b.num_computed_tokens = hit  # vLLM's: its hit is computed
     meta = sched.build_connector_meta({"b": b.num_tokens - hit})
     b_keys = keys_of(NS.seed(), other, PAGE)
-    assert [p.key for p in meta.backups] == [b_keys[2]] == [KEYS[2]]
+    span = LAYOUT.object_keys(b_keys)[1]  # pages 2-3, named by b's page 3
+    assert [(p.key, p.span and (p.span.key, p.span.index)) for p in meta.backups] == [
+        (KEYS[2], (span, 0)), (b_keys[3], (span, 1))]
     assert meta.backups[0].slot == sched.tree.match_prefix(KEYS[:3]).host_slots[2]
-    # b's page 3 is stored as a page object (its span began before the store).
-    assert meta.stores[0].key == b_keys[3] and meta.stores[0].span is None
+    assert meta.stores[0].key == b_keys[3] and meta.stores[0].l3_keys == ()
+    assert [p.span is not None for p in meta.stores[1:]] == [True, True, False]  # 4-5 whole
     assert sched.build_connector_meta({}).backups == []
+    # What the worker writes: b's spans; a lookup of b's pages finds them.
+    store = writer(tmp_path)
+    for group in (meta.backups, [p for p in meta.stores if p.span is not None]):
+        assert all(store.batch_set_spans([p.key.hex() for p in group],
+                                         [p.slot for p in group], [p.span for p in group]))
+    assert LAYOUT.run_in_store(store.batch_exists, b_keys, 2, 6) == 4  # pages 2-5
+
+
+def test_a_prefill_cut_into_steps_still_stores_whole_spans_as_objects(tmp_path):
+    """A prompt computed over two steps (chunked prefill): the span the first step
+    begins and the second ends goes to L3 as one object when its last page is stored,
+    not page by page; its first page gets no page object."""
+    sched = scheduler(tmp_path)
+    req = request("a", TOKENS)
+    sched.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(1, 16))
+    sched.update_state_after_alloc(req, [blocks], 0)
+    sched.tables["a"] = blocks  # type: ignore[attr-defined]
+    first = sched.build_connector_meta({"a": 3 * PAGE})  # pages 0-2
+    req.num_computed_tokens = 3 * PAGE
+    assert [(p.span is not None, p.l3_keys) for p in first.stores] == [
+        (True, (KEYS[0],)), (True, (KEYS[1],)), (False, ())]
+    second = sched.build_connector_meta({"a": req.num_tokens - 3 * PAGE})
+    assert [(p.key, p.span.index) for p in second.backups] == [(KEYS[2], 0), (KEYS[3], 1)]
+    assert second.stores[0].key == KEYS[3] and second.stores[0].l3_keys == ()
 
 
 def test_a_request_that_leaves_a_span_early_is_never_promised_pages_only_that_span_holds(

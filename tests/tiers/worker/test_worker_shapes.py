@@ -145,3 +145,27 @@ def test_a_page_the_l3_admission_rule_holds_back_stays_in_l2_until_its_backup_is
         assert w.storage.batch_exists([KEY_A.hex()]) == 1
     finally:
         w.shutdown()
+
+
+def test_backups_that_name_one_span_are_written_as_that_one_object(tmp_path):
+    """A span completed across plans (l2_manager.py ``_complete_spans``): its pages,
+    stored earlier without L3 keys, are backed up with a later plan as one object."""
+    from hicache.tiers.index.spans import SpanRef, span_key
+
+    w = make_worker(tmp_path, writer=True)
+    try:
+        w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4), l3_keys=()),
+                                                  PagePlan(1, KEY_B, 0, (5, 6), l3_keys=())]))
+        span = span_key(KEY_B, 2)
+        w.finish_step(HiCacheStepMetadata(backups=[
+            PagePlan(0, KEY_A, 0, (), l3_keys=(KEY_A,), span=SpanRef(span, 0, 2)),
+            PagePlan(1, KEY_B, 0, (), l3_keys=(KEY_B,), span=SpanRef(span, 1, 2))]))
+        assert _backups_settled(w, 2) == 2
+        assert w.storage.batch_exists([span.hex()]) == 1
+        assert w.storage.batch_exists([KEY_A.hex()]) == 0  # no page objects of their own
+        assert w.storage.batch_get_spans([KEY_A.hex(), KEY_B.hex()], [2, 3],
+                                         [SpanRef(span, 0, 2), SpanRef(span, 1, 2)]) == [
+            True, True]
+        assert torch.equal(w.pool.read_page(2), w.pool.read_page(0))
+    finally:
+        w.shutdown()
