@@ -117,9 +117,11 @@ class StepPlan:
 
     loads: list[RequestLoad] = field(default_factory=list)
     stores: list[PagePlan] = field(default_factory=list)
-    # Pages already in L2 to back up to L3 as page objects once this plan's stores
-    # are done: the leading pages of a span a store cut (tiers/index/spans.py; they
-    # may sit in another request's span object, which a lookup cannot name).
+    # Pages already in L2 to back up to L3 once this plan's stores are done, under
+    # their L3 keys: the pages of a span completed by this plan, as that span's one
+    # object (``span`` set; the span's pages are all here), the leading pages of a
+    # span a store cut (page objects: they may sit in another request's span object,
+    # which a lookup cannot name), pages the L3 admission rule admitted late.
     backups: list[PagePlan] = field(default_factory=list)
     # Finished requests whose blocks vLLM keeps until these stores are done;
     # the worker reports them in finished_sending after this step's saves.
