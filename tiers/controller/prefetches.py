@@ -111,7 +111,7 @@ class ArrivalPrefetches:
         if not self.applicable():
             return
         self._asking[request.request_id] = request
-        self._try_start(request)
+        self._try_start(request, wait=False)
 
     def advance(self) -> None:
         """Start the prefetches whose lookups answered since the last call."""
@@ -121,19 +121,19 @@ class ArrivalPrefetches:
             self._asking.clear()
             return
         for request in list(self._asking.values()):
-            self._try_start(request)
+            self._try_start(request, wait=False)
 
-    def _try_start(self, request: SchedulerRequest) -> None:
+    def _try_start(self, request: SchedulerRequest, *, wait: bool) -> None:
         req_id = request.request_id
         state = self.requests.state_of(request)
         keys = state.page_keys()
         max_pages = (request.num_tokens - 1) // self.page_size
         l2 = self.fetches.l2
         match = l2.tree.match_prefix(keys[:max_pages])
-        # Never waited for: vLLM's scheduling thread takes arrivals, and the answer
-        # is wanted only when vLLM tries to admit the request (the lookup then).
+        # Waited for (once, probes.py) only when vLLM tries to admit the request:
+        # vLLM's scheduling thread takes arrivals, whose answer is not wanted yet.
         found = self.fetches.lookup(keys, match.num_pages, max_pages, req_id,
-                                    known=match.l3_pages, source=request, wait=False)
+                                    known=match.l3_pages, source=request, wait=wait)
         if found is None:
             return  # the probe is still running: advance() asks again
         del self._asking[req_id]
@@ -170,7 +170,7 @@ class ArrivalPrefetches:
         an arrival lookup that has answered starts the prefetch first."""
         req_id = request.request_id
         if req_id in self._asking:
-            self._try_start(request)
+            self._try_start(request, wait=True)
         prefetch = self._running.get(req_id)
         if prefetch is None:
             return "open"

@@ -4,9 +4,10 @@ Contract:
 - ``L3Probes.result(req_id, keys, store)`` answers how many leading ``keys``
   ``store`` holds (its ``batch_exists``), as ``(found, failed)``, or None
   while that is not known yet. The first call for a request starts a probe
-  on a small thread pool and waits at most ``fast_wait_s`` for it (not at
-  all with ``wait=False``: a request's arrival), so a fast store still
-  answers in the same call; a slow or dead one costs vLLM one
+  on a small thread pool. The first call with ``wait`` (the lookup at
+  admission; an arrival passes ``wait=False``) waits at most ``fast_wait_s``
+  for it, once per probe, so a fast store still answers in the step that
+  admits the request; a slow or dead one costs vLLM one
   retry per step (``get_num_new_matched_tokens`` returns None), never a
   stalled step. Probes of different requests run side by side, so a batch
   of new requests pays about one lookup latency, not one each.
@@ -45,6 +46,8 @@ class _Probe:
     keys: Sequence[PageKey]
     store: object
     future: Future[int]
+    # A caller that wants the answer now waited up to fast_wait_s for it (once).
+    waited: bool = False
 
     def offset_of(self, keys: Sequence[PageKey], store: object) -> int | None:
         """Where ``keys`` start in this probe's run, when they are a tail of it."""
@@ -69,8 +72,8 @@ class L3Probes:
                ) -> tuple[int, bool] | None:
         """``ask``: how the run is counted (default: ``store.batch_exists`` of
         ``keys``), e.g. through span objects (tiers/index/spans.py). ``wait``
-        False: a new probe is started and not waited for at all (a request's
-        arrival: its answer is needed only when vLLM tries to admit it)."""
+        False: the probe is not waited for at all (a request's arrival: its
+        answer is needed only when vLLM tries to admit it, which waits once)."""
         probe = self._probes.get(req_id)
         offset = probe.offset_of(keys, store) if probe is not None else None
         if probe is None or offset is None:
@@ -83,8 +86,12 @@ class L3Probes:
             probe = self._probes[req_id] = _Probe(list(keys), store, future)
             offset = 0
             self.started += 1
-            if wait and self.fast_wait_s > 0:
-                futures_wait([future], timeout=self.fast_wait_s)
+        if wait and not probe.waited and not probe.future.done():
+            # Once per probe: the first caller that needs the answer (the lookup at
+            # admission, not the arrival) gives a fast store the time to answer.
+            probe.waited = True
+            if self.fast_wait_s > 0:
+                futures_wait([probe.future], timeout=self.fast_wait_s)
         if not probe.future.done():
             return None
         try:

@@ -48,6 +48,28 @@ def test_pending_probe_answers_none_then_the_store_answer_once():
     probes.close()
 
 
+def test_arrival_does_not_wait_and_admission_waits_once(monkeypatch):
+    """An arrival (wait=False) never waits; the first lookup that needs the answer
+    waits up to fast_wait_s once, later ones of the same probe not at all (the
+    waits are recorded, not timed)."""
+    from hicache.tiers.controller import probes as module
+
+    waits: list[float] = []
+    monkeypatch.setattr(module, "futures_wait",
+                        lambda futures, timeout: waits.append(timeout))
+    store = GatedStore(found=5)
+    probes = L3Probes(fast_wait_s=0.5)
+    assert probes.result("r", KEYS, store, wait=False) is None
+    assert waits == []
+    assert probes.result("r", KEYS, store) is None  # admission: waits once
+    assert probes.result("r", KEYS, store) is None  # the next step: not again
+    assert waits == [0.5] and probes.started == 1
+    store.gate.set()
+    assert settle(probes, "r", KEYS, store) == (5, False)
+    assert waits == [0.5]
+    probes.close()
+
+
 def test_probes_of_several_requests_run_side_by_side():
     store = GatedStore(found=8)
     probes = L3Probes(threads=6, fast_wait_s=0)
