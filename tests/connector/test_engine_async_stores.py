@@ -100,8 +100,9 @@ def test_returning_prompts_are_served_from_l2(run, oracle):
         assert cached == (len(prompt) - 1) // 32 * 32, (len(prompt), cached)
     worker = run["worker"]
     assert worker.stats.save_errors == 0 and worker.stats.load_errors == 0
-    # hicache_async_stores: vLLM drove save_kv_layer, stores started while later
-    # layers computed (on a background thread, not inline).
-    assert not worker._pipeline.inline and worker.stats.layer_saves_in_forward > 0
+    # hicache_async_stores: copies run on the copy thread, not inline (this
+    # workload's stores are below the per-layer size: tests/tiers/worker has the
+    # per-layer saves).
+    assert not worker._pipeline.inline
     # Every store was published and reported; nothing is left in flight.
     assert not worker._pending and not run["sched"].has_pending_stores()

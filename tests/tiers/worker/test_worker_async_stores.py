@@ -204,3 +204,27 @@ def test_an_l3_retention_never_waits_for_the_stores_in_flight(w, gate):
     applied.start()
     applied.join(60)  # bounds a broken test only: the gate stays closed meanwhile
     assert not applied.is_alive() and w.stats.store_waits == 0
+
+
+@pytest.mark.parametrize("async_stores", [True, False])
+def test_layer_saves_run_inside_the_forward_pass_only_with_async_stores(gate, async_stores):
+    """vLLM's save_kv_layer: with stores across steps, a layer whose KV is final is
+    copied while later layers compute (above the per-layer size, lowered to 0 here);
+    inline (a CPU's default) nothing runs until the step ends, then every layer at
+    once. The page is whole either way."""
+    worker = make_worker(gate, async_stores=async_stores)
+    try:
+        worker._per_layer_min = 0
+        gate.open.set()
+        meta = store(1, 0, KEY_A, (3, 4))
+        worker.save_layer("layer.0", meta)
+        assert worker.stats.layer_saves_in_forward == (1 if async_stores else 0)
+        assert worker._pipeline.inline is not async_stores
+        worker.finish_step(meta)
+        for pending in list(worker._pending):  # inline: already done
+            pending.mark.wait()
+        worker.finish_step(HiCacheStepMetadata(seq=2))
+        assert worker.pool.holds(0, KEY_A) and holds_blocks(worker, 0, (3, 4))
+        assert worker.stats.saved_pages == 1 and worker.stats.save_errors == 0
+    finally:
+        worker.shutdown()
