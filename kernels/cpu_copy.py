@@ -13,7 +13,7 @@ The kernel is serial on purpose, never ``parallel=True``: numba's parallel
 loops run on an OpenMP team of their own (the system's libgomp), and on
 vLLM's CPU engine, whose forward pass already runs OpenMP threads pinned to
 every core, that second team cost the forward pass ~40% of its throughput
-(docs/benchmarks.md, "Where HiCache's time went"). A copy of a step's pages
+(docs/benchmarks-trace.md, "Where HiCache's time went"). A copy of a step's pages
 is memory-bound and short; one thread does it.
 """
 

@@ -28,7 +28,7 @@ and ``submit`` run the copies in the calling thread before they return,
 copies overlap the forward pass. This is what a CPU engine uses by default:
 its forward pass runs OpenMP threads pinned to every core, so a copy thread
 that wakes during it takes a core from one of them and every other one waits
-for it at the next barrier (docs/benchmarks.md, "Where HiCache's time went");
+for it at the next barrier (docs/benchmarks-trace.md, "Where HiCache's time went");
 the copy costs less where the forward pass is not running.
 
 CPU mode (``LayerPipeline()``): one background thread runs the

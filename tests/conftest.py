@@ -68,7 +68,7 @@ def baseline(tiny_model) -> WorkloadRun:
     """The workload on vLLM without any connector (prefix caching on, small L1)."""
     llm = open_llm(
         EngineSpec(model=tiny_model, block_size=BLOCK_SIZE, num_blocks=SMALL_L1_BLOCKS,
-                   max_model_len=MAX_MODEL_LEN)
+                   max_model_len=MAX_MODEL_LEN, in_process=True)
     )
     try:
         return run_workload(llm)

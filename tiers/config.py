@@ -90,7 +90,7 @@ class HiCacheConfig(Settings):
         "keeps it")
     # all: every page L2 stores is backed up to L3; reused: a page once a second
     # request uses it (recomputes it, or finds it in L2), and every page of a request
-    # with retain_s. The default is the trace replays' choice (docs/benchmarks.md,
+    # with retain_s. The default is the trace replays' choice (docs/benchmarks-trace.md,
     # "Back up what will return").
     hicache_l3_admission: L3AdmissionName = Field(
         "all", description="which pages L2 stores are backed up to L3")

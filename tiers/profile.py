@@ -1,6 +1,6 @@
 """The step profile: where each engine step's time goes, one JSON line per step.
 
-See DESIGN.md "Processes and threads" and docs/benchmarks.md ("The step profile").
+See DESIGN.md "Processes and threads" and docs/benchmarks-trace.md ("The step profile").
 
 Contract:
 - Off unless the environment variable ``HICACHE_PROFILE`` names a file

@@ -89,7 +89,7 @@ def gemma3() -> str:
 def _oracle(model: str, dtype: str) -> list[TurnResult]:
     llm = open_llm(EngineSpec(model=model, block_size=BLOCK, num_blocks=ORACLE_L1_BLOCKS,
                               max_model_len=MAX_MODEL_LEN, kv_transfer=TRANSFER_CONFIG,
-                              dtype=dtype))
+                              dtype=dtype, in_process=True))
     try:
         return _run(llm, empty_l1=False, steps=STEPS + 1)
     finally:

@@ -69,7 +69,7 @@ def nemotron_h() -> str:
 
 @pytest.fixture(scope="module")
 def oracle(nemotron_h) -> list[TurnResult]:
-    llm = open_llm(_spec(nemotron_h, "float32"))
+    llm = open_llm(_spec(nemotron_h, "float32", in_process=True))
     try:
         return _run(llm)
     finally:
@@ -180,7 +180,7 @@ def test_bf16_shared_prompt_tokens_identical_to_the_bf16_oracle(nemotron_h):
         got = _shared_prompt(llm, prompts)
     finally:
         close_llm(llm)
-    llm = open_llm(_spec(nemotron_h, "bfloat16", kv_transfer=TRANSFER_CONFIG))
+    llm = open_llm(_spec(nemotron_h, "bfloat16", kv_transfer=TRANSFER_CONFIG, in_process=True))
     try:
         want = _shared_prompt(llm, prompts)
     finally:

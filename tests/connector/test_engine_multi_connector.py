@@ -39,10 +39,11 @@ def composed(path: Path, policy: str | None = "recompute") -> dict:
     return config
 
 
-def engine(tiny_model: str, path: Path, **kw):
+def engine(tiny_model: str, path: Path, in_process: bool = False, **kw):
     return open_llm(EngineSpec(model=tiny_model, kv_transfer=composed(path, **kw),
                                prefix_caching=False, block_size=BLOCK_SIZE,
-                               num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN))
+                               num_blocks=SMALL_L1_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                               in_process=in_process))
 
 
 def damage(path: Path) -> int:
@@ -62,7 +63,8 @@ def damage(path: Path) -> int:
 @pytest.fixture(scope="module")
 def runs(tiny_model, baseline, tmp_path_factory):
     path = tmp_path_factory.mktemp("l3-multi")
-    llm = engine(tiny_model, path)
+    # Engine A in this process (a third of the start); B in processes of its own.
+    llm = engine(tiny_model, path, in_process=True)
     try:
         first = run_turns(llm, baseline.turns[0].prompts, WORKLOAD.answer_tokens)
     finally:

@@ -61,7 +61,7 @@ def _run(llm) -> list[TurnResult]:
 @pytest.fixture(scope="module")
 def oracle(swa_model) -> list[TurnResult]:
     llm = open_llm(EngineSpec(model=swa_model, block_size=BLOCK, num_blocks=L1_BLOCKS,
-                              max_model_len=MAX_MODEL_LEN))
+                              max_model_len=MAX_MODEL_LEN, in_process=True))
     try:
         kv_spec = llm.llm_engine.vllm_config.model_config.hf_config.sliding_window
         assert kv_spec == WINDOW

@@ -28,7 +28,7 @@ meanings follow SGLang HiCache:
   recomputed) or found in L2 by a later request's lookup (then backed up from
   L2 at once), and every page of a request whose hints say it returns
   (``retain_s``). SGLang's ``write_through_selective`` backs up on hits the
-  same way. The default, ``all``, is the replays' choice (docs/benchmarks.md).
+  same way. The default, ``all``, is the replays' choice (docs/benchmarks-trace.md).
 
 Policies decide; they move nothing and never touch a request's state.
 """

@@ -14,7 +14,9 @@ vLLM's CPU path computes differently as soon as any connector is configured, so
   connector; HiCache with its defaults (each step waits for its stores); HiCache
   with ``hicache_async_stores`` false spelled out (``hicache-sync-stores``).
 - ``--small-l1-blocks`` (default 136): the prefixes do not fit L1; the null
-  connector recomputes what L1 lost, HiCache loads it from L2.
+  connector recomputes what L1 lost, HiCache loads it from L2 (inline, the
+  CPU default, or with ``hicache_async_stores`` on a copy thread beside the
+  forward pass, layer by layer: ``hicache-async-small-l1``).
 
 Prints request throughput and median / p99 TTFT per case, with ratios to the null
 connector of the same L1, and with ``--sample-load`` the server's mean running
@@ -68,6 +70,9 @@ CASES = (
     Case("hicache-sync-stores", "hicache", extra_config={"hicache_async_stores": False}),
     Case("null-small-l1", "null", small_l1=True),
     Case("hicache-small-l1", "hicache", small_l1=True),
+    # Copies on a thread beside the forward pass (loads layer by layer), not inline.
+    Case("hicache-async-small-l1", "hicache", small_l1=True,
+         extra_config={"hicache_async_stores": True}),
 )
 
 
