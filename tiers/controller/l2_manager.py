@@ -43,7 +43,7 @@ from hicache.tiers.controller.policies import EvictionPolicy, LeafFirstLRU
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.kv_groups import Checkpoints, GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan
+from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.index.radix_tree import (
     DEFAULT_PRIORITY,
     Dropped,
@@ -129,14 +129,9 @@ class L2Manager:
         # stored ends the store (see the module docstring for windowed groups).
         masks: list[int] = []
         page_blocks: list[tuple[int, ...]] = []
-        plain = self.groups.plain  # one full-attention group: a page is its blocks
         for page in range(match.num_pages, len(keys)):
-            if plain:
-                blocks = tuple(block_ids[0][page * bpp:(page + 1) * bpp])
-                mask = 0 if len(blocks) == bpp and NULL_BLOCK_ID not in blocks else None
-            else:
-                blocks = self.groups.page_blocks(block_ids, page, bpp, checkpoints=checkpoints)
-                mask = self.groups.missing_mask(blocks) if blocks else None
+            blocks = self.groups.page_blocks(block_ids, page, bpp, checkpoints=checkpoints)
+            mask = self.groups.missing_mask(blocks) if blocks else None
             if mask is None:
                 self._stats.store_skipped_pages += len(keys) - page
                 keys = keys[:page]
@@ -173,8 +168,7 @@ class L2Manager:
             self._missing[slot] = masks[i]
             self._stats.stored_partial_pages += masks[i] != 0
             # A page its span object will carry gets no page object of its own.
-            at = () if later[i] is not None else (keys[page],) if plain \
-                else self.groups.l3_keys(keys[page], masks[i])
+            at = () if later[i] is not None else self.groups.l3_keys(keys[page], masks[i])
             plans.append(PagePlan(slot, keys[page], 0, page_blocks[i], l3_keys=at,
                                   span=spans[i]))
         self._complete_spans(keys, later, match, slots)

@@ -157,6 +157,9 @@ class KVGroups:
         ``checkpoints`` there (the null block when it has none)."""
         hi = blocks_per_page if hi is None else hi
         start = page * blocks_per_page
+        if self.plain:  # a page is its blocks: the loop below without its costs
+            part = block_ids[0][start + lo : start + hi]
+            return tuple(part) if len(part) == hi - lo else ()
         last = blocks_per_page - 1
         own = (checkpoints or {}).get(page, {})
         out: list[int] = []
@@ -217,6 +220,8 @@ class KVGroups:
         """Residency of a page stored from ``blocks``: bit g set = group g's blocks
         are (partly) vLLM's null block; None = not storable (a full-attention
         group lacks blocks)."""
+        if self.plain:
+            return None if NULL_BLOCK_ID in blocks else 0
         mask = 0
         for g, (group, ids) in enumerate(zip(self.groups, self.split(blocks), strict=True)):
             if group.kind == "state":
