@@ -38,13 +38,13 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.integration.bench.compare import stop_server, wait_ready
+from hicache.integration.bench.metrics_poll import MetricsPoller
 from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.bench.systems import (
     CompareConfig,
@@ -54,6 +54,9 @@ from hicache.integration.bench.systems import (
     resolve_model,
     server_env,
 )
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass(frozen=True)
@@ -99,42 +102,26 @@ def bench_command(args: argparse.Namespace, base_url: str, model: str, result: P
             "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
-class LoadSampler:
+class LoadSampler(MetricsPoller):
     """vLLM's running / waiting request gauges, sampled from the server's /metrics on
     a thread until stopped; ``means()`` over the samples."""
 
     GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+    timeout_s = 5.0
+    thread_name = "load-sampler"
 
     def __init__(self, base_url: str, interval_s: float = 0.2) -> None:
-        self.url = base_url.rstrip("/") + "/metrics"
-        self.interval_s = interval_s
+        super().__init__(base_url, interval_s)
         self.samples: dict[str, list[float]] = {v: [] for v in self.GAUGES.values()}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
 
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        import httpx
+    def read(self, response: httpx.Response) -> None:
         from prometheus_client.parser import text_string_to_metric_families
 
-        with httpx.Client(timeout=5.0) as client:
-            while not self._stop.wait(self.interval_s):
-                try:
-                    text = client.get(self.url).text
-                except httpx.HTTPError:
-                    continue
-                for family in text_string_to_metric_families(text):
-                    for sample in family.samples:
-                        key = self.GAUGES.get(sample.name)
-                        if key is not None:
-                            self.samples[key].append(sample.value)
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                key = self.GAUGES.get(sample.name)
+                if key is not None:
+                    self.samples[key].append(sample.value)
 
     def means(self) -> dict[str, float | None]:
         return {f"mean_{k}": round(statistics.fmean(v), 2) if v else None

@@ -42,13 +42,13 @@ import json
 import math
 import statistics
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.integration.bench.compare import stop_server, wait_ready
+from hicache.integration.bench.metrics_poll import MetricsPoller
 from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.bench.replay import (
     LoadedTrace,
@@ -58,6 +58,9 @@ from hicache.integration.bench.replay import (
     replay_sync,
 )
 from hicache.integration.bench.systems import CompareConfig, SystemSpec, plan, server_env
+
+if TYPE_CHECKING:
+    import httpx
 
 DEFAULT_TRACE = Path("../shared/traces/mooncake_fast25/conversation_trace.jsonl")
 BLOCK = 32
@@ -81,35 +84,19 @@ CASES = (
 )
 
 
-class Scraper:
-    """Reads ``/metrics`` every ``interval_s`` on a thread while entered (a Prometheus
-    scrape's load on the server); counts the scrapes."""
+class Scraper(MetricsPoller):
+    """Reads ``/metrics`` every ``interval_s`` while entered (a Prometheus scrape's
+    load on the server); counts the scrapes that answered."""
+
+    thread_name = "scraper"
 
     def __init__(self, base_url: str, interval_s: float) -> None:
-        self.url = base_url.rstrip("/") + "/metrics"
-        self.interval_s = interval_s
+        super().__init__(base_url, interval_s)
         self.scrapes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
 
-    def __enter__(self) -> Scraper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        import httpx
-
-        with httpx.Client(timeout=10.0) as client:
-            while not self._stop.wait(self.interval_s):
-                try:
-                    client.get(self.url).raise_for_status()
-                    self.scrapes += 1
-                except httpx.HTTPError:
-                    continue
+    def read(self, response: httpx.Response) -> None:
+        response.raise_for_status()
+        self.scrapes += 1
 
 
 def floor_blocks(trace: LoadedTrace, concurrency: int) -> int:

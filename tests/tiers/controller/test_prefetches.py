@@ -304,8 +304,8 @@ def test_an_admin_prefetch_makes_the_next_turn_an_l2_hit_with_no_l3_read(tmp_pat
 
 def test_an_arrival_never_waits_for_its_probe(tmp_path, monkeypatch):
     """vLLM's scheduling thread takes arrivals: the probe an arrival starts is not
-    waited for at all (it used to wait up to the 1 ms fast path for each arriving
-    request); the lookup at admission still gives a fast store its 1 ms."""
+    waited for at all (a 1 ms fast path per arriving request would add up on a
+    busy server); the lookup at admission still gives a fast store its 1 ms."""
     waits: list[float] = []
     monkeypatch.setattr("hicache.tiers.controller.probes.futures_wait",
                         lambda futures, timeout: waits.append(timeout))
