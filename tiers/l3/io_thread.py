@@ -47,6 +47,9 @@ Contract:
 - Nothing raises into the engine: a backend exception fails that batch.
 - ``wait_backups(timeout_s)``: blocks until every backup handed over is done
   (tests and shutdown-minded callers; not on the engine's path).
+- ``wait_fetches(timeout_s)``: blocks until every fetch handed over has a
+  result (True) or ``timeout_s`` passed; for tests and tools that read the
+  counters once a burst is over (a fetch counts when it ends).
 - ``wait_results(timeout_s)`` blocks the caller, the GIL released, until a
   submitted fetch has finished or the timeout passed. The worker calls it
   at the end of an engine step in which nothing computes (``IDLE_WAIT_S``):
@@ -222,6 +225,12 @@ class StorageIO:
                 return False
             return self._cv.wait_for(
                 lambda: any(j.result is not None for j in self._jobs), timeout_s)
+
+    def wait_fetches(self, timeout_s: float) -> bool:
+        """Until every submitted fetch has a result (True) or ``timeout_s`` passed."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: all(j.result is not None for j in self._jobs), timeout_s)
 
     def submit_removal(self, keys: list[bytes] | None) -> None:
         """Delete pages from L3 (None = everything) after any running backup, and

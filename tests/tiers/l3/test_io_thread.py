@@ -208,6 +208,20 @@ def test_wait_results_gives_up_at_its_timeout_while_the_store_is_slow(tmp_path):
     io.shutdown()
 
 
+def test_wait_fetches_returns_once_every_fetch_ended(tmp_path):
+    """Counters read after wait_fetches count every fetch handed over, however
+    long the store took (the timeout only bounds a broken wait)."""
+    seed_l3(tmp_path, 40)
+    io, _, _, _ = make(tmp_path, fault_get_delay_s=0.5)
+    assert io.wait_fetches(0.001) is True  # nothing submitted
+    io.submit_fetch(RequestFetch("a", (), plan(40, 4), (), None))
+    io.submit_fetch(RequestFetch("b", (), plan(44, 4), (), None))
+    assert io.wait_fetches(0.001) is False  # the store takes 0.5 s per batch
+    assert io.wait_fetches(60.0) is True
+    assert io.stats.fetches == 2 and io.stats.fetched_pages == 8
+    io.shutdown()
+
+
 def test_prefetch_stops_in_l2_and_loads_nothing(tmp_path):
     stored = seed_l3(tmp_path, 6)
     io, pool, _, loaded = make(tmp_path)
