@@ -4,9 +4,10 @@ Contract: same as ``block_copy.save_blocks`` / ``load_blocks`` (engine
 blocks <-> the pool's canonical view, complete on return), for KV tensors
 and pool in CPU memory. It turns the transfer into byte offsets inside the
 two underlying storages and lets a numba kernel copy them one after another
-in the calling thread, without the GIL. Per-copy cost is a few nanoseconds
-instead of the microseconds a torch slice ``copy_`` costs to dispatch, which
-is what kept the torch path at ~60% of memcpy for 64-256 KiB copies.
+in the calling thread, without the GIL, each with the C library's memcpy
+(cpu_copy_kernel.py). Per-copy cost is a few nanoseconds instead of the
+microseconds a torch slice ``copy_`` costs to dispatch, which is what kept the
+torch path at ~60% of memcpy for 64-256 KiB copies.
 ``available()`` is False without numba (the torch path then serves).
 
 The kernel is serial on purpose, never ``parallel=True``: numba's parallel
@@ -46,12 +47,7 @@ def _batch_copy() -> Any:
     """
     global _kernel
     if _kernel is None:
-        import numba
-
-        @numba.njit(cache=True, nogil=True)
-        def batch_copy(src, src_off, dst, dst_off, nbytes):  # noqa: ANN001, ANN202
-            for i in range(src_off.shape[0]):
-                dst[dst_off[i] : dst_off[i] + nbytes[i]] = src[src_off[i] : src_off[i] + nbytes[i]]
+        from hicache.kernels.cpu_copy_kernel import batch_copy
 
         _kernel = batch_copy
     return _kernel
@@ -124,8 +120,8 @@ def precompile(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> int:
     if not available() or not layers or layers[0].device.type != "cpu":
         return 0
     scratch = np.zeros(16, dtype=np.uint8)
-    one = np.zeros(1, dtype=np.int64)
-    _batch_copy()(scratch, one, scratch, one + 8, one + 8)
+    at = np.zeros(1, dtype=np.int64)
+    _batch_copy()(scratch, at, scratch, at + 8, at + 8)  # bytes 0-7 to 8-15
     return 1
 
 

@@ -128,16 +128,19 @@ class LoadSampler(MetricsPoller):
                 for k, v in self.samples.items()}
 
 
-def run_case(case: Case, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_case(case: Case, round_: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from hicache.integration.vllm.engine import note_engine_start
     from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
     cfg = config(args, args.small_l1_blocks if case.small_l1 else args.l1_blocks)
+    env: dict[str, str] = {}
+    if args.profile:
+        env["HICACHE_PROFILE"] = str((out / f"{case.name}-r{round_}.profile.jsonl").resolve())
     if case.kind == "null":
-        spec = SystemSpec(name=case.name, kind="vllm", extra_args=(
+        spec = SystemSpec(name=case.name, kind="vllm", env=env, extra_args=(
             "--kv-transfer-config", json.dumps(TRANSFER_CONFIG, separators=(",", ":"))))
     else:
-        spec = SystemSpec(name=case.name, kind="hicache",
+        spec = SystemSpec(name=case.name, kind="hicache", env=env,
                           extra_config={"hicache_admin_port": 0, **case.extra_config})
     lp = plan(cfg, spec, port=free_port(), admin_port=0, workdir=out / "work")
     log = out / f"{case.name}.log"
@@ -243,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
                         "requests (perturbs a HiCache server: docs/benchmarks.md)")
     p.add_argument("--sample-interval", type=float, default=0.2,
                    help="seconds between two --sample-load reads of /metrics")
+    p.add_argument("--profile", action="store_true",
+                   help="HICACHE_PROFILE in every server (one JSON line per step; "
+                        "`hicache profile summary` reads them)")
     p.add_argument("--out", default="bench_results/serve-overhead")
     args = p.parse_args(argv)
     known = {c.name: c for c in CASES}
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [(r, name) for r in range(1, args.rounds + 1) for name in names]
     for i, (round_, name) in enumerate(runs, 1):
         print(f"[{i}/{len(runs)}] round {round_}: {name} ...", flush=True)
-        rows.append({"round": round_, **run_case(known[name], args, out)})
+        rows.append({"round": round_, **run_case(known[name], round_, args, out)})
         print(f"    {rows[-1]}", flush=True)
     add_ratios(rows)
     (out / "serve_overhead.json").write_text(json.dumps({"args": vars(args), "rows": rows},
