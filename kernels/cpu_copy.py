@@ -2,10 +2,10 @@
 
 Contract: same as ``block_copy.save_blocks`` / ``load_blocks`` (engine
 blocks <-> the pool's canonical view, complete on return), for KV tensors
-and pool in CPU memory. It turns the transfer into byte offsets inside the
-two underlying storages and lets a numba kernel copy them one after another
-in the calling thread, without the GIL, each with the C library's memcpy
-(cpu_copy_kernel.py). Per-copy cost is a few nanoseconds instead of the
+and pool in CPU memory. It turns the transfer into runs (engine block, byte
+offset in the pool's storage, bytes) and lets a numba kernel work out each
+layer's offsets and copy them one after another in the calling thread,
+without the GIL, each with the C library's memcpy (cpu_copy_kernel.py). Per-copy cost is a few nanoseconds instead of the
 microseconds a torch slice ``copy_`` costs to dispatch, which is what kept the
 torch path at ~60% of memcpy for 64-256 KiB copies.
 ``available()`` is False without numba (the torch path then serves).
@@ -47,9 +47,9 @@ def _batch_copy() -> Any:
     """
     global _kernel
     if _kernel is None:
-        from hicache.kernels.cpu_copy_kernel import batch_copy
+        from hicache.kernels.cpu_copy_kernel import copy_runs
 
-        _kernel = batch_copy
+        _kernel = copy_runs
     return _kernel
 
 
@@ -59,27 +59,22 @@ def _storage_bytes(t: torch.Tensor) -> np.ndarray:
     return raw.numpy()
 
 
-def _offsets(
-    layers: Sequence[torch.Tensor], pool: torch.Tensor, transfer: BlockTransfer,
-    layer_indices: Sequence[int],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(engine byte offsets, pool byte offsets, lengths), one row per contiguous copy,
-    layer after layer; whole-array arithmetic, no Python loop over runs."""
+def _runs(pool: torch.Tensor, transfer: BlockTransfer) -> tuple[np.ndarray, np.ndarray,
+                                                                   np.ndarray]:
+    """(engine block of each run, its byte offset in the pool's storage for layer row 0,
+    its bytes): a run is one contiguous copy per layer."""
     block_bytes = pool.shape[3]
-    s_slot, s_layer, s_block, _ = pool.stride()
+    s_slot, _, s_block, _ = pool.stride()
     if s_block == block_bytes or pool.shape[2] == 1:  # a run's blocks are adjacent there
         start, slot, offset, length = transfer.run_array
+        nbytes = length * block_bytes
     else:
         start, slot, offset = transfer.units
-        length = np.ones_like(start)
-    rows = np.asarray(layer_indices, dtype=np.int64)
-    base = np.array([layers[i].storage_offset() for i in layer_indices], dtype=np.int64)
-    stride = np.array([layers[i].stride(0) for i in layer_indices], dtype=np.int64)
-    engine = base[:, None] + start[None, :] * stride[:, None]
-    host = (pool.storage_offset() + slot * s_slot + offset * s_block)[None, :] \
-        + (rows * s_layer)[:, None]
-    lengths = np.broadcast_to(length * block_bytes, engine.shape)
-    return engine.ravel(), host.ravel(), np.ascontiguousarray(lengths).ravel()
+        nbytes = np.full(len(start), block_bytes, dtype=np.int64)
+    # Fresh, writable and contiguous (``run_array`` rows are read-only strided views):
+    # the kernel then runs under the one signature ``precompile`` compiled.
+    return (np.array(start, dtype=np.int64), pool.storage_offset() + slot * s_slot
+            + offset * s_block, nbytes)
 
 
 def _by_storage(layers: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[int]]:
@@ -101,15 +96,16 @@ def _copy(
     if not len(transfer):
         return
     pool_bytes = _storage_bytes(pool)
+    start, pool_at, nbytes = _runs(pool, transfer)
+    s_layer = pool.stride()[1]
     indices = range(len(layers)) if layer_indices is None else layer_indices
+    kernel = _batch_copy()
     for group in _by_storage(layers, indices):
-        engine, host, lengths = _offsets(layers, pool, transfer, group)
-        kv_bytes = _storage_bytes(layers[group[0]])
-        kernel = _batch_copy()
-        if load:
-            kernel(pool_bytes, host, kv_bytes, engine, lengths)
-        else:
-            kernel(kv_bytes, engine, pool_bytes, host, lengths)
+        base = np.array([layers[i].storage_offset() for i in group], dtype=np.int64)
+        stride = np.array([layers[i].stride(0) for i in group], dtype=np.int64)
+        rows = np.array(group, dtype=np.int64) * s_layer
+        kernel(_storage_bytes(layers[group[0]]), base, stride, pool_bytes, pool_at, rows,
+               start, nbytes, bool(load))
 
 
 def precompile(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> int:
@@ -119,9 +115,9 @@ def precompile(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> int:
     no-op (0) without numba or for tensors not in CPU memory."""
     if not available() or not layers or layers[0].device.type != "cpu":
         return 0
-    scratch = np.zeros(16, dtype=np.uint8)
-    at = np.zeros(1, dtype=np.int64)
-    _batch_copy()(scratch, at, scratch, at + 8, at + 8)  # bytes 0-7 to 8-15
+    kv, pool_bytes = np.zeros(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+    zero, eight = np.zeros(1, dtype=np.int64), np.full(1, 8, dtype=np.int64)
+    _batch_copy()(kv, zero, zero, pool_bytes, zero, zero, zero, eight, False)
     return 1
 
 

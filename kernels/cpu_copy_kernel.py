@@ -3,11 +3,15 @@
 Imported only when the first copy needs it (cpu_copy.py ``_batch_copy`` says why
 numba is not imported at module import).
 
-Contract: ``batch_copy(src, src_off, dst, dst_off, nbytes)`` copies
-``src[src_off[i]:][:nbytes[i]]`` to ``dst[dst_off[i]:][:nbytes[i]]`` for each ``i``
-in order, on flat uint8 arrays, without the GIL. Every range is checked against its
-array before any byte moves: a range outside raises ``IndexError`` and nothing is
-copied. Ranges must not overlap within a call (memcpy).
+Contract: ``copy_runs(kv, kv_base, kv_stride, pool, pool_at, row_at, start, nbytes,
+load)`` copies, for each layer ``j`` (outer) and run ``k`` (inner), ``nbytes[k]``
+bytes between ``kv[kv_base[j] + start[k] * kv_stride[j]:]`` and
+``pool[pool_at[k] + row_at[j]:]`` (pool -> kv when ``load``, else kv -> pool), on
+flat uint8 arrays, without the GIL. The offsets are computed here, not in NumPy
+beforehand: a step's store of a page or two spent more time building those arrays
+than copying. Every range is checked against its array before any byte moves: a
+range outside raises ``IndexError`` and nothing is copied. Ranges must not overlap
+within a call (memcpy).
 
 Each copy is one ``llvm.memcpy`` (the libc routine: vectorised, ~10 GB/s on one core
 here), where the NumPy-style slice assignment it replaced ran numba's element loop at
@@ -42,11 +46,20 @@ def _memcpy(typingctx: Any, dst: Any, dst_off: Any, src: Any, src_off: Any,
 
 
 @numba.njit(cache=True, nogil=True)
-def batch_copy(src, src_off, dst, dst_off, nbytes):  # noqa: ANN001, ANN201
-    for i in range(src_off.shape[0]):
-        n = nbytes[i]
-        if (n < 0 or src_off[i] < 0 or dst_off[i] < 0 or src_off[i] + n > src.shape[0]
-                or dst_off[i] + n > dst.shape[0]):
-            raise IndexError("cpu_copy: a byte range lies outside its array")
-    for i in range(src_off.shape[0]):
-        _memcpy(dst, dst_off[i], src, src_off[i], nbytes[i])
+def copy_runs(kv, kv_base, kv_stride, pool, pool_at, row_at, start, nbytes, load):  # noqa: ANN001, ANN201
+    for j in range(kv_base.shape[0]):
+        for k in range(start.shape[0]):
+            at_kv = kv_base[j] + start[k] * kv_stride[j]
+            at_pool = pool_at[k] + row_at[j]
+            n = nbytes[k]
+            if (n < 0 or at_kv < 0 or at_pool < 0 or at_kv + n > kv.shape[0]
+                    or at_pool + n > pool.shape[0]):
+                raise IndexError("cpu_copy: a byte range lies outside its array")
+    for j in range(kv_base.shape[0]):
+        for k in range(start.shape[0]):
+            at_kv = kv_base[j] + start[k] * kv_stride[j]
+            at_pool = pool_at[k] + row_at[j]
+            if load:
+                _memcpy(kv, at_kv, pool, at_pool, nbytes[k])
+            else:
+                _memcpy(pool, at_pool, kv, at_kv, nbytes[k])
