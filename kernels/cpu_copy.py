@@ -5,9 +5,10 @@ blocks <-> the pool's canonical view, complete on return), for KV tensors
 and pool in CPU memory. It turns the transfer into runs (engine block, byte
 offset in the pool's storage, bytes) and lets a numba kernel work out each
 layer's offsets and copy them one after another in the calling thread,
-without the GIL, each with the C library's memcpy (cpu_copy_kernel.py). Per-copy cost is a few nanoseconds instead of the
-microseconds a torch slice ``copy_`` costs to dispatch, which is what kept the
-torch path at ~60% of memcpy for 64-256 KiB copies.
+without the GIL, each with the C library's memcpy (cpu_copy_kernel.py).
+Per-copy cost is a few nanoseconds instead of the microseconds a torch slice
+``copy_`` costs to dispatch, which is what kept the torch path at ~60% of
+memcpy for 64-256 KiB copies.
 ``available()`` is False without numba (the torch path then serves).
 
 The kernel is serial on purpose, never ``parallel=True``: numba's parallel
