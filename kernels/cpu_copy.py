@@ -37,7 +37,7 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def _batch_copy() -> Any:
+def _copy_runs() -> Any:
     """The compiled kernel, built on first use.
 
     numba is imported here, not at module import: vLLM imports the connector
@@ -100,7 +100,7 @@ def _copy(
     start, pool_at, nbytes = _runs(pool, transfer)
     s_layer = pool.stride()[1]
     indices = range(len(layers)) if layer_indices is None else layer_indices
-    kernel = _batch_copy()
+    kernel = _copy_runs()
     for group in _by_storage(layers, indices):
         base = np.array([layers[i].storage_offset() for i in group], dtype=np.int64)
         stride = np.array([layers[i].stride(0) for i in group], dtype=np.int64)
@@ -118,7 +118,7 @@ def precompile(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> int:
         return 0
     kv, pool_bytes = np.zeros(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
     zero, eight = np.zeros(1, dtype=np.int64), np.full(1, 8, dtype=np.int64)
-    _batch_copy()(kv, zero, zero, pool_bytes, zero, zero, zero, eight, False)
+    _copy_runs()(kv, zero, zero, pool_bytes, zero, zero, zero, eight, False)
     return 1
 
 

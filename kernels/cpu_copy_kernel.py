@@ -1,22 +1,22 @@
 """The compiled loop behind cpu_copy.py: byte ranges copied with the C library's memcpy.
 
-Imported only when the first copy needs it (cpu_copy.py ``_batch_copy`` says why
+Imported only when the first copy needs it (cpu_copy.py ``_copy_runs`` says why
 numba is not imported at module import).
 
 Contract: ``copy_runs(kv, kv_base, kv_stride, pool, pool_at, row_at, start, nbytes,
 load)`` copies, for each layer ``j`` (outer) and run ``k`` (inner), ``nbytes[k]``
 bytes between ``kv[kv_base[j] + start[k] * kv_stride[j]:]`` and
 ``pool[pool_at[k] + row_at[j]:]`` (pool -> kv when ``load``, else kv -> pool), on
-flat uint8 arrays, without the GIL. The offsets are computed here, not in NumPy
-beforehand: a step's store of a page or two spent more time building those arrays
-than copying. Every range is checked against its array before any byte moves: a
-range outside raises ``IndexError`` and nothing is copied. Ranges must not overlap
-within a call (memcpy).
+flat uint8 arrays, without the GIL. Each layer's offsets are computed in this loop,
+so a store of a page or two costs the caller no array building per layer. Every
+range is checked against its array before any byte moves: a range outside raises
+``IndexError`` and nothing is copied. Ranges must not overlap within a call
+(memcpy).
 
-Each copy is one ``llvm.memcpy`` (the libc routine: vectorised, ~10 GB/s on one core
-here), where the NumPy-style slice assignment it replaced ran numba's element loop at
-~3.5 GB/s (2.5-3x slower for the 4-32 KiB copies of a step's pages). The intrinsic
-names no address, so numba's on-disk cache keeps the compiled loop.
+Each copy is one ``llvm.memcpy`` (the C library's vectorised routine); numba's
+slice assignment is an element loop, several times slower for the KiB-sized copies
+of a step's pages (docs/benchmarks-trace.md, "The copy loop"). The intrinsic names
+no address, so numba's on-disk cache keeps the compiled loop.
 """
 
 from __future__ import annotations
