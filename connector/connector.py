@@ -43,6 +43,7 @@ from hicache.connector.vllm_keys import (
 )
 from hicache.connector.vllm_metrics import HiCacheKVStats, HiCachePromMetrics, l3_source
 from hicache.connector.vllm_shape import apply_load_failure_policy, engine_shape
+from hicache.connector.vllm_wake import EngineWake
 from hicache.tiers.config import HiCacheConfig, HiCacheConfigError
 from hicache.tiers.controller.admin import SchedulerAdmin
 from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -112,8 +113,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             shape, config, storage=shape.scheduler_storage(config),
             block_ids_of=self._block_ids_of, prefix_hasher=self._prefix_hasher,
             hash_block_size=hashed_block, kv_events=kv_events_enabled(vllm_config))
+        # Admin work for the workers (a prefetch, an L3 command) wakes an idle engine
+        # core, which then steps while has_pending_push_work() says so (vllm_wake.py).
+        self._wake = EngineWake.find()
         self._admin = SchedulerAdmin(self._scheduler, config, build_storage=shape.lookup,
-                                     l1_pages=shape.l1_pages, engine=shape.info())
+                                     l1_pages=shape.l1_pages, engine=shape.info(),
+                                     wake=self._wake.wake)
         if config.hicache_admin_port:
             from hicache.integration.admin.server import serve_admin
 
@@ -239,7 +244,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return request if self._page_hashes is None else self._page_hashes.view(request)
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_stores()
+        """True while the workers have HiCache work to receive or report (stores,
+        fetches, prefetches, L3 commands): vLLM keeps stepping, idle or not."""
+        if self._scheduler is None:
+            return False
+        with self._scheduler.lock:
+            if self._scheduler.has_worker_work():
+                return True
+        return self._admin is not None and self._admin.has_commands()
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset_prefix_cache(reset_external=True): empty L2 (not the shared L3)."""

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.bench.multi_turn import run_turns
 from hicache.integration.cli.main import app as cli
-from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
+from hicache.integration.vllm.engine import EngineSpec, close_llm, greedy_params, open_llm
 
 pytestmark = pytest.mark.engine
 
@@ -203,6 +203,54 @@ def test_tree_view(live, turns):
     assert r.status_code == 200, r.text
     view = r.json()
     assert view["page_size"] == BLOCK_SIZE and view["total_pages"] >= 0
+
+
+def held(client, prompt) -> dict[str, int]:
+    """The leading tokens of ``prompt`` L2 and L3 hold (``GET /lookup``)."""
+    r = client.get("/lookup", params={"prefix": ",".join(map(str, prompt))},
+                   headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def wait_for(done, what: str, limit_s: float = 120) -> None:
+    """Poll ``done`` (a hang guard, not a timing assertion)."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_prefetch_on_an_idle_engine_reaches_l2_before_the_turn_returns(live, baseline):
+    """No request runs, so vLLM's engine core waits on its input queue: ``POST
+    /prefetch`` wakes it (vLLM's own WAKEUP sentinel, connector/vllm_wake.py), and
+    the engine steps without a forward pass until the worker has read the pages from
+    L3 and reported them. Then the turn returns allowed L2 only, and L2 serves its
+    whole history with the baseline's tokens. Before the wake, the pages stayed in L3
+    until the next request arrived and this wait failed."""
+    llm, client, _ = live
+    want = baseline.turns[0]
+    prompt, answer = want.prompts[CONVS + 1], want.outputs[CONVS + 1]  # no other test's
+    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert run_turns(llm, [prompt], WORKLOAD.answer_tokens).outputs == [answer]
+    wait_for(lambda: held(client, prompt)["l3"] >= full, "the L3 backups never landed")
+    assert post(client, "/flush", {"tiers": ["l2"]}).status_code == 200
+    assert held(client, prompt)["l2"] == 0
+
+    r = post(client, "/prefetch", {"prefix": prompt})
+    assert r.status_code == 200, r.text
+    assert r.json()["prefetch_tokens"] >= full, r.json()
+    wait_for(lambda: held(client, prompt)["l2"] >= full,
+             "the prefetch never reached L2 on an idle engine")
+    loaded = tiers(client)["l3"]["pages_loaded"]
+
+    params = greedy_params(WORKLOAD.answer_tokens)
+    params.extra_args = {"kv_transfer_params": {"hicache": {"load_tiers": ["l2"]}}}
+    (back,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert back.kv_transfer_params["hicache"]["cached_tokens"] == {
+        "l1": 0, "l2": full, "l3": 0}
+    assert list(back.outputs[0].token_ids) == answer
+    assert tiers(client)["l3"]["pages_loaded"] == loaded  # nothing read at admission
 
 
 def test_fuzz_the_live_admin_api_finds_no_server_error(live):

@@ -17,6 +17,9 @@ Contract:
   per-tier fields are in pages and bytes per TP rank, ``recent_*_gbps``
   over the last ~10 s. Its sections are the sources named in
   tiers/metrics.py, from which the admin ``/metrics`` is rendered.
+- Work for the workers (a prefetch, an L3 command, an L3 retention) goes with
+  the next engine step, and the admin calls ``wake`` (the connector's:
+  connector/vllm_wake.py) so that an idle engine takes that step now.
 - ``prefetch`` plans a prompt's L3 pages into L2 for the next engine step;
   ``pin`` / ``unpin`` keep a prefix's L2 pages ahead of LRU until a deadline
   (pins.py; ``stats()["pins"]`` shows them, expired ones never);
@@ -27,8 +30,7 @@ Contract:
   scheduler (and its own L3 instance) at once; the matching commands reach
   every worker with the next engine step, where queued backups of flushed
   pages are dropped and each rank deletes its own shard after any backup
-  already running (an idle engine applies them when it next runs). L3
-  calls run outside the scheduler lock.
+  already running. L3 calls run outside the scheduler lock.
 - Client mistakes raise a kind of ``AdminError`` whose message names the
   allowed values: ``BadRequest`` (the request names something invalid: a tier,
   a prefix, a backend, a backend configuration that cannot be built),
@@ -60,6 +62,8 @@ from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hicache.tiers.config import HiCacheConfig
     from hicache.tiers.controller.scheduler import HiCacheScheduler
     from hicache.tiers.index.page_keys import PageKey
@@ -102,6 +106,7 @@ class SchedulerAdmin:
         engine: dict[str, Any],
         build_storage: Any,
         l1_pages: int,
+        wake: Callable[[], object] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.hicache_config = config
@@ -118,6 +123,9 @@ class SchedulerAdmin:
         self._samples: deque[tuple[float, float, float]] = deque()
         self._lock = threading.Lock()
         self.pending_commands: list[StorageCommand] = []
+        # Wakes an idle engine so that it steps and carries work to the workers
+        # (connector/vllm_wake.py); a no-op where the engine cannot be woken.
+        self._wake: Callable[[], object] = wake or (lambda: None)
 
     # ---- fed by the connector (engine thread) ----------------------------------
 
@@ -142,6 +150,16 @@ class SchedulerAdmin:
             for name, values in observations.items():
                 if name in self.worker_latency:
                     self.worker_latency[name].observe(values)
+
+    def has_commands(self) -> bool:
+        with self._lock:
+            return bool(self.pending_commands)
+
+    def _queue_command(self, command: StorageCommand) -> None:
+        """For every worker, with the next engine step, which this wakes."""
+        with self._lock:
+            self.pending_commands.append(command)
+        self._wake()
 
     def take_commands(self) -> list[StorageCommand]:
         with self._lock:
@@ -289,16 +307,17 @@ class SchedulerAdmin:
         }
 
     def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
-        """Read what L3 holds of ``prefix`` beyond L2 into L2 with the next engine step
-        (an idle engine takes its next step with its next request)."""
+        """Read what L3 holds of ``prefix`` beyond L2 into L2, starting with the next
+        engine step, which an idle engine takes now (woken for it)."""
         s = self.scheduler
         keys = self._prompt_keys(prefix, cache_salt)
         with s.lock:
-            storage = s.storage
+            storage, spans = s.storage, s.l2.spans
         if storage is None:
             raise Conflict("no L3 storage backend is attached")
-        try:  # outside the lock: a slow store must not stall the engine
-            in_l3 = storage.batch_exists([k.hex() for k in keys]) if keys else 0
+        try:  # outside the lock: a slow store must not stall the engine; through span
+            # objects and page objects, as lookups count (tiers/index/spans.py)
+            in_l3 = spans.run_in_store(storage.batch_exists, keys, 0, len(keys)) if keys else 0
         except Exception as exc:  # noqa: BLE001 - a failing store holds nothing to read
             raise Conflict(f"the L3 store could not be asked: {exc}") from exc
         try:
@@ -307,6 +326,8 @@ class SchedulerAdmin:
                 in_l2 = s.tree.peek(keys)
         except NoRoom as exc:
             raise Conflict(str(exc)) from exc
+        if pages:
+            self._wake()
         page = s.page_size
         return {"prefetch_tokens": pages * page, "l3_tokens": in_l3 * page,
                 "l2_tokens": in_l2 * page}
@@ -324,6 +345,7 @@ class SchedulerAdmin:
                     s.retain_in_l3(keys, ttl_s)
         except PinRefused as exc:
             raise Conflict(str(exc)) from exc
+        self._wake()  # the workers' L3 retention goes with a step
         return {"pinned_pages": pages, "ttl_s": ttl_s}
 
     def unpin(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
@@ -334,6 +356,7 @@ class SchedulerAdmin:
             pages = s.pins.unpin(keys)
             if s.storage is not None:
                 s.retain_in_l3(keys, 0)
+        self._wake()
         return {"unpinned_pages": pages}
 
     def _prompt_keys(self, prefix: list[int], cache_salt: str | None) -> list[PageKey]:
@@ -365,8 +388,7 @@ class SchedulerAdmin:
                 raise BadRequest(f"L3 backend {self.storage_name!r} cannot flush a prefix "
                                  f"({exc}); flush all of L3 instead") from exc
             # Every worker then drops queued backups of those pages and deletes its shard.
-            with self._lock:
-                self.pending_commands.append(l3_op)
+            self._queue_command(l3_op)
             with s.lock:
                 s.stats.flushed_l3_pages += max(0, counts["l3_pages"])
         return counts
@@ -386,8 +408,7 @@ class SchedulerAdmin:
         with s.lock:
             old, s.storage = s.storage, instance
             self.storage_name = backend
-        with self._lock:
-            self.pending_commands.append(AttachStore(backend, dict(extra_config)))
+        self._queue_command(AttachStore(backend, dict(extra_config)))
         if old is not None:
             old.close()
         return {"attached": backend, "workers": "at the next engine step"}
@@ -399,8 +420,7 @@ class SchedulerAdmin:
                 raise Conflict("no L3 storage backend is attached")
             old, s.storage = s.storage, None
             name, self.storage_name = self.storage_name, None
-        with self._lock:
-            self.pending_commands.append(DetachStore())
+        self._queue_command(DetachStore())
         old.close()
         return {"detached": name, "workers": "at the next engine step: queued backups are "
                 "dropped, running I/O finishes first"}

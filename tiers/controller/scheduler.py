@@ -582,6 +582,11 @@ class HiCacheScheduler:
     def has_pending_stores(self) -> bool:
         return self.stores.has_pending()
 
+    def has_worker_work(self) -> bool:
+        """Work the workers have yet to receive or report: stores, fetches (admin
+        prefetches too) and L3 commands. The connector keeps vLLM stepping meanwhile."""
+        return self.stores.has_pending() or bool(self.fetches.in_flight or self._commands)
+
     def reset(self) -> bool:
         """Drop every L2 page (vLLM's reset_prefix_cache); False if pages are in use."""
         if self.loads.pending() or self.fetches.in_flight:

@@ -81,6 +81,37 @@ def test_a_lookup_finds_pages_in_span_objects_and_page_objects_and_fetches_name_
     assert sched.tree.match_prefix(KEYS).num_pages == 6
 
 
+def test_an_admin_prefetch_counts_and_reads_pages_in_span_objects(tmp_path):
+    """POST /prefetch asks L3 as a lookup does: pages inside span objects count (a
+    prefetch that asked for page objects only found none of a prefill's pages), and
+    its fetch names the span objects; the admin wakes the engine for it and the
+    scheduler has work for the workers until they report it."""
+    from hicache.tiers.controller.admin import SchedulerAdmin
+
+    class Config:
+        hicache_storage_backend = "file"
+
+    store = writer(tmp_path)
+    refs = [LAYOUT.ref(KEYS, i) for i in range(4)]
+    assert all(store.batch_set_spans([k.hex() for k in KEYS[:4]], [0, 1, 2, 3], refs))
+    sched = scheduler(tmp_path)
+    woke: list[int] = []
+    admin = SchedulerAdmin(sched, Config(), engine={}, build_storage=None, l1_pages=0,
+                           wake=lambda: woke.append(1))
+    assert not sched.has_worker_work()
+    got = admin.prefetch(TOKENS, None)
+    assert got == {"prefetch_tokens": 4 * PAGE, "l3_tokens": 4 * PAGE, "l2_tokens": 0}
+    assert woke == [1] and sched.has_worker_work()
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert [p.span and (p.span.index, p.span.count) for p in fetch.l3_pages] == [
+        (0, 2), (1, 2)] * 2
+    assert sched.has_worker_work()  # handed over, not reported yet
+    sched.on_worker_report(WorkerReport(fetched={fetch.req_id: [4]}))
+    assert not sched.has_worker_work()
+    assert sched.tree.match_prefix(KEYS).num_pages == 4
+    assert admin.prefetch(TOKENS, None)["prefetch_tokens"] == 0 and woke == [1]
+
+
 def test_flush_and_forget_delete_the_span_objects_of_what_goes(tmp_path):
     sched = scheduler(tmp_path)
     prefill(sched, request("a", TOKENS), list(range(1, 16)))
