@@ -83,6 +83,7 @@ from hicache.integration.admin.models import (
     PinResponse,
     PrefetchRequest,
     PrefetchResponse,
+    PrefetchStatus,
     StatsResponse,
     TreeResponse,
     UnpinRequest,
@@ -335,11 +336,37 @@ def create_app(
         tags=["write"],
     )
     def post_prefetch(body: PrefetchRequest) -> Any:
-        """Bring what L3 holds of a prompt into L2 now (with the next engine step), so
-        the session's next turn (after a tool call, a user's pause) is an L2 hit."""
+        """Bring what L3 holds of a prompt into L2 now (with the next engine step, which
+        an idle engine takes at once), so the session's next turn (after a tool call, a
+        user's pause) is an L2 hit."""
         value = calls.json_object("prefetch()", lambda: target.prefetch(
-            list(body.prefix), body.cache_salt))
+            list(body.prefix), body.cache_salt, body.id, body.ttl_s))
         return calls.validated("prefetch()", PrefetchResponse, value)
+
+    @app.get(
+        "/prefetch/{op_id}",
+        response_model=PrefetchStatus,
+        responses=_GUARDED,
+        dependencies=[read_auth],
+        tags=["read"],
+    )
+    def get_prefetch(op_id: str) -> Any:
+        """A prefetch operation's status: queued, running, done, failed or cancelled."""
+        value = calls.json_object("prefetch_status()", lambda: target.prefetch_status(op_id))
+        return calls.validated("prefetch_status()", PrefetchStatus, value)
+
+    @app.delete(
+        "/prefetch/{op_id}",
+        response_model=PrefetchStatus,
+        responses=_GUARDED,
+        dependencies=[write_auth],
+        tags=["write"],
+    )
+    def delete_prefetch(op_id: str) -> Any:
+        """Cancel a prefetch: a queued one reads nothing, a running one stops after the
+        batch in flight (the pages it read stay in L2)."""
+        value = calls.json_object("cancel_prefetch()", lambda: target.cancel_prefetch(op_id))
+        return calls.validated("cancel_prefetch()", PrefetchStatus, value)
 
     @app.post(
         "/pin",

@@ -27,7 +27,8 @@ the OpenAPI schema; the JSON is exactly the model's dump):
 ``POST /flush``        :class:`FlushResponse` (page counts: string -> int)
 ``POST /forget``       :class:`ForgetResponse` (page counts: string -> int)
 ``GET /lookup``        :class:`LookupResponse` (tokens per tier, expected load time)
-``POST /prefetch``     :class:`PrefetchResponse`
+``POST /prefetch``     :class:`PrefetchResponse`; ``GET`` / ``DELETE /prefetch/{id}``:
+                       :class:`PrefetchStatus`
 ``POST /pin``          :class:`PinResponse`; ``DELETE /pin``: :class:`UnpinResponse`
 ``POST /storage/...``  :class:`AttachResponse` (``attached`` + more) /
                        :class:`DetachResponse` (``detached`` + more)
@@ -39,7 +40,7 @@ errors                 :class:`ErrorResponse` ``{"detail": str}`` (401, 403,
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, RootModel
@@ -109,18 +110,43 @@ class PinRequest(BaseModel):
 
 
 class PrefetchRequest(BaseModel):
-    """Which prompt ``POST /prefetch`` brings from L3 into L2."""
+    """Which prompt ``POST /prefetch`` brings from L3 into L2, as which operation."""
 
     model_config = ConfigDict(extra="forbid")
 
     prefix: list[TokenId] = Field(
         ..., min_length=1, max_length=MAX_PREFIX_TOKENS, description="The prompt's token ids")
     cache_salt: str | None = Field(None, max_length=4096)
+    id: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+        description="The operation's id (one is made when absent): the same id and "
+                    "prompt again is the same operation; the same id with another "
+                    "prompt is refused (409)")
+    ttl_s: float | None = Field(
+        None, gt=0, le=86400,
+        description="Seconds the workers may read once they start; what they read by "
+                    "then stays in L2")
 
 
-class PrefetchResponse(BaseModel):
-    """``POST /prefetch``: tokens of the prompt L3 holds, L2 holds now, and planned to
-    come from L3 into L2 with the next engine step."""
+PrefetchState = Literal["queued", "running", "done", "failed", "cancelled"]
+
+
+class PrefetchStatus(BaseModel):
+    """One prefetch operation (``GET`` / ``DELETE /prefetch/{id}``): ``queued`` (not yet
+    handed to the workers), ``running``, ``done`` (every planned page reached L2),
+    ``failed`` (fewer did: an L3 read failed or ``ttl_s`` passed), ``cancelled``."""
+
+    id: str
+    status: PrefetchState
+    pages: int = Field(description="Pages planned (0: L2 held them, or L3 held no more)")
+    fetched_pages: int | None = Field(description="Pages that reached L2, once ended")
+    ttl_s: float | None
+    age_s: float
+
+
+class PrefetchResponse(PrefetchStatus):
+    """``POST /prefetch``: tokens of the prompt L3 holds, L2 holds now, and this call
+    planned to come from L3 into L2 with the next engine step, and the operation."""
 
     prefetch_tokens: int
     l3_tokens: int

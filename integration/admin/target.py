@@ -100,9 +100,19 @@ class AdminTarget(Protocol):
         (``LookupResponse``)."""
         ...
 
-    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
-        """Plan the prompt's L3 pages into L2 (``PrefetchResponse``); ``Conflict``
-        with no L3 or no room in L2."""
+    def prefetch(self, prefix: list[int], cache_salt: str | None, op_id: str | None = None,
+                 ttl_s: float | None = None) -> dict[str, Any]:
+        """Plan the prompt's L3 pages into L2 as the operation ``op_id``
+        (``PrefetchResponse``); ``Conflict`` with no L3, no room in L2, an id that
+        names another prompt, or too many running."""
+        ...
+
+    def prefetch_status(self, op_id: str) -> dict[str, Any]:
+        """The operation (``PrefetchStatus``); ``NotFound`` for an unknown id."""
+        ...
+
+    def cancel_prefetch(self, op_id: str) -> dict[str, Any]:
+        """Cancel the operation (``PrefetchStatus``); ``NotFound`` for an unknown id."""
         ...
 
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:

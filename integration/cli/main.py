@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -401,13 +402,42 @@ def forget(
 def prefetch(
     prefix: PromptOpt,
     cache_salt: SaltOpt = None,
+    op_id: Annotated[str | None, typer.Option(
+        "--id", help="The operation's id (the same id and prompt again: the same one).")] = None,
+    ttl_s: Annotated[float | None, typer.Option(
+        "--ttl-s", min=0.001, help="Seconds the workers may read once they start.")] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
     timeout: TimeoutOpt = 30.0,
 ) -> None:
     """Bring what L3 holds of a prompt into L2 now (a session due back after a tool call)."""
-    body = {"prefix": _prompt_ids(prefix), "cache_salt": cache_salt}
+    body = {"prefix": _prompt_ids(prefix), "cache_salt": cache_salt, "id": op_id,
+            "ttl_s": ttl_s}
     _out().print_json(data=_json(request("POST", url, "/prefetch", token, timeout, body=body)))
+
+
+@admin_app.command("prefetch-status")
+def prefetch_status(
+    op_id: Annotated[str, typer.Argument(help="The id POST /prefetch answered.")],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """A prefetch operation: queued, running, done, failed or cancelled."""
+    _out().print_json(data=_json(request("GET", url, f"/prefetch/{quote(op_id, safe='')}",
+                                         token, timeout)))
+
+
+@admin_app.command("prefetch-cancel")
+def prefetch_cancel(
+    op_id: Annotated[str, typer.Argument(help="The id POST /prefetch answered.")],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """Cancel a prefetch (a running one stops after the batch in flight)."""
+    _out().print_json(data=_json(request("DELETE", url, f"/prefetch/{quote(op_id, safe='')}",
+                                         token, timeout)))
 
 
 @admin_app.command()

@@ -237,11 +237,19 @@ def test_prefetch_on_an_idle_engine_reaches_l2_before_the_turn_returns(live, bas
     assert post(client, "/flush", {"tiers": ["l2"]}).status_code == 200
     assert held(client, prompt)["l2"] == 0
 
-    r = post(client, "/prefetch", {"prefix": prompt})
+    r = post(client, "/prefetch", {"prefix": prompt, "id": "idle-turn"})
     assert r.status_code == 200, r.text
     assert r.json()["prefetch_tokens"] >= full, r.json()
-    wait_for(lambda: held(client, prompt)["l2"] >= full,
-             "the prefetch never reached L2 on an idle engine")
+
+    def status() -> dict:
+        got = client.get("/prefetch/idle-turn", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert got.status_code == 200, got.text
+        return got.json()
+
+    wait_for(lambda: status()["status"] not in ("queued", "running"),
+             "the prefetch never ended on an idle engine")
+    assert status()["status"] == "done" and status()["fetched_pages"] == status()["pages"]
+    assert held(client, prompt)["l2"] >= full
     loaded = tiers(client)["l3"]["pages_loaded"]
 
     params = greedy_params(WORKLOAD.answer_tokens)

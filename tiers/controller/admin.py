@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.tiers.controller.fetches import L3Store
 from hicache.tiers.controller.pins import PinRefused
+from hicache.tiers.controller.prefetch_ops import OpConflict, PrefetchOps
 from hicache.tiers.controller.scheduler import NoRoom
 from hicache.tiers.index.commands import (
     AttachStore,
@@ -123,6 +124,8 @@ class SchedulerAdmin:
         self._samples: deque[tuple[float, float, float]] = deque()
         self._lock = threading.Lock()
         self.pending_commands: list[StorageCommand] = []
+        # POST /prefetch operations: ids, status, cancel (prefetch_ops.py).
+        self.prefetches = PrefetchOps(scheduler)
         # Wakes an idle engine so that it steps and carries work to the workers
         # (connector/vllm_wake.py); a no-op where the engine cannot be woken.
         self._wake: Callable[[], object] = wake or (lambda: None)
@@ -306,9 +309,12 @@ class SchedulerAdmin:
             },
         }
 
-    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+    def prefetch(self, prefix: list[int], cache_salt: str | None, op_id: str | None = None,
+                 ttl_s: float | None = None) -> dict[str, Any]:
         """Read what L3 holds of ``prefix`` beyond L2 into L2, starting with the next
-        engine step, which an idle engine takes now (woken for it)."""
+        engine step, which an idle engine takes now (woken for it), as the operation
+        ``op_id`` (prefetch_ops.py: idempotent per id and prompt, ``ttl_s`` bounds
+        the read); 409 when the id names another prompt or too many run."""
         s = self.scheduler
         keys = self._prompt_keys(prefix, cache_salt)
         with s.lock:
@@ -322,15 +328,31 @@ class SchedulerAdmin:
             raise Conflict(f"the L3 store could not be asked: {exc}") from exc
         try:
             with s.lock:
-                pages = s.prefetch_prefix(keys, in_l3)
+                op, pages = self.prefetches.start(op_id, keys, in_l3, ttl_s)
                 in_l2 = s.tree.peek(keys)
-        except NoRoom as exc:
+        except (NoRoom, OpConflict) as exc:
             raise Conflict(str(exc)) from exc
         if pages:
             self._wake()
         page = s.page_size
         return {"prefetch_tokens": pages * page, "l3_tokens": in_l3 * page,
-                "l2_tokens": in_l2 * page}
+                "l2_tokens": in_l2 * page, **op}
+
+    def prefetch_status(self, op_id: str) -> dict[str, Any]:
+        with self.scheduler.lock:
+            op = self.prefetches.status(op_id)
+        if op is None:
+            raise NotFound(f"no prefetch with id {op_id!r} (ended ones are kept for the "
+                           f"last {self.prefetches.keep} that ended)")
+        return op
+
+    def cancel_prefetch(self, op_id: str) -> dict[str, Any]:
+        with self.scheduler.lock:
+            op = self.prefetches.cancel(op_id)
+        if op is None:
+            raise NotFound(f"no prefetch with id {op_id!r}")
+        self._wake()  # a running read is stopped by a command with the next step
+        return op
 
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         """Keep what L2 holds of ``prefix`` ahead of LRU for ``ttl_s`` seconds (pins.py),

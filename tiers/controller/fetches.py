@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +65,8 @@ logger = logging.getLogger(__name__)
 # How far back from the end of an L3 run of bodies a lookup asks for a page
 # held whole (a Mamba checkpoint): one batch_exists call each.
 CHECKPOINT_PROBES = 4
+# Ended prefetches whose page counts are kept (L3Fetches.ended).
+ENDED_KEPT = 4096
 
 
 class L3Store(Protocol):
@@ -133,6 +136,9 @@ class L3Fetches:
         self.came_short: set[str] = set()
         self._stats = stats
         self._planned: list[RequestFetch] = []
+        # Prefetches that ended, newest last: fetch id -> pages that reached L2 (the
+        # admin's prefetch operations read them, prefetch_ops.py).
+        self.ended: OrderedDict[str, int] = OrderedDict()
         # Background lookups (None: every lookup inline).
         self.probes = probes
 
@@ -309,6 +315,10 @@ class L3Fetches:
                                 tried=False)
         return True
 
+    def is_planned(self, fetch_id: str) -> bool:
+        """Planned, not yet handed to the workers in a plan."""
+        return any(f.req_id == fetch_id for f in self._planned)
+
     def take(self) -> list[RequestFetch]:
         """The fetches planned since the last plan."""
         planned, self._planned = self._planned, []
@@ -327,6 +337,11 @@ class L3Fetches:
     def _finish(self, req_id: str, fetched: int) -> None:
         """Every rank has the fetch's first ``fetched`` L3 pages in L2: publish them."""
         fetch = self.in_flight.pop(req_id)
+        if fetch.prefetch:
+            self.ended[req_id] = fetched
+            self.ended.move_to_end(req_id)
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
         if fetched < len(fetch.slots) and not fetch.prefetch:
             self.came_short.add(req_id)
         self._stats.l3_fetched_pages += fetched

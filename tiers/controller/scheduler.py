@@ -484,13 +484,18 @@ class HiCacheScheduler:
         into L2, with the next plan (the admin's ``POST /prefetch``: a session due
         back after a tool call). Returns the pages planned (0: L2 has them already, or
         the same prefetch runs); raises ``NoRoom`` when L2 cannot take them now."""
+        return self.plan_prefetch(keys, in_l3)[0]
+
+    def plan_prefetch(self, keys: Sequence[PageKey], in_l3: int,
+                      timeout_s: float | None = None) -> tuple[int, str]:
+        """``prefetch_prefix``, with the read's id (the same for every prefetch of
+        this prompt) and its ``timeout_s`` on the workers (None: none): (pages
+        planned, fetch id)."""
+        fetch_id = prefetch_id(f"admin:{keys[in_l3 - 1].hex()}") if in_l3 else ""
         match = self.tree.match_prefix(keys[:in_l3])
         pages = in_l3 - match.num_pages
-        if pages <= 0:
-            return 0
-        fetch_id = prefetch_id(f"admin:{keys[in_l3 - 1].hex()}")
-        if fetch_id in self.fetches.in_flight:
-            return 0
+        if pages <= 0 or fetch_id in self.fetches.in_flight:
+            return 0, fetch_id
         # The prefix it extends must survive the eviction that makes room for it; the
         # fetch holds the lock until every rank has reported (fetches.py on_report).
         self.tree.lock(match.node)
@@ -498,10 +503,14 @@ class HiCacheScheduler:
         if not slots:
             self.tree.unlock(match.node)
             raise NoRoom(f"L2 cannot take {pages} more pages now (locked or pinned)")
-        self.fetches.start_prefetch(fetch_id, match, keys, slots, None)
+        self.fetches.start_prefetch(fetch_id, match, keys, slots, timeout_s)
         self.stats.prefetches += 1
         self.stats.prefetch_pages += pages
-        return pages
+        return pages, fetch_id
+
+    def queue_command(self, command: StorageCommand) -> None:
+        """A command for every worker, with the next plan."""
+        self._commands.append(command)
 
     def _retain(self, state: RequestState) -> None:
         """Pin what L2 holds of a finished request's pages for its ``retain_s``, and

@@ -40,6 +40,14 @@ class RetainPages:
 
 
 @dataclass(frozen=True)
+class CancelFetches:
+    """Stop this rank's L3 reads of these fetches (``RequestFetch.req_id``) after the
+    batch in flight; each ends and is reported with the pages it read."""
+
+    fetch_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ClearStore:
     """Drop every queued backup and clear this rank's L3 shard."""
 
@@ -59,4 +67,5 @@ class DetachStore:
 
 # What an L3 flush asks of the store.
 L3Removal = DeletePages | ClearStore
-StorageCommand = DeletePages | ClearStore | RetainPages | AttachStore | DetachStore
+StorageCommand = (DeletePages | ClearStore | RetainPages | CancelFetches | AttachStore
+                  | DetachStore)

@@ -199,6 +199,16 @@ class StorageIO:
             while self._running_backup & wanted:
                 self._cv.wait()
 
+    def cancel_fetches(self, fetch_ids: set[str]) -> int:
+        """Stop these fetches' reads after the batch in flight (a queued one reads
+        nothing); each still ends with a result. Returns how many were found."""
+        with self._cv:
+            found = [j for j in self._jobs if j.fetch.req_id in fetch_ids]
+            for job in found:
+                job.cancel = True
+            self._cv.notify_all()
+        return len(found)
+
     def poll(self) -> list[FetchResult]:
         done: list[FetchResult] = []
         with self._cv:

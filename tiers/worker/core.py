@@ -72,7 +72,7 @@ import torch
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer
 from hicache.kernels.layer_pipeline import Checkpoint, LayerPipeline
-from hicache.tiers.index.commands import RetainPages
+from hicache.tiers.index.commands import CancelFetches, RetainPages
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan, WorkerReport
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
@@ -673,7 +673,8 @@ class HiCacheWorker:
         if not meta.storage_commands or self._commands_applied is meta:
             return
         self._commands_applied = meta
-        removes = any(not isinstance(c, RetainPages) for c in meta.storage_commands)
+        removes = any(not isinstance(c, (RetainPages, CancelFetches))
+                      for c in meta.storage_commands)
         if self._pending and removes:
             # An L3 deletion must not be followed by a backup of a page it deletes.
             self.stats.store_waits += 1

@@ -24,7 +24,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hicache.tiers.index.commands import AttachStore, ClearStore, DeletePages, RetainPages
+from hicache.tiers.index.commands import (
+    AttachStore,
+    CancelFetches,
+    ClearStore,
+    DeletePages,
+    RetainPages,
+)
 from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageBackend
@@ -76,6 +82,10 @@ class L3Link:
         return True
 
     def apply(self, command: object) -> None:
+        if isinstance(command, CancelFetches):
+            if self.io is not None:
+                self.io.cancel_fetches(set(command.fetch_ids))
+            return
         if isinstance(command, RetainPages):
             if self.writes:
                 assert self.io is not None

@@ -29,7 +29,7 @@ from hicache.integration.admin.metrics import render_metrics
 from hicache.integration.admin.redact import REDACTED, is_secret_key, redact, scrub, scrub_text
 from hicache.integration.admin.server import AdminServer, AdminServerError, is_loopback_host
 from hicache.integration.admin.target import AdminTarget
-from hicache.tiers.controller.admin import AdminError, BadRequest, Conflict
+from hicache.tiers.controller.admin import AdminError, BadRequest, Conflict, NotFound
 
 TOKEN = "s3cr3t-admin-token-XYZ"
 ALLOWED_TIERS = ("l1", "l2", "l3", "all")
@@ -46,6 +46,7 @@ class MemoryTarget:
         self.backend: str | None = "file"
         self.pages: dict[str, set[tuple[int, ...]]] = {}
         self.calls: list[tuple[str, Any]] = []
+        self.ops: dict[str, dict[str, Any]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -54,6 +55,7 @@ class MemoryTarget:
             self.bad_return = None
             self.backend = "file"
             self.calls.clear()
+            self.ops = {}
             self.pages = {
                 "l2": {(1, 2), (1, 2, 3, 4), (5, 6)},
                 "l3": {(1, 2), (1, 2, 3, 4), (5, 6), (7, 8)},
@@ -169,12 +171,32 @@ class MemoryTarget:
                     "load_gbps": {"l2": 1.5, "l3": None},
                     "expected_load_s": {"l2": held["l2"] * 1e-6, "l3": None}}
 
-    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
+    def prefetch(self, prefix: list[int], cache_salt: str | None, op_id: str | None = None,
+                 ttl_s: float | None = None) -> dict[str, Any]:
         with self.lock:
-            self._enter("prefetch", (prefix, cache_salt))
+            self._enter("prefetch", (prefix, cache_salt, op_id, ttl_s))
             if self.backend is None:
                 raise Conflict("no L3 storage backend is attached")
-            return {"prefetch_tokens": len(prefix), "l3_tokens": len(prefix), "l2_tokens": 0}
+            op = {"id": op_id or f"op-{len(self.ops)}", "status": "running",
+                  "pages": len(prefix), "fetched_pages": None, "ttl_s": ttl_s, "age_s": 0.0}
+            self.ops[op["id"]] = op
+            return {"prefetch_tokens": len(prefix), "l3_tokens": len(prefix), "l2_tokens": 0,
+                    **op}
+
+    def prefetch_status(self, op_id: str) -> dict[str, Any]:
+        with self.lock:
+            self._enter("prefetch_status", (op_id,))
+            if op_id not in self.ops:
+                raise NotFound(f"no prefetch with id {op_id!r}")
+            return dict(self.ops[op_id])
+
+    def cancel_prefetch(self, op_id: str) -> dict[str, Any]:
+        with self.lock:
+            self._enter("cancel_prefetch", (op_id,))
+            if op_id not in self.ops:
+                raise NotFound(f"no prefetch with id {op_id!r}")
+            self.ops[op_id]["status"] = "cancelled"
+            return dict(self.ops[op_id])
 
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         with self.lock:
@@ -462,6 +484,7 @@ def test_openapi_documents_every_endpoint(live: Live) -> None:
         ("/tree", "get"), ("/flush", "post"), ("/storage/attach", "post"),
         ("/storage/detach", "post"), ("/lookup", "get"), ("/forget", "post"),
         ("/pin", "post"), ("/pin", "delete"), ("/prefetch", "post"),
+        ("/prefetch/{op_id}", "get"), ("/prefetch/{op_id}", "delete"),
     ):
         assert method in paths[path], path
     assert "FlushRequest" in spec["components"]["schemas"]
@@ -486,6 +509,8 @@ def test_openapi_names_the_request_and_response_models(live: Live) -> None:
         ("/lookup", "get"): "LookupResponse",
         ("/pin", "post"): "PinResponse",
         ("/prefetch", "post"): "PrefetchResponse",
+        ("/prefetch/{op_id}", "get"): "PrefetchStatus",
+        ("/prefetch/{op_id}", "delete"): "PrefetchStatus",
         ("/pin", "delete"): "UnpinResponse",
         ("/storage/attach", "post"): "AttachResponse",
         ("/storage/detach", "post"): "DetachResponse",
@@ -637,12 +662,25 @@ def test_lookup_and_forget(live: Live) -> None:
 
 
 def test_prefetch(live: Live) -> None:
-    r = live.client.post("/prefetch", json={"prefix": [4, 5, 6]}, headers=AUTH)
+    c = live.client
+    r = c.post("/prefetch", json={"prefix": [4, 5, 6], "id": "turn-7", "ttl_s": 2},
+               headers=AUTH)
     assert r.status_code == 200, r.text
-    assert r.json() == {"prefetch_tokens": 3, "l3_tokens": 3, "l2_tokens": 0}
-    assert live.target.calls[-1] == ("prefetch", ([4, 5, 6], None))
-    for bad in ({}, {"prefix": []}, {"prefix": [1], "ttl_s": 3}):
-        assert live.client.post("/prefetch", json=bad, headers=AUTH).status_code == 422, bad
+    assert r.json() == {"prefetch_tokens": 3, "l3_tokens": 3, "l2_tokens": 0, "id": "turn-7",
+                        "status": "running", "pages": 3, "fetched_pages": None,
+                        "ttl_s": 2.0, "age_s": 0.0}
+    assert live.target.calls[-1] == ("prefetch", ([4, 5, 6], None, "turn-7", 2))
+    r = c.get("/prefetch/turn-7", headers=AUTH)
+    assert r.status_code == 200 and r.json()["status"] == "running", r.text
+    assert c.delete("/prefetch/turn-7").status_code == 401  # a write: the token
+    r = c.delete("/prefetch/turn-7", headers=AUTH)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    r = c.get("/prefetch/nobody", headers=AUTH)
+    assert r.status_code == 404 and "nobody" in r.json()["detail"]
+    assert c.delete("/prefetch/nobody", headers=AUTH).status_code == 404
+    for bad in ({}, {"prefix": []}, {"prefix": [1], "ttl_s": 0}, {"prefix": [1], "id": ""},
+                {"prefix": [1], "id": "a b"}, {"prefix": [1], "bogus": 3}):
+        assert c.post("/prefetch", json=bad, headers=AUTH).status_code == 422, bad
     live.target.backend = None
     r = live.client.post("/prefetch", json={"prefix": [4]}, headers=AUTH)
     assert r.status_code == 409 and "no L3" in r.json()["detail"]
@@ -1016,10 +1054,11 @@ def test_fuzz_no_server_errors(servers: dict[str, Live], mode: str) -> None:
     api = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     generation_mode = schemathesis.GenerationMode(mode)
     operations = [r.ok() for r in api.get_all_operations()]
-    assert len(operations) == 13
+    assert len(operations) == 15
     if mode == "negative":  # only operations with inputs have invalid ones
         operations = [op for op in operations if op.path in (
-            "/tree", "/lookup", "/flush", "/forget", "/pin", "/prefetch", "/storage/attach")]
+            "/tree", "/lookup", "/flush", "/forget", "/pin", "/prefetch", "/prefetch/{op_id}",
+            "/storage/attach")]
     for op in operations:
 
         @given(case=op.as_strategy(generation_mode=generation_mode))

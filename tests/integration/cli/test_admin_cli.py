@@ -84,9 +84,22 @@ class Target:
                 "load_gbps": {"l2": None, "l3": None},
                 "expected_load_s": {"l2": None, "l3": None}}
 
-    def prefetch(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
-        self.calls.append(("prefetch", (prefix, cache_salt)))
-        return {"prefetch_tokens": 0, "l3_tokens": 0, "l2_tokens": 0}
+    def prefetch(self, prefix: list[int], cache_salt: str | None, op_id: str | None = None,
+                 ttl_s: float | None = None) -> dict[str, Any]:
+        self.calls.append(("prefetch", (prefix, cache_salt, op_id, ttl_s)))
+        return {"prefetch_tokens": 0, "l3_tokens": 0, "l2_tokens": 0, **self._op(op_id or "x")}
+
+    def _op(self, op_id: str, status: str = "done") -> dict[str, Any]:
+        return {"id": op_id, "status": status, "pages": 0, "fetched_pages": 0,
+                "ttl_s": None, "age_s": 0.0}
+
+    def prefetch_status(self, op_id: str) -> dict[str, Any]:
+        self.calls.append(("prefetch_status", (op_id,)))
+        return self._op(op_id)
+
+    def cancel_prefetch(self, op_id: str) -> dict[str, Any]:
+        self.calls.append(("cancel_prefetch", (op_id,)))
+        return self._op(op_id, "cancelled")
 
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         self.calls.append(("pin", (prefix, cache_salt, ttl_s)))
@@ -250,8 +263,17 @@ def test_prefetch_pin_and_unpin(live: Live) -> None:
     r = run(["admin", "prefetch", "--prefix", "7,8,9", "--cache-salt", "s"], url=live.url,
             token=TOKEN)
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output) == {"prefetch_tokens": 0, "l3_tokens": 0, "l2_tokens": 0}
-    assert live.target.calls[-1] == ("prefetch", ([7, 8, 9], "s"))
+    assert json.loads(r.output)["prefetch_tokens"] == 0
+    assert live.target.calls[-1] == ("prefetch", ([7, 8, 9], "s", None, None))
+    r = run(["admin", "prefetch", "--prefix", "7", "--id", "t:1", "--ttl-s", "2"],
+            url=live.url, token=TOKEN)
+    assert r.exit_code == 0 and json.loads(r.output)["id"] == "t:1", r.output
+    assert live.target.calls[-1] == ("prefetch", ([7], None, "t:1", 2.0))
+    r = run(["admin", "prefetch-status", "t:1"], url=live.url, token=TOKEN)
+    assert r.exit_code == 0 and json.loads(r.output)["status"] == "done", r.output
+    r = run(["admin", "prefetch-cancel", "t:1"], url=live.url, token=TOKEN)
+    assert r.exit_code == 0 and json.loads(r.output)["status"] == "cancelled", r.output
+    assert live.target.calls[-1] == ("cancel_prefetch", ("t:1",))
     r = run(["admin", "pin", "--prefix", "7,8", "--ttl-s", "90"], url=live.url, token=TOKEN)
     assert r.exit_code == 0, r.output
     assert json.loads(r.output) == {"pinned_pages": 0, "ttl_s": 90.0}

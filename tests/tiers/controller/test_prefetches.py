@@ -284,12 +284,24 @@ def test_an_admin_prefetch_makes_the_next_turn_an_l2_hit_with_no_l3_read(tmp_pat
     sched = make(tmp_path)
     sched.prefetch_at_arrival = False  # what the request would do by itself
     admin = SchedulerAdmin(sched, Config(), engine={}, build_storage=None, l1_pages=0)
-    got = admin.prefetch(TOKENS, None)
-    assert got == {"prefetch_tokens": 4 * PAGE, "l3_tokens": 4 * PAGE, "l2_tokens": 0}
-    assert admin.prefetch(TOKENS, None)["prefetch_tokens"] == 0  # the same one runs
+    got = admin.prefetch(TOKENS, None, op_id="turn-2")
+    assert {k: got[k] for k in ("prefetch_tokens", "l3_tokens", "l2_tokens", "id", "status",
+                                "pages", "fetched_pages")} == {
+        "prefetch_tokens": 4 * PAGE, "l3_tokens": 4 * PAGE, "l2_tokens": 0, "id": "turn-2",
+        "status": "queued", "pages": 4, "fetched_pages": None}
+    # The same id again is the same operation; another id joins the running read.
+    assert admin.prefetch(TOKENS, None, op_id="turn-2")["prefetch_tokens"] == 0
+    joined = admin.prefetch(TOKENS, None)
+    assert joined["prefetch_tokens"] == 0 and joined["pages"] == 4
+    assert joined["status"] == "queued" and joined["id"] != "turn-2"
     (fetch,) = sched.build_connector_meta({}).fetches
     assert fetch.prefetch and len(fetch.l3_pages) == 4 and fetch.l2_pages == ()
+    assert fetch.timeout_s is None  # no ttl_s: no deadline
+    assert admin.prefetch_status("turn-2")["status"] == "running"
     sched.on_worker_report(WorkerReport(fetched={fetch.req_id: [4]}))
+    for op_id in ("turn-2", joined["id"]):
+        assert admin.prefetch_status(op_id)["status"] == "done"
+        assert admin.prefetch_status(op_id)["fetched_pages"] == 4
     assert sched.tree.peek(keys_of(NS.seed(), TOKENS, PAGE)) == 4
     lookups = sched.stats.l3_lookups
     req = request("r", TOKENS)
@@ -321,3 +333,85 @@ def test_an_arrival_never_waits_for_its_probe(tmp_path, monkeypatch):
     finally:
         store.gate.set()
         sched.fetches.probes.close()
+
+
+def _admin(sched, **kw):
+    from hicache.tiers.controller.admin import SchedulerAdmin
+
+    class Config:
+        hicache_storage_backend = "file"
+
+    admin = SchedulerAdmin(sched, Config(), engine={}, build_storage=None, l1_pages=0, **kw)
+    sched.prefetch_at_arrival = False
+    return admin
+
+
+def test_a_prefetch_id_names_one_prompt_and_running_prefetches_are_bounded(tmp_path):
+    from hicache.tiers.controller.admin import Conflict, NotFound
+
+    sched = make(tmp_path)
+    other = list(range(300, 333))
+    in_l3(tmp_path, other)
+    admin = _admin(sched)
+    admin.prefetches.max_running = 1
+    assert admin.prefetch(TOKENS, None, op_id="a")["status"] == "queued"
+    with pytest.raises(Conflict, match="already names another prompt"):
+        admin.prefetch(other, None, op_id="a")
+    with pytest.raises(Conflict, match="1 prefetches are queued or running"):
+        admin.prefetch(other, None, op_id="b")
+    assert sched.fetches.take() and sched.stats.prefetches == 1  # only "a" planned
+    with pytest.raises(NotFound, match="no prefetch with id 'b'"):
+        admin.prefetch_status("b")
+    with pytest.raises(NotFound):
+        admin.cancel_prefetch("b")
+
+
+def test_cancel_drops_a_queued_prefetch_and_stops_a_running_one(tmp_path):
+    from hicache.tiers.index.commands import CancelFetches
+
+    sched = make(tmp_path)
+    woke: list[int] = []
+    admin = _admin(sched, wake=lambda: woke.append(1))
+    free = sched.slots.num_free
+    admin.prefetch(TOKENS, None, op_id="q")
+    assert sched.slots.num_free == free - 4 and woke == [1]
+    cancelled = admin.cancel_prefetch("q")
+    assert (cancelled["status"], cancelled["fetched_pages"]) == ("cancelled", 0)
+    assert sched.slots.num_free == free and not sched.has_worker_work()
+    assert sched.build_connector_meta({}).fetches == []
+
+    admin.prefetch(TOKENS, None, op_id="r")
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert admin.prefetch_status("r")["status"] == "running"
+    assert admin.cancel_prefetch("r")["status"] == "cancelled"
+    assert sched.build_connector_meta({}).storage_commands == [
+        CancelFetches((fetch.req_id,))]
+    sched.on_worker_report(WorkerReport(fetched={fetch.req_id: [2]}))
+    ended = admin.prefetch_status("r")
+    assert (ended["status"], ended["fetched_pages"]) == ("cancelled", 2)
+    assert sched.tree.peek(keys_of(NS.seed(), TOKENS, PAGE)) == 2
+
+
+def test_ttl_bounds_the_read_and_a_short_read_is_failed(tmp_path):
+    sched = make(tmp_path)
+    admin = _admin(sched)
+    admin.prefetch(TOKENS, None, op_id="t", ttl_s=0.5)
+    (fetch,) = sched.build_connector_meta({}).fetches
+    assert fetch.timeout_s == 0.5
+    sched.on_worker_report(WorkerReport(fetched={fetch.req_id: [1]}))
+    got = admin.prefetch_status("t")
+    assert (got["status"], got["pages"], got["fetched_pages"], got["ttl_s"]) == (
+        "failed", 4, 1, 0.5)
+    # What L2 holds now needs no read: the next operation is done at once.
+    again = admin.prefetch(TOKENS[:PAGE + 1], None, op_id="u")
+    assert (again["status"], again["pages"], again["fetched_pages"]) == ("done", 0, 0)
+
+
+def test_ended_operations_are_kept_up_to_a_bound(tmp_path):
+    sched = make(tmp_path)
+    admin = _admin(sched)
+    admin.prefetches.keep = 2
+    for op_id in "abc":  # L2 holds nothing to read for these: each ends at once
+        admin.prefetch([5, 6, 7], None, op_id=op_id)
+    assert admin.prefetches.status("a") is None
+    assert admin.prefetches.status("c")["status"] == "done"

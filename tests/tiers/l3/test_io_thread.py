@@ -137,6 +137,28 @@ def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, monkeypatch, timeo
     io.shutdown()
 
 
+def test_a_cancelled_fetch_stops_after_the_batch_in_flight_and_others_go_on(tmp_path):
+    """``cancel_fetches`` (an admin DELETE /prefetch/{id}): the fetch held in its first
+    batch ends with that batch's pages once the gate opens; a fetch queued behind it
+    and not named reads every page."""
+    seed_l3(tmp_path, 40)
+    io, _, backend, _ = make(tmp_path)
+    backend.get_gate = threading.Event()
+    io.submit_fetch(RequestFetch("a", (), plan(40, 40), (), None))
+    assert backend.get_entered.wait(60)  # the first batch is in flight
+    io.submit_fetch(RequestFetch("b", (), plan(0, 4, first_key=0), (), None))
+    assert io.cancel_fetches({"a", "nobody"}) == 1
+    backend.get_gate.set()
+    results: dict[str, int] = {}
+    deadline = time.monotonic() + 60  # a hang guard, not a speed check
+    while len(results) < 2:
+        assert time.monotonic() < deadline, results
+        results.update({r.req_id: r.fetched_pages for r in io.poll()})
+        time.sleep(0.01)
+    assert results == {"a": 32, "b": 4}
+    io.shutdown()
+
+
 def test_failing_store_is_a_miss_not_an_exception(tmp_path):
     seed_l3(tmp_path, 40)
     io, _, _, _ = make(tmp_path, fault_fail_gets=True)
