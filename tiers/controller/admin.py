@@ -237,6 +237,15 @@ class SchedulerAdmin:
             "latency": latency,
         }
 
+    def _gbps(self, bytes_key: str, seconds_key: str) -> float | None:
+        """GB/s of ``bytes_key`` over the summed time of ``seconds_key``'s observations
+        (None until measured). Holds ``self._lock``."""
+        seconds = self.worker_latency.get(seconds_key)
+        moved = self.worker_counters.get(bytes_key, 0)
+        if seconds is None or seconds.total <= 0 or not moved:
+            return None
+        return moved / seconds.total / 1e9
+
     def _rates(self) -> tuple[float, float]:
         if len(self._samples) < 2:
             return 0.0, 0.0
@@ -293,10 +302,10 @@ class SchedulerAdmin:
             except Exception:  # noqa: BLE001 - a failing store holds nothing we can load
                 l3_pages = 0
         with self._lock:
-            l2_gbps = self._rates()[0] or None
-            fetch = self.worker_latency.get(K.L3_FETCH_SECONDS)
-            read = self.worker_counters.get(K.L3_BYTES_READ, 0)
-            l3_gbps = read / fetch.total / 1e9 if fetch is not None and fetch.total else None
+            # Each tier's bytes over its copies' own time (every rank's of both), not
+            # over the wall clock: an idle server would otherwise look slow.
+            l2_gbps = self._gbps(K.LOADED_BYTES, K.L2_LOAD_SECONDS)
+            l3_gbps = self._gbps(K.L3_BYTES_READ, K.L3_FETCH_SECONDS)
         # A load reads L2's pages from L2 and what L2 lacks from L3.
         from_l3 = max(0, l3_pages - l2_pages)
         return {

@@ -54,10 +54,8 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 
 def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One case in this process: its engine, the whole load, the engine closed."""
-    from vllm import SamplingParams, TokensPrompt
-
     from hicache.integration.models.tiny_model import ensure_tiny_model
-    from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
+    from hicache.integration.vllm.engine import EngineSpec, close_llm, greedy_params, open_llm
     from hicache.integration.vllm.null_connector import TRANSFER_CONFIG
 
     kind, small = CASES[name]
@@ -68,10 +66,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         num_blocks=args.small_l1_blocks if small else args.l1_blocks,
         max_num_seqs=args.concurrency, dtype="bfloat16", in_process=True))
     try:
-        load = [TokensPrompt(prompt_token_ids=p) for p in prompts(args)]
-        sampling = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        load = [{"prompt_token_ids": p} for p in prompts(args)]
         t0 = time.perf_counter()
-        outs = llm.generate(load, sampling, use_tqdm=False)
+        outs = llm.generate(load, greedy_params(args.output_len), use_tqdm=False)
         seconds = time.perf_counter() - t0
     finally:
         close_llm(llm)

@@ -1,7 +1,10 @@
 """tiers/controller/admin.py: the gauges ranks report (queue depths, an open L3 breaker)
-are kept per rank and shown summed, in /stats and in the admin /metrics."""
+are kept per rank and shown summed, in /stats and in the admin /metrics; /lookup's
+bandwidths come from the copies' own time."""
 
 from __future__ import annotations
+
+import pytest
 
 from hicache.integration.admin.metrics import render_metrics
 from hicache.tiers.controller.admin import SchedulerAdmin
@@ -10,6 +13,7 @@ from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.metrics import WorkerGauge as G
+from hicache.tiers.metrics import WorkerKey as K
 
 GEOM = PoolGeometry(num_slots=8, num_layers=2, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("m", "f32", "cpu", 8, 1)
@@ -58,3 +62,17 @@ def test_open_breakers_are_counted_per_rank_in_stats_and_metrics():
     assert 'hicache_tier_unreachable_ranks{tier="l3"} 2.0' in render_metrics(stats)
     a.record_worker_report(WorkerReport(gauges={1: {G.L3_BREAKER_OPEN: 0.0}}))
     assert a.stats()["tiers"]["l3"]["unreachable_ranks"] == 1
+
+
+def test_lookup_costs_each_tier_by_its_copies_own_time_not_the_wall_clock():
+    """A CPU server answered ``"load_gbps": {"l2": 0.0038, "l3": 2.48}``: L2's bytes
+    over a 10 s window of mostly idle time. Two ranks load 64 KiB each in 20 and 30 us:
+    2.62 GB/s, however long the server then idles; L3 likewise from its fetches."""
+    a = admin()
+    assert a.lookup([1, 2, 3], None)["load_gbps"] == {"l2": None, "l3": None}
+    a.record_worker_report(WorkerReport(
+        counters={K.LOADED_BYTES: 2 * 65536, K.L3_BYTES_READ: 10**6},
+        observations={K.L2_LOAD_SECONDS: [2e-5, 3e-5], K.L3_FETCH_SECONDS: [1e-3]}))
+    got = a.lookup(list(range(40)), None)
+    assert got["load_gbps"]["l2"] == pytest.approx(2 * 65536 / 5e-5 / 1e9)
+    assert got["load_gbps"]["l3"] == pytest.approx(1.0)
