@@ -260,6 +260,17 @@ def test_prefetch_on_an_idle_engine_reaches_l2_before_the_turn_returns(live, bas
     assert list(back.outputs[0].token_ids) == answer
     assert tiers(client)["l3"]["pages_loaded"] == loaded  # nothing read at admission
 
+    # /lookup costs L2 by the loads' own copy time, as this engine measured it.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    copy_s = {s.name: s.value for f in text_string_to_metric_families(
+        client.get("/metrics").text) for s in f.samples}["hicache_l2_load_seconds_sum"]
+    r = client.get("/lookup", params={"prefix": ",".join(map(str, prompt))},
+                   headers={"Authorization": f"Bearer {TOKEN}"})
+    gbps = r.json()["load_gbps"]["l2"]
+    assert copy_s > 0 and gbps == pytest.approx(
+        tiers(client)["l2"]["bytes_loaded"] / copy_s / 1e9, rel=1e-3)
+
 
 def test_fuzz_the_live_admin_api_finds_no_server_error(live):
     """schemathesis-generated requests (valid and invalid) against the real target:
