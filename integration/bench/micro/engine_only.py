@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hicache.integration.bench.micro.rounds import alternate, pick_cases
+
 CASES = {  # name -> (connector, small L1)
     "null": ("null", False),
     "hicache": ("hicache", False),
@@ -152,19 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         print(json.dumps(run_one(args.one, args)), flush=True)
         return
-    names = [n for n in args.cases.split(",") if n]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        p.error(f"--cases: unknown {unknown}; allowed: {', '.join(CASES)}")
+    names = pick_cases(p, args.cases, CASES)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    runs = [(r, n) for r in range(1, args.rounds + 1) for n in names]
-    for i, (round_, name) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] round {round_}: {name} ...", flush=True)
-        rows.append({"round": round_,
-                     **run_case(name, args, out / f"{name}-r{round_}.log")})
-        print(f"    {rows[-1]}", flush=True)
+    rows = alternate(names, args.rounds, lambda round_, name: {
+        "round": round_, **run_case(name, args, out / f"{name}-r{round_}.log")})
     add_ratios(rows)
     (out / "engine_only.json").write_text(json.dumps({"args": vars(args), "rows": rows},
                                                      indent=2))

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.integration.bench.compare import stop_server, wait_ready
 from hicache.integration.bench.metrics_poll import MetricsPoller
+from hicache.integration.bench.micro.rounds import alternate, pick_cases
 from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.bench.systems import (
     CompareConfig,
@@ -252,18 +253,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench_results/serve-overhead")
     args = p.parse_args(argv)
     known = {c.name: c for c in CASES}
-    names = [n for n in args.cases.split(",") if n]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        p.error(f"--cases: unknown {unknown}; allowed: {', '.join(known)}")
+    names = pick_cases(p, args.cases, known)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    runs = [(r, name) for r in range(1, args.rounds + 1) for name in names]
-    for i, (round_, name) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] round {round_}: {name} ...", flush=True)
-        rows.append({"round": round_, **run_case(known[name], round_, args, out)})
-        print(f"    {rows[-1]}", flush=True)
+    rows = alternate(names, args.rounds, lambda round_, name: {
+        "round": round_, **run_case(known[name], round_, args, out)})
     add_ratios(rows)
     (out / "serve_overhead.json").write_text(json.dumps({"args": vars(args), "rows": rows},
                                                         indent=2))

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.integration.bench.compare import stop_server, wait_ready
 from hicache.integration.bench.metrics_poll import MetricsPoller
+from hicache.integration.bench.micro.rounds import alternate, pick_cases
 from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.bench.replay import (
     LoadedTrace,
@@ -258,10 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench_results/trace-replay")
     args = p.parse_args(argv)
     known = {c.name: c for c in CASES}
-    names = [n for n in args.cases.split(",") if n]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        p.error(f"--cases: unknown {unknown}; allowed: {', '.join(known)}")
+    names = pick_cases(p, args.cases, known)
     if not args.trace.exists():
         p.error(f"--trace {args.trace}: no such file (the traces live in ../shared/traces)")
     try:
@@ -280,12 +278,8 @@ def main(argv: list[str] | None = None) -> None:
           f"floor L1 {all_blocks} blocks", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    runs = [(r, n) for r in range(1, args.rounds + 1) for n in names]
-    for i, (round_, name) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] round {round_}: {name} ...", flush=True)
-        rows.append(run_case(known[name], round_, args, trace, out, all_blocks))
-        print(f"    {rows[-1]}", flush=True)
+    rows = alternate(names, args.rounds, lambda round_, name: run_case(
+        known[name], round_, args, trace, out, all_blocks))
     add_ratios(rows)
     summary = medians(rows)
     (out / "trace_replay.json").write_text(json.dumps(
