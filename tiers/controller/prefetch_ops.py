@@ -86,6 +86,7 @@ class PrefetchOps:
             if op.prompt != prompt:
                 raise OpConflict(f"prefetch id {op_id!r} already names another prompt")
             return self._view(op), 0
+        self._trim()  # before a read of this prompt can reuse an ended read's id
         if self.running() >= self.max_running:
             raise OpConflict(f"{self.max_running} prefetches are queued or running: wait "
                              "for one to end or cancel one (DELETE /prefetch/{id})")
@@ -140,6 +141,12 @@ class PrefetchOps:
         return op.view(self._state(op))
 
     def _trim(self) -> None:
-        ended = [k for k, op in self._ops.items() if op.fetched is not None]
+        """Record the outcome of every operation whose read ended (asked for or not),
+        then keep the newest ``keep`` ended ones."""
+        ended = []
+        for op_id, op in self._ops.items():
+            self._state(op)
+            if op.fetched is not None:
+                ended.append(op_id)
         for op_id in ended[: max(0, len(ended) - self.keep)]:
             del self._ops[op_id]

@@ -530,7 +530,7 @@ class HiCacheScheduler:
         until = time.time() + ttl_s if ttl_s > 0 else 0.0
         objects = [*self.groups.l3_page_keys(keys),
                    *map(PageKey, self.l2.spans.object_keys(keys))]
-        self._commands.append(RetainPages(tuple(objects), until))
+        self.queue_command(RetainPages(tuple(objects), until))
 
     def finish_request(self, request: SchedulerRequest, block_ids: GroupBlockIds
                        ) -> tuple[bool, dict[str, Any] | None, dict[str, list[float]]]:

@@ -415,3 +415,27 @@ def test_ended_operations_are_kept_up_to_a_bound(tmp_path):
         admin.prefetch([5, 6, 7], None, op_id=op_id)
     assert admin.prefetches.status("a") is None
     assert admin.prefetches.status("c")["status"] == "done"
+
+
+def test_operations_nobody_asked_about_are_recorded_and_trimmed_too(tmp_path):
+    """An operation whose read ended is recorded when the next one starts, asked for
+    or not, so the kept ones stay bounded; and a later read of the same prompt (the
+    same fetch id) does not change what the earlier operation reports."""
+    sched = make(tmp_path)
+    admin = _admin(sched)
+    admin.prefetches.keep = 1
+    admin.prefetch(TOKENS, None, op_id="first")
+    (fetch,) = sched.build_connector_meta({}).fetches
+    sched.on_worker_report(WorkerReport(fetched={fetch.req_id: [3]}))  # never asked
+    assert sched.l2.reset() and sched.tree.peek(keys_of(NS.seed(), TOKENS, PAGE)) == 0
+    admin.prefetch(TOKENS, None, op_id="second")  # the same prompt: the same fetch id
+    assert admin.prefetches.status("first") == {**admin.prefetches.status("first"),
+                                                "status": "failed", "fetched_pages": 3}
+    (again,) = sched.build_connector_meta({}).fetches
+    assert again.req_id == fetch.req_id
+    sched.on_worker_report(WorkerReport(fetched={again.req_id: [4]}))
+    assert admin.prefetches.status("first")["fetched_pages"] == 3
+    admin.prefetch([5, 6, 7], None, op_id="third")  # ends at once: "first" goes
+    assert admin.prefetches.status("first") is None
+    assert admin.prefetches.status("second") is None  # keep=1: only the newest
+    assert admin.prefetches.status("third")["status"] == "done"
