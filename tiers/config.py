@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveInt,
     SecretStr,
     ValidationError,
@@ -94,6 +95,12 @@ class HiCacheConfig(Settings):
     # "Back up what will return").
     hicache_l3_admission: L3AdmissionName = Field(
         "all", description="which pages L2 stores are backed up to L3")
+    # Pages L2 holds and L3 lacks (L3 flushed or attached at run time, a failed
+    # backup) are backed up in the background, hottest first, while the workers'
+    # L3 I/O is idle (tiers/controller/catch_up.py).
+    hicache_l3_catch_up_pages: NonNegativeInt = Field(
+        64, description="pages L2 holds and L3 lacks that may be queued for backup at "
+        "once, while L3 I/O is idle; 0 = back up only what L2 newly stores")
     # SGLang's current default is page_first.
     hicache_mem_layout: MemLayoutName = Field(
         "page_first", description="byte layout of the L2 host pool")

@@ -168,6 +168,12 @@ METRICS: tuple[MetricSpec, ...] = (
           "Pages read from the tier that failed verification."),
     _tier("indexed_pages", "indexed_pages", "gauge",
           "Pages the HiRadixTree records in the tier (L3: what this engine knows it holds)."),
+    _tier("backlog_pages", "backlog_pages", "gauge",
+          "Pages L2 holds that the tier lacks and that the catch-up will back up (L3; "
+          "as of its last scan, those in flight included)."),
+    _tier("catch_up_pages", "catch_up_pages", "counter",
+          "Pages L2 held and the tier lacked that the catch-up queued for backup (L3: "
+          "after a flush or attach of L3, a failed backup)."),
     _tier("unreachable_ranks", "unreachable_ranks", "gauge",
           "TP ranks whose circuit breaker for the tier is open: their store stopped "
           "answering, their calls fail at once and their hits are recomputed (L3)."),

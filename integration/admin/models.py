@@ -234,6 +234,15 @@ class TierStats(BaseModel):
     unreachable_ranks: int | None = Field(
         None, description="L3: TP ranks whose circuit breaker is open (the store stopped "
         "answering; their L3 hits are recomputed)")
+    indexed_pages: int | None = Field(
+        None, description="L3: pages the HiRadixTree records in L3 (what this engine "
+        "knows it holds)")
+    backlog_pages: int | None = Field(
+        None, description="L3: pages L2 holds and L3 lacks that the catch-up will back "
+        "up (as of its last scan, those in flight included)")
+    catch_up_pages: int | None = Field(
+        None, description="L3: pages the catch-up queued for backup since start (after "
+        "an L3 flush or attach, a failed backup)")
 
 
 class StatsResponse(BaseModel):

@@ -318,6 +318,9 @@ class SimEngine:
                 write_threshold=config.write_threshold, storage=self.l3,  # type: ignore[arg-type]
                 prefetch={"prefetch_threshold": config.prefetch_threshold},
                 clock=lambda: self._now, eviction=self._oracle,
+                # The simulated store takes every store at once (``_backup``): L3
+                # never lacks a page L2 holds, so there is nothing to catch up.
+                catch_up_pages=0,
             )
         self._tokens = TokenSource()
         self._prepared: dict[int, tuple[SimRequest, list[PageKey]]] = {}

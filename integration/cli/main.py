@@ -204,7 +204,7 @@ def stats_table(stats: dict[str, Any]) -> Table:
     for col in (
         "tier", "pages used/cap", "bytes used/cap", "hits", "misses", "hit rate", "evictions",
         "loaded pages", "loaded", "saved pages", "saved", "load GB/s", "save GB/s", "corrupt",
-        "down ranks",
+        "down ranks", "backlog",
     ):
         table.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
     tiers = stats.get("tiers") or {}
@@ -226,6 +226,7 @@ def stats_table(stats: dict[str, Any]) -> Table:
             _num(t.get("recent_save_gbps")),
             _num(t.get("corrupt_pages")),
             _num(t.get("unreachable_ranks")),
+            _num(t.get("backlog_pages")),
         )
     return table
 

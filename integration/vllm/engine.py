@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -150,6 +151,21 @@ def close_llm(llm: Any) -> None:
         engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def kill_engine_core(llm: Any) -> list[int]:
+    """SIGKILL the engine-core processes of a multiprocess engine (a crash: nothing
+    is flushed or closed) and wait for them to die; returns their pids. The caller
+    still calls ``close_llm`` to release the front end."""
+    manager = getattr(llm.llm_engine.engine_core.resources, "engine_manager", None)
+    procs = list(getattr(manager, "processes", []))
+    if not procs:
+        raise RuntimeError("kill_engine_core needs a multiprocess engine (in_process=False)")
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.join(timeout=30)
+    return [proc.pid for proc in procs]
 
 
 def scheduler_connector(llm: Any) -> Any:

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, WORKLOAD, history_lengths
+from support.admin_http import TOKEN, held, post, tiers, wait_for
 from typer.testing import CliRunner
 
 from hicache.integration.bench.mooncake_service import free_port
@@ -24,7 +25,6 @@ from hicache.integration.vllm.engine import EngineSpec, close_llm, greedy_params
 
 pytestmark = pytest.mark.engine
 
-TOKEN = "s3cret-admin-token"
 CONVS = 4
 SHARED_PAGES = WORKLOAD.shared_prefix_tokens // BLOCK_SIZE
 
@@ -48,18 +48,8 @@ def live(tiny_model, tmp_path_factory):
         close_llm(llm)
 
 
-def post(client, path, body=None):
-    return client.post(path, json=body or {}, headers={"Authorization": f"Bearer {TOKEN}"})
-
-
 def prompt_pages(prompts):
     return [(len(p) - 1) // BLOCK_SIZE for p in prompts]
-
-
-def tiers(client):
-    r = client.get("/stats")
-    assert r.status_code == 200
-    return r.json()["tiers"]
 
 
 @pytest.fixture(scope="module")
@@ -203,22 +193,6 @@ def test_tree_view(live, turns):
     assert r.status_code == 200, r.text
     view = r.json()
     assert view["page_size"] == BLOCK_SIZE and view["total_pages"] >= 0
-
-
-def held(client, prompt) -> dict[str, int]:
-    """The leading tokens of ``prompt`` L2 and L3 hold (``GET /lookup``)."""
-    r = client.get("/lookup", params={"prefix": ",".join(map(str, prompt))},
-                   headers={"Authorization": f"Bearer {TOKEN}"})
-    assert r.status_code == 200, r.text
-    return r.json()["tokens"]
-
-
-def wait_for(done, what: str, limit_s: float = 120) -> None:
-    """Poll ``done`` (a hang guard, not a timing assertion)."""
-    deadline = time.monotonic() + limit_s
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def test_prefetch_on_an_idle_engine_reaches_l2_before_the_turn_returns(live, baseline):

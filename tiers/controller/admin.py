@@ -183,6 +183,7 @@ class SchedulerAdmin:
             l2_used, l2_cap = s.slots.num_used, s.slots.capacity
             inflight = len(s.fetches.in_flight)
             l3_indexed = s.tree.l3_pages()
+            backlog = s.catch_up.backlog
             pins = s.pins.stats()
             counters = st.as_dict()
         with self._lock:
@@ -215,6 +216,8 @@ class SchedulerAdmin:
                 "bytes_saved": int(w.get(K.L3_BYTES_WRITTEN, 0)),
                 "corrupt_pages": int(w.get(K.L3_CORRUPT_PAGES, 0)),
                 "indexed_pages": l3_indexed,
+                "backlog_pages": backlog,
+                "catch_up_pages": counters["l3_catch_up_pages"],
                 "unreachable_ranks": int(g.get(G.L3_BREAKER_OPEN, 0)),
             }
         return {
@@ -439,6 +442,7 @@ class SchedulerAdmin:
         with s.lock:
             old, s.storage = s.storage, instance
             self.storage_name = backend
+            s.l3_changed()
         self._queue_command(AttachStore(backend, dict(extra_config)))
         if old is not None:
             old.close()
@@ -451,6 +455,7 @@ class SchedulerAdmin:
                 raise Conflict("no L3 storage backend is attached")
             old, s.storage = s.storage, None
             name, self.storage_name = self.storage_name, None
+            s.l3_changed()
         self._queue_command(DetachStore())
         old.close()
         return {"detached": name, "workers": "at the next engine step: queued backups are "

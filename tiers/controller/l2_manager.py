@@ -317,6 +317,12 @@ class L2Manager:
         self.slots.free(dropped.freed_slots)
         return dropped
 
+    def forget_l3(self) -> None:
+        """Forget what the tree knows of L3 (another store was attached, or none):
+        L3-only pages leave the tree, L2 pages are no longer marked in L3."""
+        if self.l3_index:
+            self.drop(list(self.tree.root.children.values()), l2=False, l3=True)
+
     def report_bad_slots(self, slots: Iterable[int]) -> None:
         self._bad_slots.update(slots)
 

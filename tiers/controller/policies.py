@@ -277,6 +277,10 @@ class L3Admission(ABC):
         them) of the pages to back up now."""
         return []
 
+    def wants(self, key: PageKey) -> bool:
+        """Whether a page L2 holds belongs in L3 (the catch-up backs up only these)."""
+        return True
+
 
 class AdmitAll(L3Admission):
     """Every page stored in L2 goes to L3 behind its store."""
@@ -319,6 +323,9 @@ class AdmitReused(L3Admission):
         for key in keys[n:]:
             self._remember(key, self._seen.get(key, False))
         return n
+
+    def wants(self, key: PageKey) -> bool:
+        return self._seen.get(key, False)
 
     def reused(self, keys: Sequence[PageKey]) -> list[int]:
         out = [i for i, key in enumerate(keys) if not self._seen.get(key, False)]

@@ -11,6 +11,8 @@ module of its own, which states its contract:
   loads.py       the read path: which blocks of a hit come from which L2 slot
   fetches.py     L3: the lookup past the L2 match and the fetches in flight
   prefetches.py  L3 -> L2 prefetch of requests waiting in vLLM's queue
+  catch_up.py    L2 pages L3 lacks (after an L3 flush, attach, failed backup),
+                 backed up in the background
   events.py      L2's and L3's KV events (pages stored / removed) for vLLM's publisher
   flush.py       the admin's flush and prefix keys
   policies.py    write / prefetch / eviction policies, chosen by name
@@ -49,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hicache.tiers.controller.catch_up import DEFAULT_MAX_IN_FLIGHT, L3CatchUp
 from hicache.tiers.controller.events import PageEvent, PageEvents
 from hicache.tiers.controller.fetches import L3Fetches, L3Store
 from hicache.tiers.controller.flush import Flusher, PrefixHasher, StandInPrefixHasher
@@ -81,6 +84,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
 from hicache.tiers.index.spans import SpanLayout, pages_per_object
 from hicache.tiers.l2.geometry import PoolGeometry
+from hicache.tiers.metrics import WorkerGauge as G
 
 if TYPE_CHECKING:
     from hicache.tiers.config import HiCacheConfig
@@ -128,6 +132,7 @@ class HiCacheScheduler:
         retain_max_share: float = PIN_MAX_SHARE,
         clock: Callable[[], float] = time.monotonic,
         eviction: EvictionPolicy | None = None,
+        catch_up_pages: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
         """``background_lookups``: L3 lookups of stores that allow it run on
         probe threads (fetches.py); False asks every store inline (tests).
@@ -139,7 +144,8 @@ class HiCacheScheduler:
         MLA, whose ranks share one shard): a page is in L3 once all reported it.
         ``retain_max_share``: share of L2 that pins (``retain_s``, admin pins) may
         hold (pins.py). ``eviction``: what makes room in L2 (default the configured
-        LRU; the simulator's oracle replaces it)."""
+        LRU; the simulator's oracle replaces it). ``catch_up_pages``: L2 pages L3
+        lacks that may be queued for backup at once (catch_up.py; 0 = none)."""
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -197,6 +203,10 @@ class HiCacheScheduler:
             self.fetches, self.requests, self.stats, page_size=page_size,
             capacity_pages=geometry.num_slots, clock=clock)
         self.prefetch_at_arrival = prefetch_at_arrival
+        self.catch_up = L3CatchUp(self.l2, self.stores.l3_admission, self.stats,
+                                  max_in_flight=catch_up_pages, clock=clock)
+        # rank -> pages waiting in its L3 backup queue, as it last reported.
+        self._backup_queues: dict[int, float] = {}
         # L3 commands of its own for every worker (retention), with the next plan.
         self._commands: list[StorageCommand] = []
         # Finished requests' retain_s outcome (pages pinned, or why not), for the
@@ -237,7 +247,8 @@ class HiCacheScheduler:
             prefix_hasher=prefix_hasher, groups=shape.groups, background_lookups=True,
             prefetch_at_arrival=config.hicache_prefetch_at_arrival, kv_events=kv_events,
             async_stores=shape.async_stores, l3_writers=1 if shape.is_mla else shape.tp_size,
-            retain_max_share=config.hicache_retain_max_share)
+            retain_max_share=config.hicache_retain_max_share,
+            catch_up_pages=config.hicache_l3_catch_up_pages)
 
     def close(self) -> None:
         """Stop the L3 probe threads and close the scheduler's L3 view."""
@@ -445,11 +456,18 @@ class HiCacheScheduler:
                     for state in map(self.requests.get, preempted))
         stores, release = self.stores.plan_step(self.requests, num_scheduled_tokens, self._seq,
                                               handoffs)
+        backups = self.l2.take_backups()
+        self.catch_up.note_planned(stores)
+        self.catch_up.note_planned(backups)
+        if self.storage is not None:  # L2 pages L3 lacks, while its I/O is idle
+            self.l2.back_up(self.catch_up.plan(io_idle=not self.fetches.in_flight and not any(
+                self._backup_queues.values())))
+            backups += self.l2.take_backups()
         # Loads are taken (and their prefixes unlocked) after the stores are
         # planned: the eviction that makes room for a store must spare them.
         plan = StepPlan(loads=self.loads.take(), stores=stores, release_after_store=release,
                         fetches=self.fetches.take(), seq=self._seq, flush_stores=flush,
-                        storage_commands=self._commands, backups=self.l2.take_backups())
+                        storage_commands=self._commands, backups=backups)
         self._commands = []
         self.l2.release_planned_stores()  # their copies are in this plan
         return plan
@@ -563,6 +581,9 @@ class HiCacheScheduler:
         self.l2.report_bad_slots(report.bad_slots)
         if report.l3_stored:
             self._count_backups(report.l3_stored)
+        for rank, gauges in report.gauges.items():
+            if G.L3_BACKUP_QUEUE_PAGES in gauges:
+                self._backup_queues[rank] = gauges[G.L3_BACKUP_QUEUE_PAGES]
         self.stores.on_stores_done(report.stores_done)
         self.fetches.on_report(report.fetched)
         self.prefetches.settle()
@@ -570,7 +591,9 @@ class HiCacheScheduler:
     def _count_backups(self, stored: Mapping[int, list[bytes]]) -> None:
         """Mark the pages every writing rank has backed up as in L3 (the tree)."""
         if self.l3_writers == 1:
-            self.l2.backed_up([PageKey(k) for keys in stored.values() for k in keys])
+            keys = [PageKey(k) for ks in stored.values() for k in ks]
+            self.l2.backed_up(keys)
+            self.catch_up.backed_up(keys)
             return
         votes, done = self._backup_votes, []
         for rank, keys in stored.items():
@@ -583,6 +606,7 @@ class HiCacheScheduler:
         while len(votes) > MAX_BACKUP_VOTES:  # a rank whose backup failed never votes
             votes.popitem(last=False)
         self.l2.backed_up(done)
+        self.catch_up.backed_up(done)
 
     def take_events(self) -> list[PageEvent]:
         """L2's and L3's KV events since the last call (events.py; [] unless enabled)."""
@@ -594,7 +618,15 @@ class HiCacheScheduler:
     def has_worker_work(self) -> bool:
         """Work the workers have yet to receive or report: stores, fetches (admin
         prefetches too) and L3 commands. The connector keeps vLLM stepping meanwhile."""
-        return self.stores.has_pending() or bool(self.fetches.in_flight or self._commands)
+        return (self.stores.has_pending() or bool(self.fetches.in_flight or self._commands)
+                or (self.storage is not None and self.catch_up.has_work()))
+
+    def l3_changed(self) -> None:
+        """Another L3 store was attached, or none: what the tree knew of L3 is
+        forgotten, and the catch-up backs L2 up to the new one (catch_up.py)."""
+        self.l2.forget_l3()
+        self._backup_votes.clear()
+        self.catch_up.reset()
 
     def reset(self) -> bool:
         """Drop every L2 page (vLLM's reset_prefix_cache); False if pages are in use."""
@@ -614,8 +646,11 @@ class HiCacheScheduler:
         """Drop cached pages from L2 and plan their removal from L3: all of them, or
         those below ``prefix``. Returns (L2 counts, the L3 operation or None);
         see flush.py for which pages and what the caller does with the operation."""
-        return self.flusher.flush(tiers, prefix, cache_salt, lora_name,
-                                  release=self.pins.release_under)
+        counts, l3_op = self.flusher.flush(tiers, prefix, cache_salt, lora_name,
+                                           release=self.pins.release_under)
+        if l3_op is not None:  # the workers drop the queued backups of those pages
+            self.catch_up.reset()
+        return counts, l3_op
 
     def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
                lora_name: str | None = None, keep_tokens: int = 0,

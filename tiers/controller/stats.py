@@ -53,6 +53,8 @@ class SchedulerStats:
     l3_miss_pages: int = 0
     flushed_l2_pages: int = 0
     flushed_l3_pages: int = 0
+    # Pages L2 held and L3 lacked that the catch-up queued for backup (catch_up.py).
+    l3_catch_up_pages: int = 0
     flush_skipped_locked: int = 0
     max_used_slots: int = 0
     # External tokens granted to each live request (dropped when it finishes).

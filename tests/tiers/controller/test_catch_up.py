@@ -1,0 +1,172 @@
+"""L3 catch-up on the scheduler, without an engine (tiers/controller/catch_up.py).
+
+Pages L2 holds and L3 lacks -- after an L3 flush or attach, a failed backup --
+are backed up with later plans, hottest first, parents first, at most
+``catch_up_pages`` in flight, only while the workers' L3 I/O is idle, never
+twice while a backup is in flight, retried after ``retry_s`` a bounded number
+of times. The store is the real file backend; the clock is injected.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.fakes import file_store, request
+
+from hicache.tiers.config import HiCacheConfig
+from hicache.tiers.controller.catch_up import MAX_TRIES
+from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.index.plans import RequestFetch, WorkerReport
+from hicache.tiers.l2.geometry import PoolGeometry
+from hicache.tiers.metrics import WorkerGauge as G
+
+BS, PAGE = 4, 8
+NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(tmp_path, clock: Clock, slots: int = 16, **kw) -> HiCacheScheduler:
+    geometry = PoolGeometry(num_slots=slots, num_layers=2, blocks_per_page=2, block_bytes=64)
+    tables: dict[str, list[int]] = {}
+    sched = HiCacheScheduler(
+        geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: [tables[rid]], storage=file_store(tmp_path, NS, geometry),
+        prefetch={"prefetch_threshold": 0}, clock=clock, **kw)
+    sched.tables = tables  # type: ignore[attr-defined]
+    return sched
+
+
+def tokens_of(base: int, pages: int) -> list[int]:
+    return list(range(base, base + pages * PAGE + 1))  # full pages + one token
+
+
+def compute(sched: HiCacheScheduler, rid: str, tokens: list[int]) -> list[bytes]:
+    """A request with no hit computes its prompt; returns the keys its plan stores."""
+    req = request(rid, tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = list(range(1, len(tokens) // BS + 2))
+    sched.update_state_after_alloc(req, [blocks], 0)
+    sched.tables[rid] = blocks  # type: ignore[attr-defined]
+    plan = sched.build_connector_meta({rid: len(tokens)})
+    req.num_computed_tokens = len(tokens)
+    return [p.key for p in plan.stores]
+
+
+def report(sched: HiCacheScheduler, keys, queue: float = 0) -> None:
+    sched.on_worker_report(WorkerReport(
+        l3_stored={0: list(keys)}, gauges={0: {G.L3_BACKUP_QUEUE_PAGES: queue}}))
+
+
+def backups(sched: HiCacheScheduler) -> list[bytes]:
+    return [p.key for p in sched.build_connector_meta({}).backups]
+
+
+def flushed_l3(sched: HiCacheScheduler) -> None:
+    _, op = sched.flush({"l3"}, None)
+    assert op is not None
+
+
+def test_after_an_l3_flush_l2_is_backed_up_again_in_bounded_batches(tmp_path):
+    clock = Clock()
+    sched = make(tmp_path, clock, catch_up_pages=3)
+    keys = compute(sched, "a", tokens_of(100, 5))
+    report(sched, keys)
+    assert sched.tree.l3_pages() == 5 and backups(sched) == []  # nothing lacking
+    flushed_l3(sched)
+    assert sched.tree.l3_pages() == 0
+    first = backups(sched)
+    assert first == keys[:3]  # parents first, at most 3 in flight
+    assert sched.catch_up.backlog == 5 and sched.has_worker_work()
+    assert backups(sched) == []  # no room until the workers report
+    report(sched, first)
+    assert backups(sched) == keys[3:]
+    report(sched, keys[3:])
+    assert backups(sched) == [] and sched.tree.l3_pages() == 5
+    assert sched.catch_up.backlog == 0 and not sched.has_worker_work()
+    assert sched.stats.l3_catch_up_pages == 5
+
+
+def test_hottest_conversation_first(tmp_path):
+    clock = Clock()
+    sched = make(tmp_path, clock, catch_up_pages=2)
+    old = compute(sched, "old", tokens_of(100, 2))
+    clock.now += 5
+    new = compute(sched, "new", tokens_of(500, 2))
+    flushed_l3(sched)
+    assert backups(sched) == new
+    report(sched, new)
+    assert backups(sched) == old
+
+
+def test_waits_for_idle_io_and_never_doubles_a_backup_in_flight(tmp_path):
+    clock = Clock()
+    sched = make(tmp_path, clock)
+    keys = compute(sched, "a", tokens_of(100, 3))
+    # The stores' own backups are in flight: not queued again.
+    assert backups(sched) == []
+    flushed_l3(sched)  # ...until L3 is flushed: the workers drop them
+    report(sched, [], queue=7)  # a rank's backup queue is busy
+    assert backups(sched) == []
+    sched.fetches.in_flight["r"] = RequestFetch("r", (), ())  # a fetch runs
+    report(sched, [], queue=0)
+    assert backups(sched) == []
+    del sched.fetches.in_flight["r"]
+    assert backups(sched) == keys
+
+
+def test_a_failed_backup_is_retried_a_bounded_number_of_times(tmp_path):
+    clock = Clock()
+    sched = make(tmp_path, clock)
+    keys = compute(sched, "a", tokens_of(100, 2))  # their backups never report
+    assert backups(sched) == []
+    for _ in range(MAX_TRIES):
+        clock.now += sched.catch_up.retry_s
+        assert backups(sched) == keys
+    clock.now += sched.catch_up.retry_s
+    assert backups(sched) == [] and not sched.has_worker_work()
+    # Another store attached: the catch-up starts over.
+    sched.l3_changed()
+    assert backups(sched) == keys
+
+
+def test_attaching_another_store_forgets_what_the_tree_knew_of_l3(tmp_path):
+    clock = Clock()
+    sched = make(tmp_path, clock, slots=2)
+    first = compute(sched, "a", tokens_of(100, 2))
+    report(sched, first)
+    compute(sched, "b", tokens_of(500, 2))  # evicts a's pages: L3-only now
+    assert sched.tree.l3_only_pages() == 2
+    sched.l3_changed()
+    assert sched.tree.l3_pages() == 0 and sched.tree.total_pages() == 2
+    sched.tree.check_invariants()
+
+
+def test_reused_admission_catches_up_only_pages_it_admitted(tmp_path):
+    clock = Clock()
+    sched = make(tmp_path, clock, l3_admission="reused")
+    once = compute(sched, "once", tokens_of(100, 2))
+    assert backups(sched) == []
+    flushed_l3(sched)
+    assert backups(sched) == []  # computed once: L2 only
+    clock.now += sched.catch_up.rescan_s
+    # A second request reaches them: admitted, backed up with the next plan.
+    req = request("again", tokens_of(100, 2))
+    assert sched.get_num_new_matched_tokens(req, 0)[0] == 2 * PAGE
+    assert backups(sched) == once
+
+
+def test_off_with_zero_pages_and_bad_values_name_the_key(tmp_path):
+    clock = Clock()
+    sched = make(tmp_path, clock, catch_up_pages=0)
+    compute(sched, "a", tokens_of(100, 2))
+    flushed_l3(sched)
+    assert backups(sched) == [] and not sched.has_worker_work()
+    with pytest.raises(ValueError, match="hicache_l3_catch_up_pages"):
+        HiCacheConfig.from_extra_config({"hicache_l3_catch_up_pages": -1})

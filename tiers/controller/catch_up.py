@@ -1,0 +1,196 @@
+"""L3 catch-up: back up in the background the pages L2 holds and L3 lacks, hottest first.
+
+Contract:
+- Write-through backs a page up to L3 when L2 stores it (stores.py). A page
+  that was already in L2 when L3 was flushed or attached, whose backup failed
+  or was dropped, or that was stored while L3 was away, is never stored
+  again while it stays hot, so L3 would lack exactly the pages a restart
+  needs most. ``L3CatchUp.plan`` finds such pages in the HiRadixTree
+  (L2-resident, not known in L3, wanted by the L3 admission rule, with L3
+  keys: kv_groups.py ``l3_keys``) and returns them for the step's plan
+  (``L2Manager.back_up``: page objects, backed up from their L2 slots).
+- Order: higher eviction class first, then most recently used; a parent
+  before its children (an L3 page is only found after its whole prefix).
+- Share: a plan gets catch-up pages only while the workers' L3 I/O has
+  nothing else to do: no L3 fetch in flight, every rank's backup queue empty
+  as last reported; and at most ``max_in_flight`` of them are queued and not
+  yet reported backed up. The I/O thread runs fetches before backups
+  (tiers/l3/io_thread.py), so a fetch that arrives meanwhile waits at most
+  for the batch being written.
+- Every backup a plan carries (the stores' and the catch-up's) is in flight
+  from ``note_planned`` until the workers report it (``backed_up``) or
+  ``retry_s`` passes (a failed or dropped backup); then the page is a
+  candidate again, at most ``MAX_TRIES`` times until L3 changes (``reset``:
+  an attach, a detach or a flush of L3).
+- Cost: a scan walks the L2 part of the tree. It runs when L2 holds more
+  pages that L3 lacks than are in flight or were found unfit at the last
+  scan, and then only when the last scan left pages behind or ``rescan_s``
+  has passed since it.
+- ``backlog``: pages still to back up as of the last scan, plus those in
+  flight (``/stats`` ``tiers.l3.backlog_pages``).
+- Not for models with Mamba state groups: the tree does not index their L3
+  pages (``L2Manager.l3_index``), so there is nothing to compare.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from hicache.tiers.controller.policies import L3Admission
+from hicache.tiers.controller.stats import SchedulerStats
+from hicache.tiers.index.page_keys import PageKey
+from hicache.tiers.index.plans import PagePlan
+from hicache.tiers.index.radix_tree import TreeNode
+
+if TYPE_CHECKING:
+    from hicache.tiers.controller.l2_manager import L2Manager
+
+# Catch-up pages queued and not yet reported backed up, by default.
+DEFAULT_MAX_IN_FLIGHT = 64
+# Times a page is queued by the catch-up before it gives up on it until L3 changes.
+MAX_TRIES = 3
+# Backups remembered as in flight (the oldest are forgotten beyond this).
+MAX_TRACKED = 1 << 16
+
+
+class L3CatchUp:
+    """Which L2 pages the next plans back up to L3 (see the module docstring)."""
+
+    def __init__(self, l2: L2Manager, admission: L3Admission, stats: SchedulerStats, *,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, retry_s: float = 10.0,
+                 rescan_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be >= 0, got {max_in_flight}")
+        self.l2 = l2
+        self.admission = admission
+        self.max_in_flight = max_in_flight
+        self.retry_s = retry_s
+        self.rescan_s = rescan_s
+        self._stats = stats
+        self._clock = clock
+        # page key -> when a plan carried its backup (oldest first).
+        self._in_flight: OrderedDict[PageKey, float] = OrderedDict()
+        # The catch-up's own pages among them.
+        self._mine: set[PageKey] = set()
+        self._tries: dict[PageKey, int] = {}
+        # What the last scan saw: candidates it left for later, pages it found unfit
+        # (not admitted, no L3 keys, given up), and when it ran.
+        self._left = 0
+        self._unfit = 0
+        self._last_scan = float("-inf")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_in_flight > 0 and self.l2.l3_index
+
+    @property
+    def backlog(self) -> int:
+        """Pages to back up as of the last scan, those in flight included."""
+        return self._left + len(self._mine)
+
+    def has_work(self) -> bool:
+        """Catch-up backups are in flight or waiting for room."""
+        return self.enabled and bool(self._mine or self._left)
+
+    def note_planned(self, plans: Iterable[PagePlan]) -> None:
+        """A plan carries these pages' stores or backups: those with L3 keys are
+        in flight to L3 until reported (or ``retry_s``)."""
+        now = self._clock()
+        for plan in plans:
+            if plan.l3_keys:
+                key = PageKey(plan.key)
+                self._in_flight[key] = now
+                self._in_flight.move_to_end(key)
+        while len(self._in_flight) > MAX_TRACKED:
+            key, _ = self._in_flight.popitem(last=False)
+            self._mine.discard(key)
+
+    def backed_up(self, keys: Iterable[PageKey]) -> None:
+        """Every writing rank reported these pages stored in L3."""
+        for key in keys:
+            self._in_flight.pop(key, None)
+            self._mine.discard(key)
+            self._tries.pop(key, None)
+
+    def reset(self) -> None:
+        """L3 changed (attached, detached, flushed): what was in flight is dropped or
+        went to another store, and every page may be tried again."""
+        self._in_flight.clear()
+        self._mine.clear()
+        self._tries.clear()
+        self._left = self._unfit = 0
+        self._last_scan = float("-inf")
+
+    def plan(self, *, io_idle: bool) -> list[tuple[PageKey, int]]:
+        """(key, slot) of the L2 pages to back up with this step's plan; ``io_idle``:
+        no L3 fetch in flight and every rank's backup queue empty."""
+        if not self.enabled:
+            return []
+        now = self._clock()
+        self._expire(now)
+        room = self.max_in_flight - len(self._mine)
+        if not io_idle or room <= 0:
+            return []
+        tree = self.l2.tree
+        lacking = tree.total_pages() - (tree.l3_pages() - tree.l3_only_pages())
+        if lacking <= len(self._in_flight) + self._unfit:
+            self._left = 0
+            return []
+        if not self._left and now - self._last_scan < self.rescan_s:
+            return []
+        self._last_scan = now
+        picked = self._scan(room)
+        for key, _ in picked:
+            self._in_flight[key] = now
+            self._in_flight.move_to_end(key)
+            self._mine.add(key)
+            self._tries[key] = self._tries.get(key, 0) + 1
+        self._stats.l3_catch_up_pages += len(picked)
+        return picked
+
+    def _expire(self, now: float) -> None:
+        while self._in_flight:
+            key, since = next(iter(self._in_flight.items()))
+            if now - since < self.retry_s:
+                break
+            del self._in_flight[key]
+            self._mine.discard(key)
+
+    def _scan(self, room: int) -> list[tuple[PageKey, int]]:
+        """Up to ``room`` candidates, hottest first; sets ``_left`` and ``_unfit``."""
+        nodes = sorted(self._lacking_nodes(), key=lambda n: (n.priority, n.last_access),
+                       reverse=True)  # stable: parents stay before their children
+        picked: list[tuple[PageKey, int]] = []
+        left = unfit = 0
+        for node in nodes:
+            assert node.host_slots is not None
+            for key, slot, in_l3 in zip(node.keys, node.host_slots, node.in_l3, strict=True):
+                if in_l3 or key in self._in_flight:
+                    continue
+                if (self._tries.get(key, 0) >= MAX_TRIES or not self.admission.wants(key)
+                        or not self.l2.groups.l3_keys(key, self.l2.missing_of(slot))):
+                    unfit += 1
+                elif len(picked) < room:
+                    picked.append((key, slot))
+                else:
+                    left += 1
+        self._left, self._unfit = left, unfit
+        return picked
+
+    def _lacking_nodes(self) -> list[TreeNode]:
+        """L2-resident nodes with a page L3 lacks, parents before children (the
+        L3-only part of the tree is not walked: it only has L3-only nodes)."""
+        out: list[TreeNode] = []
+        stack = [c for c in self.l2.tree.root.children.values() if c.host_slots is not None]
+        stack.reverse()
+        while stack:
+            node = stack.pop()
+            if not all(node.in_l3):
+                out.append(node)
+            kids = [c for c in node.children.values() if c.host_slots is not None]
+            kids.reverse()
+            stack.extend(kids)
+        return out
