@@ -43,7 +43,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 MetricKind = Literal["counter", "gauge", "histogram"]
-Section = Literal["tiers", "queues", "policy", "worker", "latency"]
+Section = Literal["tiers", "queues", "sessions", "policy", "worker", "latency"]
 
 PREFIX = "hicache"
 # vLLM's /metrics names its own families "vllm:<name>"; ours follow.
@@ -180,6 +180,9 @@ METRICS: tuple[MetricSpec, ...] = (
     # Queues and configuration.
     MetricSpec(f"{PREFIX}_queue_depth", "gauge", "Items waiting in a HiCache queue.",
                "queues", EVERY_KEY, ("queue",)),
+    MetricSpec(f"{PREFIX}_sessions", "gauge",
+               "Sessions (kv_transfer_params.hicache.session_id) this engine remembers, "
+               "by state (open, closed).", "sessions", EVERY_KEY, ("state",)),
     MetricSpec(f"{PREFIX}_policy_info", "gauge",
                "Configured HiCache policies (value label), always 1.",
                "policy", EVERY_KEY, ("key", "value"), values="text"),

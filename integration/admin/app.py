@@ -84,6 +84,10 @@ from hicache.integration.admin.models import (
     PrefetchRequest,
     PrefetchResponse,
     PrefetchStatus,
+    SessionCloseRequest,
+    SessionCloseResponse,
+    SessionId,
+    SessionStatus,
     StatsResponse,
     TreeResponse,
     UnpinRequest,
@@ -367,6 +371,34 @@ def create_app(
         batch in flight (the pages it read stay in L2)."""
         value = calls.json_object("cancel_prefetch()", lambda: target.cancel_prefetch(op_id))
         return calls.validated("cancel_prefetch()", PrefetchStatus, value)
+
+    @app.get(
+        "/sessions/{session_id}",
+        response_model=SessionStatus,
+        responses=_GUARDED,
+        dependencies=[read_auth],
+        tags=["read"],
+    )
+    def get_session(session_id: SessionId) -> Any:
+        """A session: open or closed, its turns and pages, the hints it carries."""
+        value = calls.json_object("session()", lambda: target.session(session_id))
+        return calls.validated("session()", SessionStatus, value)
+
+    @app.post(
+        "/sessions/{session_id}/close",
+        response_model=SessionCloseResponse,
+        responses=_GUARDED,
+        dependencies=[write_auth],
+        tags=["write"],
+    )
+    def close_session(session_id: SessionId,
+                      body: SessionCloseRequest | None = None) -> Any:
+        """Close a session: its pins end and its own pages are evicted before any open
+        session's; with ``forget`` they leave L2 and L3 (not what others share)."""
+        forget = body.forget if body is not None else False
+        value = calls.json_object("close_session()",
+                                  lambda: target.close_session(session_id, forget))
+        return calls.validated("close_session()", SessionCloseResponse, value)
 
     @app.post(
         "/pin",

@@ -30,6 +30,8 @@ the OpenAPI schema; the JSON is exactly the model's dump):
 ``POST /prefetch``     :class:`PrefetchResponse`; ``GET`` / ``DELETE /prefetch/{id}``:
                        :class:`PrefetchStatus`
 ``POST /pin``          :class:`PinResponse`; ``DELETE /pin``: :class:`UnpinResponse`
+``GET /sessions/{id}`` :class:`SessionStatus`; ``POST /sessions/{id}/close``
+                       (:class:`SessionCloseRequest`): :class:`SessionCloseResponse`
 ``POST /storage/...``  :class:`AttachResponse` (``attached`` + more) /
                        :class:`DetachResponse` (``detached`` + more)
 errors                 :class:`ErrorResponse` ``{"detail": str}`` (401, 403,
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
@@ -151,6 +154,49 @@ class PrefetchResponse(PrefetchStatus):
     prefetch_tokens: int
     l3_tokens: int
     l2_tokens: int
+
+
+SessionId = Annotated[str, PathParam(min_length=1, max_length=256,
+                                 description="The session_id its requests carried")]
+
+
+class SessionStatus(BaseModel):
+    """``GET /sessions/{id}``: a session (its requests' ``kv_transfer_params.hicache.
+    session_id``), with the hints it carries to turns that do not set them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    session_id: str
+    open: bool
+    turns: int = Field(description="Requests that named it")
+    pages: int = Field(description="Pages of its longest finished request")
+    idle_s: float = Field(description="Seconds since its last request arrived or it closed")
+    retain_s: float | None = None
+    priority: str | None = None
+
+
+class SessionCloseRequest(BaseModel):
+    """How ``POST /sessions/{id}/close`` ends a session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    forget: bool = Field(
+        False, strict=True, description="Also remove its own pages (not what other cached "
+        "prefixes share with it) from L2 and L3, as POST /forget does")
+
+
+class SessionCloseResponse(BaseModel):
+    """``POST /sessions/{id}/close``: pins ended, and its own pages ranked below every
+    open session's (``demoted_pages``) or, with ``forget``, removed (``l2_pages``,
+    ``l3_pages``, ``skipped_locked``, ``kept_shared_pages`` as ``POST /forget``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    session_id: str
+    released_pins: int
+    demoted_pages: int | None = None
+    l2_pages: int | None = None
+    l3_pages: int | None = None
 
 
 class UnpinRequest(BaseModel):

@@ -95,6 +95,14 @@ class AdminTarget(Protocol):
         prefixes share with it); counts like ``flush``'s plus ``kept_shared_pages``."""
         ...
 
+    def session(self, session_id: str) -> dict[str, Any]:
+        """A session's state (``SessionStatus``); ``NotFound`` for an unknown id."""
+        ...
+
+    def close_session(self, session_id: str, forget: bool) -> dict[str, Any]:
+        """Close a session (``SessionCloseResponse``); ``NotFound`` for an unknown id."""
+        ...
+
     def lookup(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
         """Tokens of ``prefix`` each tier holds and the expected load time per tier
         (``LookupResponse``)."""

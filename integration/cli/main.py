@@ -442,6 +442,36 @@ def prefetch_cancel(
 
 
 @admin_app.command()
+def session(
+    session_id: Annotated[str, typer.Argument(help="The session_id its requests carried.")],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """A session: open or closed, its turns and pages, the hints it carries."""
+    _out().print_json(data=_json(request("GET", url, f"/sessions/{quote(session_id, safe='')}",
+                                         token, timeout)))
+
+
+@admin_app.command("session-close")
+def session_close(
+    session_id: Annotated[str, typer.Argument(help="The session_id its requests carried.")],
+    forget: Annotated[bool, typer.Option(
+        "--forget", help="Also remove its own pages from L2 and L3.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = 60.0,
+) -> None:
+    """Close a session: its pins end and its own pages go before any open session's."""
+    if forget and not yes:
+        typer.confirm(f"Remove session {session_id!r}'s own pages from L2 and L3?", abort=True)
+    path = f"/sessions/{quote(session_id, safe='')}/close"
+    _out().print_json(data=_json(request("POST", url, path, token, timeout,
+                                         body={"forget": forget})))
+
+
+@admin_app.command()
 def pin(
     prefix: PromptOpt,
     ttl_s: Annotated[float, typer.Option("--ttl-s", min=0.001,

@@ -175,9 +175,11 @@ def _step_until(engine, done, steps: int = 400) -> None:
 
 
 def test_admin_prefetch_and_forget_sessions_with_a_file_l3(tiny_model, tmp_path, oracle):
-    """``POST /prefetch`` while the engine steps, then ``POST /forget`` of one of four
-    conversations and a fresh engine on the same L3 (one engine start saved: the
-    suite's time)."""
+    """``POST /prefetch`` while the engine steps, then four conversations that share
+    a system prompt, each a session: one's ``retain_s`` carries to its next turn, one
+    is removed by ``POST /forget`` and one by ``POST /sessions/{id}/close`` with
+    ``forget``, and a fresh engine on the same L3 serves only the other two from it
+    (one engine start saved: the suite's time)."""
     port = free_port()
     llm = open_llm(EngineSpec(
         model=tiny_model, dtype=DTYPE, prefix_caching=False, block_size=BLOCK_SIZE,
@@ -222,7 +224,8 @@ def test_admin_prefetch_and_forget_sessions_with_a_file_l3(tiny_model, tmp_path,
         assert tokens(back) == oracle["prefetched"]["hit"]
 
         # Forget one of four conversations that share a system prompt.
-        convs = [ask(llm, p) for p in CONVERSATIONS]
+        convs = [ask(llm, p, session_id=f"conv{i}", **({"retain_s": 600} if i == 1 else {}))
+                 for i, p in enumerate(CONVERSATIONS)]
         for i, out in enumerate(convs):
             assert tokens(out) == oracle[f"conv{i}"]["miss"], i
         deadline = time.monotonic() + 120
@@ -244,6 +247,24 @@ def test_admin_prefetch_and_forget_sessions_with_a_file_l3(tiny_model, tmp_path,
         assert held(CONVERSATIONS[0])["l3"] == SYSTEM_PAGES * BLOCK_SIZE  # no more
         for other in CONVERSATIONS[1:]:
             assert held(other)["l3"] == conv_full
+
+        # Session conv1's next turn sets no hint: it keeps the retention its first set.
+        back = ask(llm, CONVERSATIONS[1], session_id="conv1")
+        assert back.kv_transfer_params["hicache"]["retained_pages"] == conv_full // BLOCK_SIZE
+        assert tokens(back) == oracle["conv1"]["hit"]
+        view = admin.get("/sessions/conv1").json()
+        assert (view["open"], view["turns"], view["retain_s"]) == (True, 2, 600), view
+        assert admin.get("/stats").json()["sessions"] == {"open": CONVS, "closed": 0}
+        r = admin.post("/sessions/conv1/close", json={"forget": True})
+        assert r.status_code == 200, r.text
+        closed = r.json()
+        assert closed["released_pins"] >= 1 and closed["l3_pages"] > 0, closed
+        assert closed["kept_shared_pages"] == SYSTEM_PAGES, closed
+        assert held(CONVERSATIONS[1]) == {"l2": SYSTEM_PAGES * BLOCK_SIZE,
+                                          "l3": SYSTEM_PAGES * BLOCK_SIZE}
+        assert admin.get("/stats").json()["sessions"] == {"open": CONVS - 1, "closed": 1}
+        r = admin.post("/sessions/nobody/close")
+        assert r.status_code == 404 and "session_id" in r.json()["detail"]
     finally:
         admin.close()
         close_llm(llm)
@@ -257,11 +278,15 @@ def test_admin_prefetch_and_forget_sessions_with_a_file_l3(tiny_model, tmp_path,
         again = [ask(fresh, p) for p in CONVERSATIONS]
     finally:
         close_llm(fresh)
-    # The forgotten one: its system prompt alone is below the L3 prefetch threshold, so
-    # nothing is loaded and it is computed afresh.
+    # The forgotten ones: a system prompt alone is below the L3 prefetch threshold, so
+    # the first is computed afresh, and the second finds only the system prompt the
+    # first stored in L2 (as in the oracle, where it followed the first too).
     assert again[0].num_cached_tokens == 0
-    assert tokens(again[0]) == oracle["conv0"]["miss"]
-    for i in range(1, CONVS):
+    assert again[1].kv_transfer_params["hicache"]["cached_tokens"] == {
+        "l1": 0, "l2": SYSTEM_PAGES * BLOCK_SIZE, "l3": 0}
+    for i in (0, 1):
+        assert tokens(again[i]) == oracle[f"conv{i}"]["miss"], i
+    for i in range(2, CONVS):
         # The system prompt from L2 (the forgotten one just stored it again), the rest
         # from L3.
         split = again[i].kv_transfer_params["hicache"]["cached_tokens"]

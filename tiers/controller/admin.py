@@ -25,7 +25,10 @@ Contract:
   (pins.py; ``stats()["pins"]`` shows them, expired ones never);
   ``forget`` removes a conversation's own pages from L2 and L3 (flush.py) the
   way ``flush`` removes a prefix's; ``lookup`` says how many leading tokens
-  of a prompt L2 and L3 hold and how long loading them should take.
+  of a prompt L2 and L3 hold and how long loading them should take;
+  ``session`` / ``close_session`` show and close a session (sessions.py:
+  closing ends its pins and ranks its own pages below every open session's,
+  or with ``forget`` removes them from L2 and L3 like ``forget``).
 - ``flush`` and ``detach_storage`` / ``attach_storage`` change the
   scheduler (and its own L3 instance) at once; the matching commands reach
   every worker with the next engine step, where queued backups of flushed
@@ -185,6 +188,7 @@ class SchedulerAdmin:
             l3_indexed = s.tree.l3_pages()
             backlog = s.catch_up.backlog
             pins = s.pins.stats()
+            sessions = s.sessions.stats()
             counters = st.as_dict()
         with self._lock:
             w = dict(self.worker_counters)
@@ -235,6 +239,7 @@ class SchedulerAdmin:
                 "write_through_threshold": self.hicache_config.hicache_write_through_threshold,
             },
             "pins": pins,
+            "sessions": sessions,
             "scheduler": {k: v for k, v in counters.items() if isinstance(v, (int, float))},
             "worker": {k: v for k, v in w.items()},
             "latency": latency,
@@ -286,6 +291,29 @@ class SchedulerAdmin:
         except ValueError as exc:  # token ids out of range
             raise BadRequest(f"prefix: {exc}") from exc
         return self._remove_from_l3(counts, l3_op, storage)
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        """A session's state (tiers/controller/sessions.py); 404 for an unknown id."""
+        s = self.scheduler
+        with s.lock:
+            session = s.sessions.get(session_id)
+            if session is None:
+                raise NotFound(_unknown_session(session_id))
+            return session.view(s.sessions.clock())
+
+    def close_session(self, session_id: str, forget: bool) -> dict[str, Any]:
+        """Close a session: its pins end and its own pages are evicted before any
+        open session's, or with ``forget`` leave L2 and L3 (the scheduler's close_session)."""
+        s = self.scheduler
+        with s.lock:
+            try:
+                counts, l3_op = s.close_session(session_id, forget)
+            except KeyError:
+                raise NotFound(_unknown_session(session_id)) from None
+            storage = s.storage
+        if forget:
+            counts = self._remove_from_l3(counts, l3_op, storage)
+        return {"session_id": session_id, **counts}
 
     def lookup(self, prefix: list[int], cache_salt: str | None) -> dict[str, Any]:
         """How many leading tokens of ``prefix`` L2 and L3 hold, and what loading
@@ -478,6 +506,12 @@ class SchedulerAdmin:
 
 
 MAX_CHILDREN = 32
+
+
+def _unknown_session(session_id: str) -> str:
+    return (f"session_id {session_id!r}: no such session (a session starts with a request "
+            "whose kv_transfer_params.hicache.session_id names it; the least recently used "
+            "are forgotten beyond the bound)")
 
 
 def _node_view(node: TreeNode, depth: int, now: float) -> dict[str, Any]:

@@ -131,9 +131,14 @@ class Flusher:
                release: Release | None = None) -> tuple[dict[str, int], DeletePages | None]:
         """Remove a conversation's own pages from L2 and plan their removal from L3
         (see the module docstring for which); (L2 counts, the L3 removal or None)."""
-        keys = self.prefix_keys(prefix, cache_salt, lora_name)
+        return self.forget_keys(self.prefix_keys(prefix, cache_salt, lora_name),
+                                keep_tokens // self.page_size, release)
+
+    def forget_keys(self, keys: Sequence[PageKey], keep_pages: int = 0,
+                    release: Release | None = None) -> tuple[dict[str, int], DeletePages | None]:
+        """``forget`` of a conversation known by its page keys (a closed session's)."""
         tree = self.l2.tree
-        start = max(tree.shared_depth(keys), min(keep_tokens // self.page_size, len(keys)))
+        start = max(tree.shared_depth(keys), min(keep_pages, len(keys)))
         tops: list[TreeNode] = []
         if start < len(keys):
             # No other prefix forks off the path after ``start`` (shared_depth is the

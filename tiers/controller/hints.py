@@ -20,6 +20,11 @@ Contract:
   lower classes are evicted first, least recently used first within a class; pages
   the request stores get its class, pages it hits are raised to it (never lowered).
   E.g. ``high`` for a shared system prompt, ``low`` for one-off prompts.
+  ``session_id`` (1-256 characters): the conversation (agent session) the request
+  belongs to (sessions.py): a turn that does not set ``retain_s`` or ``priority``
+  gets the values its session's last turn set; ``POST /sessions/{id}/close``
+  ends its pins and ranks its own pages below every open session's (or, with
+  ``forget``, removes them from every tier).
 - ``parse_hints(params)`` returns (hints, error). Bad hints never fail a request:
   the request is served with every hint at its default, and ``error`` names the key
   and what it allows (the connector returns it in the response's
@@ -65,6 +70,10 @@ class RequestHints(Settings):
         "normal", description="eviction class of this request's pages in L2: low goes "
         "first, high last (LRU within a class); e.g. high for a shared system prompt, "
         "low for one-off prompts")
+    session_id: str | None = Field(
+        None, min_length=1, max_length=256, description="the conversation (agent session) "
+        "this request belongs to: turns that do not set retain_s or priority carry its "
+        "last ones; POST /sessions/{id}/close releases it")
 
     @field_validator("load_tiers")
     @classmethod

@@ -19,7 +19,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,9 +121,12 @@ def request_hints(request: SchedulerRequest) -> RequestHints:
 class RequestTable:
     """The live requests' states, keyed by request id."""
 
-    def __init__(self, seed: bytes, hashes_per_page: int, stats: SchedulerStats) -> None:
+    def __init__(self, seed: bytes, hashes_per_page: int, stats: SchedulerStats,
+                 hints_for: Callable[[RequestHints], RequestHints] | None = None) -> None:
         # Namespace seed of every key chain; engine block hashes per page.
         self._seed = seed
+        # A new request's hints with what its session carries (sessions.py).
+        self._hints_for = hints_for
         self._hashes_per_page = hashes_per_page
         self._stats = stats
         self._states: dict[str, RequestState] = {}
@@ -140,6 +143,8 @@ class RequestTable:
         if state is None:
             chain = PageKeyChain(self._seed, self._hashes_per_page)
             hints, error = parse_hints(_params(request))
+            if self._hints_for is not None:
+                hints = self._hints_for(hints)
             state = self._states[request.request_id] = RequestState(
                 request, chain, hints=hints, hint_error=error)
         return state

@@ -11,6 +11,7 @@ module of its own, which states its contract:
   loads.py       the read path: which blocks of a hit come from which L2 slot
   fetches.py     L3: the lookup past the L2 match and the fetches in flight
   prefetches.py  L3 -> L2 prefetch of requests waiting in vLLM's queue
+  sessions.py    requests grouped by session_id: carried hints, close (and forget)
   catch_up.py    L2 pages L3 lacks (after an L3 flush, attach, failed backup),
                  backed up in the background
   events.py      L2's and L3's KV events (pages stored / removed) for vLLM's publisher
@@ -76,12 +77,14 @@ from hicache.tiers.controller.requests import (
     SchedulerRequest,
     request_hints,
 )
+from hicache.tiers.controller.sessions import CLOSED_PRIORITY, Sessions
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
-from hicache.tiers.index.commands import L3Removal, RetainPages, StorageCommand
+from hicache.tiers.index.commands import DeletePages, L3Removal, RetainPages, StorageCommand
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups, StateHandoff
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
+from hicache.tiers.index.radix_tree import TreeNode
 from hicache.tiers.index.spans import SpanLayout, pages_per_object
 from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.metrics import WorkerGauge as G
@@ -177,7 +180,9 @@ class HiCacheScheduler:
         self.tree = self.l2.tree
         self.slots = self.l2.slots
         seed = namespace.seed()
-        self.requests = RequestTable(seed, self.hashes_per_page, self.stats)
+        self.sessions = Sessions(clock=clock)
+        self.requests = RequestTable(seed, self.hashes_per_page, self.stats,
+                                     hints_for=self.sessions.hints_for)
         self.loads = StepLoads(self.tree)
         self.stores = StorePlanner(
             self.l2, make_write_policy(write_policy, threshold=write_threshold,
@@ -489,6 +494,8 @@ class HiCacheScheduler:
         self.tree.raise_priority(state.page_keys(), state.hints.rank)
         if state.hints.retain_s:
             self._retain(state)
+        if state.hints.session_id is not None:
+            self.sessions.finished(state.hints.session_id, state.page_keys())
         if stored:
             return True
         if self.stores.store_in_flight(state):
@@ -525,6 +532,41 @@ class HiCacheScheduler:
         self.stats.prefetches += 1
         self.stats.prefetch_pages += pages
         return pages, fetch_id
+
+    def close_session(self, session_id: str, forget: bool = False,
+                      ) -> tuple[dict[str, int], L3Removal | None]:
+        """Close a session (sessions.py): end its pins, then rank its own pages (those
+        after what other cached prefixes share) below every open session's or, with
+        ``forget``, remove them from L2 and plan their removal from L3 (flush.py).
+        Returns (counts, the L3 removal or None); ``KeyError`` for an unknown id."""
+        session = self.sessions.close(session_id)
+        released = 0
+        for path in session.paths:
+            released += bool(self.pins.unpin(path))
+            own = self._own_subtree(path)
+            if own is not None:
+                released += self.pins.release_under([own])
+        counts = {"released_pins": released}
+        if not forget:
+            counts["demoted_pages"] = sum(
+                self.tree.demote(p, self.tree.shared_depth(p), CLOSED_PRIORITY)
+                for p in session.paths)
+            return counts, None
+        doomed: list[PageKey] = []
+        for path in session.paths:
+            forgotten, l3_op = self.flusher.forget_keys(path, release=self.pins.release_under)
+            for name, n in forgotten.items():
+                counts[name] = counts.get(name, 0) + n
+            if l3_op is not None:
+                doomed.extend(l3_op.keys)
+        session.paths = []
+        return counts, DeletePages(tuple(dict.fromkeys(doomed))) if doomed else None
+
+    def _own_subtree(self, keys: Sequence[PageKey]) -> TreeNode | None:
+        """The subtree of ``keys``'s pages that no other cached prefix shares."""
+        start = self.tree.shared_depth(keys)
+        above = self.tree.find(keys[:start]) if start < len(keys) else None
+        return above.children.get(keys[start]) if above is not None else None
 
     def queue_command(self, command: StorageCommand) -> None:
         """A command for every worker, with the next plan."""

@@ -38,7 +38,8 @@ Contract:
 - **Priorities** (eviction classes, small ints; ``DEFAULT_PRIORITY`` when
   nobody says): ``insert(..., priority=p)`` gives new pages ``p`` and raises
   every page on the path to at least ``p``; ``raise_priority`` raises a
-  present prefix. Priorities only rise (until a page leaves the tree), a
+  present prefix. Priorities only rise (until a page leaves the tree), except
+  that ``demote`` lowers a whole subtree (a closed session's own pages), so a
   parent's is never below a child's, so leaf-first eviction keeps popping
   in non-decreasing (priority, access time) order and a prefix a
   high-priority request uses survives the low-priority tails hanging from it.
@@ -335,6 +336,22 @@ class HiRadixTree:
             child.priority = max(child.priority, priority)
             node, i = child, i + k
         return i
+
+    def demote(self, keys: Sequence[PageKey], start: int, priority: int) -> int:
+        """Lower to at most ``priority`` every page of the subtree that starts at page
+        ``start`` of ``keys`` (split there; ``keys[:start + 1]`` must be in the tree,
+        else nothing changes). A whole subtree, so no parent ends below a child.
+        Returns the pages lowered."""
+        if start >= len(keys):
+            return 0
+        above = self.find(keys[:start]) if start else self.root
+        top = above.children.get(keys[start]) if above is not None else None
+        lowered = 0
+        for node in _preorder(top) if top is not None else ():
+            if node.priority > priority:
+                node.priority = priority
+                lowered += len(node.keys)
+        return lowered
 
     # ------------------------------------------------------------------ L3 residency
 

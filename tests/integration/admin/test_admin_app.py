@@ -198,6 +198,24 @@ class MemoryTarget:
             self.ops[op_id]["status"] = "cancelled"
             return dict(self.ops[op_id])
 
+    def session(self, session_id: str) -> dict[str, Any]:
+        with self.lock:
+            self._enter("session", (session_id,))
+            if session_id != "agent-1":
+                raise NotFound(f"session_id {session_id!r}: no such session")
+            return {"session_id": session_id, "open": True, "turns": 3, "pages": 9,
+                    "idle_s": 1.5, "retain_s": 30.0}
+
+    def close_session(self, session_id: str, forget: bool) -> dict[str, Any]:
+        with self.lock:
+            self._enter("close_session", (session_id, forget))
+            if session_id != "agent-1":
+                raise NotFound(f"session_id {session_id!r}: no such session")
+            if forget:
+                return {"session_id": session_id, "released_pins": 1, "l2_pages": 7,
+                        "l3_pages": 7, "skipped_locked": 0, "kept_shared_pages": 2}
+            return {"session_id": session_id, "released_pins": 1, "demoted_pages": 7}
+
     def pin(self, prefix: list[int], cache_salt: str | None, ttl_s: float) -> dict[str, Any]:
         with self.lock:
             self._enter("pin", (prefix, cache_salt, ttl_s))
@@ -686,6 +704,26 @@ def test_prefetch(live: Live) -> None:
     assert r.status_code == 409 and "no L3" in r.json()["detail"]
 
 
+def test_sessions(live: Live) -> None:
+    c = live.client
+    r = c.get("/sessions/agent-1", headers=AUTH)
+    assert r.status_code == 200 and r.json()["turns"] == 3, r.text
+    r = c.get("/sessions/nobody", headers=AUTH)
+    assert r.status_code == 404 and "nobody" in r.json()["detail"]
+    assert c.post("/sessions/agent-1/close").status_code == 401  # a write: the token
+    r = c.post("/sessions/agent-1/close", headers=AUTH)  # no body: keep the pages
+    assert r.status_code == 200 and r.json()["demoted_pages"] == 7, r.text
+    assert live.target.calls[-1] == ("close_session", ("agent-1", False))
+    r = c.post("/sessions/agent-1/close", json={"forget": True}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["l3_pages"] == 7, r.text
+    assert live.target.calls[-1] == ("close_session", ("agent-1", True))
+    assert c.post("/sessions/nobody/close", headers=AUTH).status_code == 404
+    for bad in ({"forget": "yes"}, {"bogus": 1}):
+        r = c.post("/sessions/agent-1/close", json=bad, headers=AUTH)
+        assert r.status_code == 422 and ("forget" in r.text or "bogus" in r.text), bad
+    assert c.get("/sessions/" + "x" * 257, headers=AUTH).status_code == 422
+
+
 def test_pin_and_unpin(live: Live) -> None:
     c = live.client
     r = c.post("/pin", json={"prefix": [1, 2, 3], "ttl_s": 30}, headers=AUTH)
@@ -1054,7 +1092,7 @@ def test_fuzz_no_server_errors(servers: dict[str, Live], mode: str) -> None:
     api = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     generation_mode = schemathesis.GenerationMode(mode)
     operations = [r.ok() for r in api.get_all_operations()]
-    assert len(operations) == 15
+    assert len(operations) == 17
     if mode == "negative":  # only operations with inputs have invalid ones
         operations = [op for op in operations if op.path in (
             "/tree", "/lookup", "/flush", "/forget", "/pin", "/prefetch", "/prefetch/{op_id}",

@@ -42,9 +42,9 @@ def test_good_hints_parse(params, hints):
     ({"max_load_tokens": -1}, "kv_transfer_params.hicache.max_load_tokens must be an integer "
                               ">= 0 or null (got -1)"),
     ({"retain_for": 30}, "unknown kv_transfer_params.hicache key(s): ['retain_for']; allowed "
-                         "keys: ['load_tiers', 'max_load_tokens', 'priority', 'retain_s', 'store']"),
+                         "keys: ['load_tiers', 'max_load_tokens', 'priority', 'retain_s', 'session_id', 'store']"),
     (7, "kv_transfer_params.hicache must be an object with keys ['load_tiers', "
-        "'max_load_tokens', 'priority', 'retain_s', 'store']"),
+        "'max_load_tokens', 'priority', 'retain_s', 'session_id', 'store']"),
     ({"retain_s": -5}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null "
                        "(got -5)"),
     ({"retain_s": "60"}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null"),
