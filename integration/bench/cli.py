@@ -217,7 +217,19 @@ def compare_cmd(
 
 def simulate_cmd(
     trace: Annotated[Path, typer.Argument(exists=True, dir_okay=False,
-                                          help="JSONL trace (from `hicache bench run --trace`).")],
+                                          help="JSONL trace (from `hicache bench run --trace`, "
+                                               "or see --format).")],
+    trace_format: Annotated[str, typer.Option(
+        "--format", help="hicache (this project's), mooncake (FAST'25 release) or "
+        "claude-code (the WEKA corpus, compact JSONL, .gz ok); a public trace's block "
+        "becomes one page.")] = "hicache",
+    limit: Annotated[int | None, typer.Option(
+        min=1, help="The first N requests (claude-code: sessions).")] = None,
+    time_scale: Annotated[float, typer.Option(
+        min=0.0, help="Multiply the trace's times (mooncake, claude-code).")] = 1.0,
+    session_gap: Annotated[float, typer.Option(
+        min=0.0, help="claude-code: seconds between one session's start and the next's.")]
+        = 60.0,
     l1_blocks: Annotated[str, typer.Option(help="vLLM KV blocks to try, e.g. 80,160.")] = "80",
     l2_pages: Annotated[str, typer.Option(help="L2 pages to try; 0 = no connector.")] = "0,128,512",
     l3_pages: Annotated[str, typer.Option(help="L3 pages to try; none = no L3, inf = unbounded.")]
@@ -261,10 +273,12 @@ def simulate_cmd(
         render_table,
         run_grid,
     )
-    from hicache.integration.bench.trace import TraceError, read_trace
+    from hicache.integration.bench.trace import TraceError
+    from hicache.integration.bench.trace_formats import load_trace
 
     try:
-        records = read_trace(trace)
+        records = load_trace(trace, trace_format, page_size=page_size, limit=limit,
+                             time_scale=time_scale, session_gap_s=session_gap)
         policies = tuple(p.strip() for p in policy.split(",") if p.strip())
         grid = Grid(
             l1_blocks=parse_sizes(l1_blocks, "--l1-blocks"),  # type: ignore[arg-type]

@@ -46,7 +46,7 @@ from hicache.integration.bench.oracle import FutureUses, OracleEviction
 from hicache.integration.bench.trace import TraceRecord
 from hicache.tiers.controller.policies import WRITE_POLICY_NAMES
 from hicache.tiers.controller.scheduler import HiCacheScheduler, NoRoom
-from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, token_block_hashes
+from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, stand_in_seed
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
 
@@ -251,6 +251,10 @@ class SimRequest:
     block_size: int = 16
     # vLLM's per-request channel (HiCache's hints under "hicache").
     kv_transfer_params: dict[str, Any] | None = None
+    # The tokens hashed so far and their hashes: a request's tokens only grow, so each
+    # block is hashed once (a long prompt is asked for its hashes at every step).
+    _hashed: tuple[list[int], list[bytes]] = field(
+        default_factory=lambda: ([], []), repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -258,8 +262,19 @@ class SimRequest:
 
     @property
     def block_hashes(self) -> list[bytes]:
-        """Stand-in for vLLM's block hashes (the scheduler keys pages from them)."""
-        return token_block_hashes(self.all_token_ids, self.block_size, self.cache_salt)
+        """Stand-in for vLLM's block hashes (the scheduler keys pages from them):
+        ``token_block_hashes`` of the tokens, the blocks hashed before not again."""
+        tokens, size = self.all_token_ids, self.block_size
+        full = len(tokens) // size * size
+        seen, hashes = self._hashed
+        if len(seen) > full or tokens[:len(seen)] != seen:  # not an extension: start over
+            seen, hashes = [], []
+        if len(seen) < full:
+            hashes = hashes + list(page_keys(
+                stand_in_seed(self.cache_salt), tokens[len(seen):full], size,
+                parent=PageKey(hashes[-1]) if hashes else None))
+            self._hashed = (list(tokens[:full]), hashes)
+        return list(hashes)
 
 
 @dataclass
@@ -462,8 +477,11 @@ class SimEngine:
             self._backup(self.sched.build_connector_meta({}))
         seed = self._l1_seed + (req.cache_salt or "").encode()
         self.l1.grow(running.blocks, -(-computed // cfg.block_size))
-        self.l1.cache(running.blocks, page_keys(seed, req.all_token_ids[:computed],
-                                                cfg.block_size))
+        _, prompt_keys = self._prepare(running.record)  # the prompt's, hashed once
+        done = len(prompt_keys) * cfg.block_size
+        self.l1.cache(running.blocks, prompt_keys + page_keys(
+            seed, req.all_token_ids[done:computed], cfg.block_size,
+            parent=prompt_keys[-1] if prompt_keys else None))
         self.l1.free(running.blocks)
         self._running_count -= 1
 

@@ -146,10 +146,16 @@ def token_block_hashes(
     lora_name: str | None = None,
 ) -> list[bytes]:
     """Engine-free stand-in for vLLM's ``request.block_hashes`` over plain token ids."""
+    return list(page_keys(stand_in_seed(cache_salt, lora_name), token_ids, block_size))
+
+
+def stand_in_seed(cache_salt: str | None = None, lora_name: str | None = None) -> bytes:
+    """The chain seed of ``token_block_hashes`` (extend its hashes with ``page_keys``
+    from their last one)."""
     h = hashlib.sha256(b"hicache-stand-in-block-hash")
     _put_str(h, cache_salt)
     _put_str(h, lora_name)
-    return list(page_keys(h.digest(), token_ids, block_size))
+    return h.digest()
 
 
 def block_page_keys(

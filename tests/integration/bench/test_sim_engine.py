@@ -240,3 +240,15 @@ def test_replayed_prefetch_turns_the_sessions_l3_hits_into_l2_hits():
     assert session_pages(off, "l3") > 0 and off.prefetches == 0
     assert session_pages(on, "l3") == 0 and on.prefetches == 2 and on.prefetch_pages > 0
     assert session_pages(on, "l2") >= session_pages(off, "l2") + session_pages(off, "l3")
+
+
+def test_sim_request_hashes_each_block_once_and_match_the_stand_in():
+    from hicache.integration.bench.sim_engine import SimRequest
+    from hicache.tiers.index.page_keys import token_block_hashes
+
+    req = SimRequest("r", list(range(50)), block_size=8, cache_salt="t")
+    assert req.block_hashes == token_block_hashes(list(range(50)), 8, "t")
+    req.all_token_ids = req.all_token_ids + list(range(900, 930))  # the answer
+    assert req.block_hashes == token_block_hashes(req.all_token_ids, 8, "t")
+    req.all_token_ids = [7] + req.all_token_ids[1:]  # not an extension: hashed afresh
+    assert req.block_hashes == token_block_hashes(req.all_token_ids, 8, "t")
