@@ -30,6 +30,7 @@ from pydantic import (
 
 from hicache.kernels.io_backend import IoBackendName
 from hicache.tiers.controller.policies import (
+    EvictionPolicyName,
     L3AdmissionName,
     PrefetchPolicyName,
     PrefetchSettings,
@@ -101,6 +102,15 @@ class HiCacheConfig(Settings):
     hicache_l3_catch_up_pages: NonNegativeInt = Field(
         64, description="pages L2 holds and L3 lacks that may be queued for backup at "
         "once, while L3 I/O is idle; 0 = back up only what L2 newly stores")
+    # lru: leaf-first LRU within the priority classes; tlru: within a class, each
+    # conversation's last hicache_tlru_tail_tokens first (tiers/controller/policies.py).
+    hicache_eviction_policy: EvictionPolicyName = Field(
+        "lru", description="which L2 pages make room: lru, or tlru (each conversation's "
+        "tail first, whose loss a returning turn recomputes within its TTFT budget)")
+    hicache_tlru_tail_tokens: PositiveInt = Field(
+        2048, description="tlru: tokens at the end of a conversation it evicts first (about "
+        "what a returning turn may recompute on top of its new tokens within its TTFT "
+        "budget)")
     # SGLang's current default is page_first.
     hicache_mem_layout: MemLayoutName = Field(
         "page_first", description="byte layout of the L2 host pool")

@@ -242,8 +242,13 @@ def simulate_cmd(
     prefetch_threshold: Annotated[int, typer.Option(
         help="Smallest L3 hit worth fetching, tokens.")] = 256,
     eviction: Annotated[str, typer.Option(
-        help="L2 evictions: lru (HiCache's), oracle (Belady: knows the trace; the "
-             "headroom).")] = "lru",
+        help="L2 evictions: lru and tlru (HiCache's), oracle (Belady: knows the trace; "
+             "the headroom).")] = "lru",
+    target_hit_rate: Annotated[float | None, typer.Option(
+        min=0.0, max=1.0, help="Print, per policy, the smallest sizes of the grid whose "
+        "share of prompt tokens cached reaches this (e.g. 0.9).")] = None,
+    tlru_tail_pages: Annotated[int, typer.Option(
+        min=1, help="tlru: pages at the end of each conversation it evicts first.")] = 64,
     hints: Annotated[str, typer.Option(
         help="Replay the trace's client actions (hicache hints, admin prefetches): "
              "on, off or on,off.")] = "on",
@@ -272,6 +277,7 @@ def simulate_cmd(
         plot,
         render_table,
         run_grid,
+        smallest_sizes,
     )
     from hicache.integration.bench.trace import TraceError
     from hicache.integration.bench.trace_formats import load_trace
@@ -287,7 +293,7 @@ def simulate_cmd(
             write_policies=policies, block_size=block_size, page_size=page_size,
             prefetch_threshold=prefetch_threshold,
             evictions=tuple(e.strip() for e in eviction.split(",") if e.strip()),
-            hints=parse_switches(hints, "--hints"))
+            hints=parse_switches(hints, "--hints"), tlru_tail_pages=tlru_tail_pages)
         configs = grid.configs()
     except (TraceError, ValueError) as e:
         _fail(str(e))
@@ -303,10 +309,11 @@ def simulate_cmd(
         _fail(str(e))
     out.mkdir(parents=True, exist_ok=True)
     gaps = headroom(rows)
+    smallest = smallest_sizes(rows, target_hit_rate) if target_hit_rate is not None else []
     (out / "simulate.json").write_text(json.dumps(
         {"trace": str(trace), "requests": len(records), "cost_model": {
-            k: v for k, v in cost.__dict__.items()}, "rows": rows, "headroom": gaps},
-        indent=2))
+            k: v for k, v in cost.__dict__.items()}, "rows": rows, "headroom": gaps,
+         "smallest_sizes": smallest}, indent=2))
     png = plot(rows, out / "simulate.png")
     console = Console()
     console.print(render_table(rows, cost))
@@ -316,6 +323,12 @@ def simulate_cmd(
             f"LRU (hints {g['lru_hints']}) {100 * g['lru_hit_total']:.1f}%, oracle (hints "
             f"{g['oracle_hints']}) {100 * g['oracle_hit_total']:.1f}%: "
             f"{g['headroom_points']:+.1f} points", highlight=False)
+    for s in smallest:
+        where = (f"L1 {s['l1_blocks']} / L2 {s['l2_pages']} / L3 {s['l3_pages']} "
+                 f"({100 * s['hit_total']:.1f}%)" if s["hit_total"] is not None
+                 else "no size of the grid")
+        console.print(f"smallest reaching {100 * s['target']:.0f}% cached, {s['write_policy']}"
+                      f" / {s['eviction']} / hints {s['hints']}: {where}", highlight=False)
     for key, src in cost.sources.items():
         console.print(f"  {key} = {getattr(cost, key)!r}  ({src})", highlight=False)
     console.print(f"wrote {out / 'simulate.json'}, {png}")

@@ -25,7 +25,7 @@ what lives outside the connector:
   ``POST /prefetch`` of its history at that time (with an L3: what L3 holds
   of it beyond L2 is read into L2 at once). ``hints=False`` replays the same
   trace as plain LRU would see it.
-- **Eviction**: ``lru`` is the scheduler's own; ``oracle`` replaces it with
+- **Eviction**: ``lru`` and ``tlru`` are the scheduler's own (policies.py); ``oracle`` replaces them with
   Belady's rule over the whole trace (oracle.py): the headroom of L2 eviction.
 
 Page-hash traces are turned into token lists: every distinct page hash
@@ -44,14 +44,14 @@ from typing import Any
 
 from hicache.integration.bench.oracle import FutureUses, OracleEviction
 from hicache.integration.bench.trace import TraceRecord
-from hicache.tiers.controller.policies import WRITE_POLICY_NAMES
+from hicache.tiers.controller.policies import WRITE_POLICY_NAMES, make_eviction_policy
 from hicache.tiers.controller.scheduler import HiCacheScheduler, NoRoom
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, stand_in_seed
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
 
 WRITE_POLICIES = WRITE_POLICY_NAMES
-EVICTIONS = ("lru", "oracle")
+EVICTIONS = ("lru", "tlru", "oracle")
 # Event kinds, in the order they run at one instant.
 _FINISH, _PREFETCH, _ARRIVAL = 0, 1, 2
 
@@ -72,8 +72,11 @@ class SimConfig:
     write_threshold: int = 2
     # L3 lookups shorter than this many tokens are not worth a fetch (SGLang's default).
     prefetch_threshold: int = 256
-    # L2 eviction: "lru" (the scheduler's) or "oracle" (Belady, knows the trace).
+    # L2 eviction: "lru" or "tlru" (the scheduler's policies) or "oracle" (Belady,
+    # knows the trace).
     eviction: str = "lru"
+    # tlru: pages at the end of each conversation it evicts first.
+    tlru_tail_pages: int = 64
     # Act on the trace's client actions: per-request hints and admin prefetches.
     hints: bool = True
 
@@ -332,7 +335,9 @@ class SimEngine:
                 block_ids_of=lambda req_id: [range(1, 1 << 30)], write_policy=config.write_policy,
                 write_threshold=config.write_threshold, storage=self.l3,  # type: ignore[arg-type]
                 prefetch={"prefetch_threshold": config.prefetch_threshold},
-                clock=lambda: self._now, eviction=self._oracle,
+                clock=lambda: self._now,
+                eviction=self._oracle or make_eviction_policy(
+                    config.eviction, tail_pages=config.tlru_tail_pages),
                 # The simulated store takes every store at once (``_backup``): L3
                 # never lacks a page L2 holds, so there is nothing to catch up.
                 catch_up_pages=0,

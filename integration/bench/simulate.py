@@ -19,6 +19,7 @@ does not predict a loaded server's tail latency.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -158,6 +159,7 @@ class Grid:
     # L2 evictions ("lru", "oracle") and whether the trace's client actions count.
     evictions: tuple[str, ...] = ("lru",)
     hints: tuple[bool, ...] = (True,)
+    tlru_tail_pages: int = 64
 
     def configs(self) -> list[SimConfig]:
         out = []
@@ -175,7 +177,8 @@ class Grid:
                                     block_size=self.block_size, page_size=self.page_size,
                                     write_policy=policy,
                                     prefetch_threshold=self.prefetch_threshold,
-                                    eviction=eviction, hints=hints))
+                                    eviction=eviction, hints=hints,
+                                    tlru_tail_pages=self.tlru_tail_pages))
         return list(dict.fromkeys(out))
 
 
@@ -219,7 +222,7 @@ def summarize(result: SimResult, cost: CostModel) -> dict[str, Any]:
     ttfts = [cost.ttft_s(o.prompt_tokens, o.cached_pages * cfg.page_size, o.l2_pages,
                          o.l3_pages) for o in result.outcomes]
     rates = result.hit_rates()
-    pct = percentiles(ttfts, (50, 90), scale=1e3)
+    pct = percentiles(ttfts, (50, 90, 99), scale=1e3)
     row: dict[str, Any] = {
         "l1_blocks": cfg.l1_blocks, "l2_pages": cfg.l2_pages,
         "l3_pages": "none" if cfg.l3_pages is None else ("inf" if cfg.l3_pages < 0
@@ -231,6 +234,7 @@ def summarize(result: SimResult, cost: CostModel) -> dict[str, Any]:
         "est_ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 3) if ttfts else None,
         "est_ttft_ms_p50": pct["p50"],
         "est_ttft_ms_p90": pct["p90"],
+        "est_ttft_ms_p99": pct["p99"],
         "l2_evicted_pages": result.l2_evicted_pages,
         "l3_evicted_pages": result.l3_evicted_pages,
         "prefetches": result.prefetches,
@@ -273,6 +277,28 @@ def headroom(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "lru_hit_total": lru["hit_total"], "oracle_hit_total": oracle["hit_total"],
                 "headroom_points": round(100 * (oracle["hit_total"] - lru["hit_total"]), 2),
             })
+    return out
+
+
+def smallest_sizes(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
+    """Per policy (write policy, eviction, hints): the smallest grid point whose total
+    hit rate reaches ``target`` (a share), L1 first, then L2, then L3 (none before
+    any size, unbounded last); ``None`` sizes where no point reaches it."""
+    def l3_order(v: Any) -> float:
+        return -1.0 if v == "none" else math.inf if v == "inf" else float(v)
+
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["write_policy"], r["eviction"], r["hints"]), []).append(r)
+    out = []
+    for (policy, eviction, hints), group in groups.items():
+        reaching = sorted((r for r in group if r["hit_total"] >= target), key=lambda r: (
+            r["l1_blocks"], r["l2_pages"], l3_order(r["l3_pages"])))
+        best = reaching[0] if reaching else None
+        out.append({"write_policy": policy, "eviction": eviction, "hints": hints,
+                    "target": target,
+                    **{k: best[k] if best else None
+                       for k in ("l1_blocks", "l2_pages", "l3_pages", "hit_total")}})
     return out
 
 

@@ -75,3 +75,25 @@ def test_an_unreachable_store_turns_l3_off(tmp_path, caplog):
     with caplog.at_level(logging.ERROR):
         assert shape().scheduler_storage(config) is None
     assert "serving without L3" in caplog.text
+
+
+def test_the_engine_scheduler_takes_the_configured_eviction_and_catch_up():
+    from hicache.tiers.controller.policies import LeafFirstLRU, TailFirstLRU
+    from hicache.tiers.controller.scheduler import HiCacheScheduler
+    from hicache.tiers.index.page_keys import token_block_hashes
+
+    def build(**extra):
+        return HiCacheScheduler.for_engine(
+            shape(), HiCacheConfig.from_extra_config(extra), storage=None,
+            block_ids_of=lambda rid: [[]], hash_block_size=8, kv_events=False,
+            prefix_hasher=lambda t, s, lora: token_block_hashes(t, 8, s, lora))
+
+    default = build()
+    assert isinstance(default.l2.eviction, LeafFirstLRU)
+    assert default.catch_up.max_in_flight == 64
+    tlru = build(hicache_eviction_policy="tlru", hicache_tlru_tail_tokens=100,
+                 hicache_l3_catch_up_pages=0)
+    assert isinstance(tlru.l2.eviction, TailFirstLRU)
+    assert tlru.l2.eviction.tail_pages == 100 // 16 and not tlru.catch_up.enabled
+    for s in (default, tlru):
+        s.close()

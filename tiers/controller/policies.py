@@ -21,7 +21,10 @@ meanings follow SGLang HiCache:
   ``min(max, base + per_ki_token x tokens / 1024)`` seconds.
 - Eviction policy: which unlocked L2 pages make room. ``lru`` is the tree's
   leaf-first LRU (a leaf longer than needed loses only its tail pages), lower
-  priority classes first (a request's ``priority`` hint, hints.py).
+  priority classes first (a request's ``priority`` hint, hints.py). ``tlru``
+  (``hicache_eviction_policy``) takes first, within a class, the last
+  ``hicache_tlru_tail_tokens`` of each conversation (whose loss a returning
+  turn recomputes within its TTFT budget), then LRU.
 - L3 admission (``hicache_l3_admission``): which pages L2 stores are backed up
   to L3. ``all`` backs up every one; ``reused`` only a page used a second
   time: stored again by a later request (it had left every tier and was
@@ -44,12 +47,12 @@ from typing import ClassVar, Literal, TypeVar, get_args
 from pydantic import Field, NonNegativeFloat
 
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
 from hicache.tiers.settings import Settings
 
 WritePolicyName = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicyName = Literal["best_effort", "wait_complete", "timeout"]
-EvictionPolicyName = Literal["lru"]
+EvictionPolicyName = Literal["lru", "tlru"]
 L3AdmissionName = Literal["all", "reused"]
 
 WRITE_POLICY_NAMES: tuple[str, ...] = get_args(WritePolicyName)
@@ -250,8 +253,40 @@ class LeafFirstLRU(EvictionPolicy):
         return tree.evict(num_pages)
 
 
-def make_eviction_policy(name: str = "lru") -> EvictionPolicy:
-    return _lookup(EVICTION_POLICIES, name, "eviction policy")()
+class TailFirstLRU(EvictionPolicy):
+    """``tlru``, after tail-optimized LRU (arXiv 2510.15152): within a priority class,
+    pages at the end of a conversation go first while the conversation has lost fewer
+    than ``tail_pages`` pages from its end, least recently used first among them; then
+    the rest, LRU. A returning turn recomputes what its history lost on top of its new
+    tokens, so losing a short tail keeps it inside its TTFT budget, and the long
+    histories that would blow that budget keep their pages. (The tree counts each
+    node's lost tail: radix_tree.py ``tail_lost``.)"""
+
+    name = "tlru"
+
+    def __init__(self, tail_pages: int = 64) -> None:
+        if tail_pages <= 0:
+            raise ValueError(f"tail_pages must be positive, got {tail_pages}")
+        self.tail_pages = tail_pages
+
+    def _rank(self, node: TreeNode) -> tuple[float, ...]:
+        # Never below a child's: the parent's lost tail is at least the child's
+        # plus the child's pages, its priority and access time at least the child's.
+        return (node.priority, float(node.tail_lost >= self.tail_pages), node.last_access)
+
+    def _take(self, node: TreeNode) -> int:
+        # From a conversation still inside its tail, only what is left of the tail.
+        left = self.tail_pages - node.tail_lost
+        return left if left > 0 else len(node.keys)
+
+    def evict(self, tree: HiRadixTree, num_pages: int) -> list[int]:
+        return tree.evict(num_pages, rank=self._rank, take=self._take)
+
+
+def make_eviction_policy(name: str = "lru", *, tail_pages: int = 64) -> EvictionPolicy:
+    """The eviction policy called ``name`` (``tail_pages``: tlru's tail, in pages)."""
+    cls = _lookup(EVICTION_POLICIES, name, "eviction policy")
+    return TailFirstLRU(tail_pages) if cls is TailFirstLRU else cls()
 
 
 # ---- L3 admission -----------------------------------------------------------------
@@ -345,7 +380,8 @@ WRITE_POLICIES: dict[str, type[WritePolicy]] = {
     p.name: p for p in (WriteThrough, WriteThroughSelective, WriteBack)}
 PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {
     p.name: p for p in (BestEffort, WaitComplete, Timeout)}
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LeafFirstLRU,)}
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    p.name: p for p in (LeafFirstLRU, TailFirstLRU)}
 L3_ADMISSIONS: dict[str, type[L3Admission]] = {p.name: p for p in (AdmitAll, AdmitReused)}
 
 _P = TypeVar("_P")

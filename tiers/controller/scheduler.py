@@ -253,7 +253,10 @@ class HiCacheScheduler:
             prefetch_at_arrival=config.hicache_prefetch_at_arrival, kv_events=kv_events,
             async_stores=shape.async_stores, l3_writers=1 if shape.is_mla else shape.tp_size,
             retain_max_share=config.hicache_retain_max_share,
-            catch_up_pages=config.hicache_l3_catch_up_pages)
+            catch_up_pages=config.hicache_l3_catch_up_pages,
+            eviction=make_eviction_policy(
+                config.hicache_eviction_policy,
+                tail_pages=max(1, config.hicache_tlru_tail_tokens // shape.page_size)))
 
     def close(self) -> None:
         """Stop the L3 probe threads and close the scheduler's L3 view."""

@@ -29,7 +29,10 @@ Contract:
   locked.
 - **Eviction from L2** (``evict``) takes unlocked L2 leaves (L2-resident
   nodes without an L2-resident child), lowest ``priority`` first and least
-  recently used within a priority. A node
+  recently used within a priority (or by a caller's ``rank``). Each node
+  counts the pages below it that eviction took since it last gained an L2
+  child (``tail_lost``: the tail of its conversation a returning turn would
+  recompute; the ``tlru`` policy ranks by it). A node
   whose pages L3 holds stays in the tree as L3-only; from its first page
   that L3 does not hold on, it leaves the tree with its subtree.
 - The L3-only part of the index is bounded (``max_l3_only_pages``): beyond
@@ -92,6 +95,7 @@ class TreeNode:
         "hit_count",
         "last_access",
         "priority",
+        "tail_lost",
     )
 
     def __init__(
@@ -117,6 +121,9 @@ class TreeNode:
         self.hit_count = 1  # SGLang semantics: creation counts as one hit
         self.last_access = last_access
         self.priority = priority  # eviction class: lower goes first
+        # Pages below this node that left L2 by eviction since it last gained an L2
+        # child: how much of its conversation's tail a returning turn recomputes.
+        self.tail_lost = 0
 
     def __repr__(self) -> str:
         tier = "L2" if self.host_slots is not None else "L3"
@@ -448,7 +455,8 @@ class HiRadixTree:
     # ------------------------------------------------------------------ eviction / removal
 
     def evict(self, num_pages: int,
-              rank: Callable[[TreeNode], tuple[float, ...]] | None = None) -> list[int]:
+              rank: Callable[[TreeNode], tuple[float, ...]] | None = None,
+              take: Callable[[TreeNode], int] | None = None) -> list[int]:
         """Free exactly ``num_pages`` L2 pages if possible: unlocked L2 leaves, lowest
         ``rank`` first (default: priority, then access time).
 
@@ -456,8 +464,9 @@ class HiRadixTree:
         the reusable head of a long history survives. Pages L3 holds stay in
         the tree, L3-only. Fewer are freed only when nothing unlocked is left.
         A ``rank`` given must never put a node below one of its children (the
-        default does not: see Priorities and Access times). Returns the freed
-        host slots.
+        default does not: see Priorities and Access times). ``take``: at most
+        how many pages to take from a leaf before ranking what is left of it
+        again (default: as many as still needed). Returns the freed host slots.
         """
         rank = rank or _default_rank
         heap = [(rank(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
@@ -466,10 +475,13 @@ class HiRadixTree:
         while len(freed) < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
             still_needed = num_pages - len(freed)
+            if take is not None:
+                still_needed = max(1, min(still_needed, take(leaf)))
             if len(leaf.keys) > still_needed:
                 self._split(leaf, len(leaf.keys) - still_needed)  # leaf keeps the tail
             parent = leaf.parent
             assert parent is not None
+            parent.tail_lost = max(parent.tail_lost, leaf.tail_lost + len(leaf.keys))
             freed.extend(self._drop_l2(leaf))
             # A parent never ranks below its children, so pushing one keeps the
             # popped sequence in order.
@@ -558,6 +570,8 @@ class HiRadixTree:
                   priority: int = DEFAULT_PRIORITY) -> TreeNode:
         leaf = TreeNode(keys, parent, slots, now, in_l3, min(priority, parent.priority))
         parent.children[keys[0]] = leaf
+        if slots is not None:
+            parent.tail_lost = 0
         parent.l2_children += slots is not None
         for key in keys:
             self._nodes[key] = leaf
@@ -582,6 +596,8 @@ class HiRadixTree:
             self._total_pages -= n
             self._evictable_pages -= n if node.lock_ref == 0 else 0
         node.host_slots = slots
+        if slots is not None and node.parent is not None:
+            node.parent.tail_lost = 0  # its conversation's pages are back
         if slots is None:
             assert node.lock_ref == 0, "a locked node leaves L2"
             self._l3_only_pages += n

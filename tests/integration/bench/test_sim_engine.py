@@ -170,7 +170,7 @@ def test_requests_wait_for_blocks_and_an_impossible_one_is_an_error():
 @pytest.mark.parametrize("kw, key", [
     ({"write_policy": "lru"}, "write_policy"), ({"l1_blocks": 1}, "l1_blocks"),
     ({"l2_pages": -1}, "l2_pages"), ({"page_size": 48}, "page_size"),
-    ({"eviction": "lfu"}, "eviction must be one of lru, oracle"),
+    ({"eviction": "lfu"}, "eviction must be one of lru, tlru, oracle"),
 ])
 def test_config_errors_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key):

@@ -98,7 +98,7 @@ def test_cli_rejects_bad_options(tmp_path):
     assert res.exit_code == 2 and "write_policy must be one of" in res.output
     res = CliRunner().invoke(app, ["simulate", str(trace), "--l2-pages", "8",
                                    "--eviction", "lfu"])
-    assert res.exit_code == 2 and "eviction must be one of lru, oracle" in res.output
+    assert res.exit_code == 2 and "eviction must be one of lru, tlru, oracle" in res.output
     res = CliRunner().invoke(app, ["simulate", str(trace), "--hints", "maybe"])
     assert res.exit_code == 2 and "--hints: 'maybe' is not a switch" in res.output
     bad = tmp_path / "bad.jsonl"

@@ -95,10 +95,30 @@ def test_simulate_reads_a_claude_code_trace(tmp_path):
     result = CliRunner().invoke(app, [
         "simulate", str(path), "--format", "claude-code", "--page-size", "4",
         "--block-size", "4", "--l1-blocks", "64", "--l2-pages", "0,64",
+        "--eviction", "lru,tlru", "--target-hit-rate", "0.5",
         "--out", str(tmp_path / "out"), "--no-progress"])
     assert result.exit_code == 0, result.output
-    rows = json.loads((tmp_path / "out" / "simulate.json").read_text())["rows"]
-    assert [r["requests"] for r in rows] == [12, 12]
+    got = json.loads((tmp_path / "out" / "simulate.json").read_text())
+    rows = got["rows"]
+    assert [r["requests"] for r in rows] == [12, 12, 12]
+    assert [r["eviction"] for r in rows] == ["-", "lru", "tlru"]
     # Each returning turn finds its last turn's pages (0, 2, 4, 6 pages of 4 tokens) of
     # prompts of 9, 17, 25 and 33 tokens: 48 of 84 prompt tokens per session.
-    assert rows[1]["hit_total"] == pytest.approx(48 / 84, abs=1e-3)
+    assert rows[1]["hit_total"] == pytest.approx(48 / 84, abs=1e-3) == rows[2]["hit_total"]
+    assert [s["eviction"] for s in got["smallest_sizes"]] == ["-", "lru", "tlru"]
+    assert "smallest reaching 50% cached, - / - / hints -: L1 64 / L2 0" in result.output
+
+
+def test_smallest_sizes_reaching_a_target():
+    from hicache.integration.bench.simulate import smallest_sizes
+
+    def row(l1, l2, l3, hit, eviction="lru"):
+        return {"l1_blocks": l1, "l2_pages": l2, "l3_pages": l3, "hit_total": hit,
+                "write_policy": "write_through", "eviction": eviction, "hints": "on"}
+
+    rows = [row(80, 512, "none", 0.91), row(80, 128, "inf", 0.95), row(80, 128, 1000, 0.90),
+            row(80, 128, "none", 0.6), row(160, 64, "none", 0.99),
+            row(80, 128, "none", 0.5, "oracle")]
+    lru, oracle = smallest_sizes(rows, 0.9)
+    assert (lru["l1_blocks"], lru["l2_pages"], lru["l3_pages"]) == (80, 128, 1000)
+    assert oracle["l2_pages"] is None and oracle["hit_total"] is None

@@ -140,6 +140,28 @@ def test_lru_evicts_the_least_recent_leaf_tail_first():
     assert policy.evict(tree, 5) == [0]  # locked pages never leave
 
 
+def test_tlru_takes_every_conversations_tail_before_any_history():
+    ticks = itertools.count()
+    tree = HiRadixTree(clock=lambda: float(next(ticks)))
+    tree.insert(pages(*(f"a{i}" for i in range(6))), list(range(6)))
+    tree.insert(pages(*(f"b{i}" for i in range(6))), list(range(6, 12)))
+    lru, tlru = make_eviction_policy("lru"), make_eviction_policy("tlru", tail_pages=2)
+    # LRU takes four pages of the older conversation: its next turn recomputes four.
+    assert sorted(lru.evict(tree, 4)) == [2, 3, 4, 5]
+    tree.check_invariants()
+    # Both back (the same pages again: their lost tails return).
+    tree.insert(pages(*(f"a{i}" for i in range(6))), list(range(6)))
+    tree.insert(pages(*(f"b{i}" for i in range(6))), list(range(6, 12)))
+    # tlru takes two from each end first: neither turn recomputes more than two.
+    assert sorted(tlru.evict(tree, 4)) == [4, 5, 10, 11]
+    assert tree.peek(pages(*(f"a{i}" for i in range(6)))) == 4
+    # Past every tail, LRU again: the older conversation goes on losing.
+    assert sorted(tlru.evict(tree, 1)) == [3]
+    tree.check_invariants()
+    with pytest.raises(ValueError, match="tail_pages"):
+        make_eviction_policy("tlru", tail_pages=0)
+
+
 def test_all_admits_every_stored_page_to_l3():
     rule = make_l3_admission("all")
     assert rule.admit(pages("a", "b"), returns=False) == 2
