@@ -71,7 +71,7 @@ def load_trace(path: str | Path, fmt: str = "hicache", *, page_size: int = 32,
 def _lines(path: str | Path) -> Iterator[tuple[str, str]]:
     p = Path(path)
     opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+    with opener(p, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 yield f"{p.name}:{n}", line

@@ -636,9 +636,9 @@ class HiCacheScheduler:
     def _count_backups(self, stored: Mapping[int, list[bytes]]) -> None:
         """Mark the pages every writing rank has backed up as in L3 (the tree)."""
         if self.l3_writers == 1:
-            keys = [PageKey(k) for ks in stored.values() for k in ks]
-            self.l2.backed_up(keys)
-            self.catch_up.backed_up(keys)
+            every = [PageKey(k) for ks in stored.values() for k in ks]
+            self.l2.backed_up(every)
+            self.catch_up.backed_up(every)
             return
         votes, done = self._backup_votes, []
         for rank, keys in stored.items():
