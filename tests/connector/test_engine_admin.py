@@ -133,11 +133,13 @@ def test_prefix_flush_hits_exactly_one_conversation(live, turns, baseline):
 
 
 def test_flush_and_detach_while_loads_run(live, baseline):
-    """Hammer the admin API while conversations return: no crash, same tokens."""
+    """Hammer the admin API while conversations return: no crash, same tokens. Prefetch
+    operations started across the detaches end (done, failed or cancelled), never 5xx."""
     llm, client, _ = live
     want = baseline.turns[2]
     stop = threading.Event()
     codes: list[int] = []
+    prefetches: dict[str, int] = {}
 
     def hammer() -> None:
         i = 0
@@ -150,6 +152,9 @@ def test_flush_and_detach_while_loads_run(live, baseline):
                         "hicache_storage_backend_extra_config"]}).status_code)
             else:
                 codes.append(post(client, "/flush", {"tiers": ["l2"]}).status_code)
+            op = f"hammer-{i}"  # 409 while no L3 is attached: refused, not failed
+            prefetches[op] = post(client, "/prefetch", {
+                "prefix": want.prompts[i % 2], "id": op}).status_code
             i += 1
             time.sleep(0.05)
 
@@ -164,6 +169,15 @@ def test_flush_and_detach_while_loads_run(live, baseline):
         stop.set()
         thread.join()
     assert codes and all(c == 200 for c in codes), codes
+    assert set(prefetches.values()) <= {200, 409} and 200 in prefetches.values(), prefetches
+
+    def ended(op: str) -> bool:
+        r = client.get(f"/prefetch/{op}", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200, r.text
+        return r.json()["status"] in ("done", "failed", "cancelled")
+
+    started = [op for op, code in prefetches.items() if code == 200]
+    wait_for(lambda: all(ended(op) for op in started), "a prefetch never ended")
     assert client.get("/healthz").status_code == 200
     # Counters survive the backends swapped underneath them.
     run_turns(llm, want.prompts[:1], WORKLOAD.answer_tokens)
