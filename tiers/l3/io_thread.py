@@ -57,7 +57,10 @@ Contract:
   request waits for this fetch, and a thread that keeps the GIL busy makes
   this one wait up to the interpreter's switch interval (5 ms) for the GIL
   after every system call. Measured before this: file L3 hits 20-45x slower
-  than recompute on an H100, 8.6x faster with a 0.5 ms switch interval.
+  than recompute on an H100, 8.6x faster with a 0.5 ms switch interval. With
+  no fetch pending it waits the same way for the backups queued or running
+  (an idle engine that steps for the L3 catch-up, tiers/controller/catch_up.py,
+  lets them write instead of spinning).
 """
 
 from __future__ import annotations
@@ -228,13 +231,16 @@ class StorageIO:
         return done
 
     def wait_results(self, timeout_s: float) -> bool:
-        """Until a submitted fetch has a result (True) or ``timeout_s`` passed, or
-        none is pending (False); see the module docstring."""
+        """Until a submitted fetch has a result (True) or ``timeout_s`` passed (False);
+        with no fetch pending, until the backups queued or running are done, a fetch
+        arrives or ``timeout_s`` passed (False); see the module docstring."""
         with self._cv:
-            if not self._jobs:
-                return False
-            return self._cv.wait_for(
-                lambda: any(j.result is not None for j in self._jobs), timeout_s)
+            if self._jobs:
+                return self._cv.wait_for(
+                    lambda: any(j.result is not None for j in self._jobs), timeout_s)
+            self._cv.wait_for(lambda: bool(self._jobs) or not (
+                self._backup_q or self._running_backup), timeout_s)
+            return False
 
     def wait_fetches(self, timeout_s: float) -> bool:
         """Until every submitted fetch has a result (True) or ``timeout_s`` passed."""

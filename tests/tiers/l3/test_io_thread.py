@@ -321,6 +321,27 @@ def test_a_helper_never_reads_into_a_slot_a_running_backup_reads(tmp_path):
     io.shutdown()
 
 
+def test_an_idle_wait_with_no_fetch_lets_the_running_backup_finish(tmp_path):
+    """An idle engine stepping for the L3 catch-up: wait_results blocks, the GIL free,
+    until the backups are written (here: until their gate opens), not at once."""
+    GatedBackups.gate.clear()
+    GatedBackups.inside.clear()
+    io, pool, backend, _ = make(tmp_path, backend_class=GatedBackups)
+    pool.set_key(60, KEYS[30])
+    io.submit_backup([(KEYS[30], 60, KEYS[30])])
+    assert GatedBackups.inside.wait(30)
+    seen: list[tuple[bool, bool]] = []  # (waited for a fetch, the page was in L3 then)
+    waiter = threading.Thread(target=lambda: seen.append(
+        (io.wait_results(60.0), backend.exists(KEYS[30].hex()))))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not seen  # still waiting: the backup is held
+    GatedBackups.gate.set()
+    waiter.join(60)
+    assert seen == [(False, True)]
+    io.shutdown()
+
+
 def test_a_timed_backend_gets_byte_sized_batches_and_keeps_the_prefix_rule(tmp_path):
     """The plain file backend reads GIL-free batches that stop at the deadline by
     themselves (where numba runs): batches of TIMED_BATCH_BYTES, one call for these
