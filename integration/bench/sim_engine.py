@@ -286,6 +286,8 @@ class _Running:
     record: TraceRecord
     blocks: list[PageKey | int]
     outcome: RequestOutcome
+    # Its prompt's L1 block keys (hashed once, at admission).
+    prompt_keys: list[PageKey] = field(default_factory=list)
 
 
 class TokenSource:
@@ -442,7 +444,7 @@ class SimEngine:
                 req, local, *lookup)
         # The prompt's full blocks are cached as soon as they are scheduled.
         self.l1.cache(blocks, block_keys)
-        return _Running(req, rec, blocks, outcome)
+        return _Running(req, rec, blocks, outcome, block_keys)
 
     def _connector_admit(self, req: SimRequest, local: int, external: int,
                          is_async: bool) -> tuple[int, int, int]:
@@ -482,7 +484,7 @@ class SimEngine:
             self._backup(self.sched.build_connector_meta({}))
         seed = self._l1_seed + (req.cache_salt or "").encode()
         self.l1.grow(running.blocks, -(-computed // cfg.block_size))
-        _, prompt_keys = self._prepare(running.record)  # the prompt's, hashed once
+        prompt_keys = running.prompt_keys
         done = len(prompt_keys) * cfg.block_size
         self.l1.cache(running.blocks, prompt_keys + page_keys(
             seed, req.all_token_ids[done:computed], cfg.block_size,
