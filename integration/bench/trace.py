@@ -26,7 +26,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 
 class TraceError(ValueError):
@@ -90,23 +90,31 @@ _KNOWN = {"id", "arrival", "finish", "output_tokens", "prompt_tokens", "prompt",
           "prefetch_tokens"}
 
 
-def parse_record(line: str, where: str = "trace") -> TraceRecord:
+def json_object(line: str, where: str) -> dict[str, Any]:
+    """One trace line's JSON object; ``TraceError`` naming ``where`` otherwise."""
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not JSON ({e.msg})") from None
     if not isinstance(d, dict):
         raise TraceError(f"{where}: expected a JSON object")
+    return d
 
-    def need(key: str, kind: type | tuple[type, ...]) -> object:
-        if key not in d:
-            raise TraceError(f"{where}: missing key {key!r}")
-        if not isinstance(d[key], kind) or isinstance(d[key], bool):
-            raise TraceError(f"{where}: key {key!r} must be {getattr(kind, '__name__', kind)}")
-        return d[key]
 
-    arrival = float(cast(float, need("arrival", (int, float))))
-    output = cast(int, need("output_tokens", int))
+def need(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """``d[key]``, a ``kind`` (never a bool); ``TraceError`` naming ``where`` and the key."""
+    if key not in d:
+        raise TraceError(f"{where}: missing key {key!r}")
+    if not isinstance(d[key], kind) or isinstance(d[key], bool):
+        raise TraceError(f"{where}: key {key!r} must be {getattr(kind, '__name__', kind)}")
+    return d[key]
+
+
+def parse_record(line: str, where: str = "trace") -> TraceRecord:
+    d = json_object(line, where)
+
+    arrival = float(need(d, "arrival", (int, float), where))
+    output = cast(int, need(d, "output_tokens", int, where))
     if output < 0 or arrival < 0:
         raise TraceError(f"{where}: 'arrival' and 'output_tokens' must be >= 0")
     finish = d.get("finish")
@@ -118,19 +126,19 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
     hashes: tuple[str, ...] | None = None
     page_size: int | None = None
     if "prompt" in d:
-        raw = cast("list[object]", need("prompt", list))
+        raw = cast("list[object]", need(d, "prompt", list, where))
         tokens = [t for t in raw if isinstance(t, int) and not isinstance(t, bool) and t >= 0]
         if len(tokens) != len(raw):
             raise TraceError(f"{where}: key 'prompt' must be a list of token ids (ints >= 0)")
         prompt = tuple(tokens)
         prompt_tokens = len(prompt)
     else:
-        raw = cast("list[object]", need("page_hashes", list))
+        raw = cast("list[object]", need(d, "page_hashes", list, where))
         names = [h for h in raw if isinstance(h, str) and h]
         if len(names) != len(raw):
             raise TraceError(f"{where}: key 'page_hashes' must be a list of non-empty strings")
         hashes = tuple(names)
-        page_size = cast(int, need("page_size", int))
+        page_size = cast(int, need(d, "page_size", int, where))
         if page_size <= 0:
             raise TraceError(f"{where}: key 'page_size' must be > 0")
         prompt_tokens = int(d.get("prompt_tokens", len(hashes) * page_size))

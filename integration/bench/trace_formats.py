@@ -40,13 +40,18 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import json
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.integration.bench.trace import TraceError, TraceRecord, read_trace
+from hicache.integration.bench.trace import (
+    TraceError,
+    TraceRecord,
+    json_object,
+    need,
+    read_trace,
+)
 
 FORMATS = ("hicache", "mooncake", "claude-code")
 MOONCAKE_BLOCK = 512
@@ -77,23 +82,6 @@ def _lines(path: str | Path) -> Iterator[tuple[str, str]]:
                 yield f"{p.name}:{n}", line
 
 
-def _obj(line: str, where: str) -> dict[str, Any]:
-    try:
-        d = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{where}: not JSON ({e.msg})") from None
-    if not isinstance(d, dict):
-        raise TraceError(f"{where}: expected a JSON object")
-    return d
-
-
-def _need(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    value = d.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise TraceError(f"{where}: {key!r} is missing or not a {getattr(kind, '__name__', kind)}")
-    return value
-
-
 def _chain(seed: str, ids: Sequence[object]) -> tuple[str, ...]:
     """Prefix-chained page hashes of block ids."""
     out, prev = [], seed.encode()
@@ -119,12 +107,12 @@ def _mooncake(path: str | Path, page_size: int, limit: int | None,
     for where, line in _lines(path):
         if limit is not None and len(out) >= limit:
             break
-        d = _obj(line, where)
-        ids = _need(d, "hash_ids", list, where)
+        d = json_object(line, where)
+        ids = need(d, "hash_ids", list, where)
         out.append(_record(
-            f"m{len(out)}", _need(d, "timestamp", (int, float), where) / 1000 * time_scale,
-            ids, "", _need(d, "input_length", int, where),
-            _need(d, "output_length", int, where), MOONCAKE_BLOCK, page_size, {}))
+            f"m{len(out)}", need(d, "timestamp", (int, float), where) / 1000 * time_scale,
+            ids, "", need(d, "input_length", int, where),
+            need(d, "output_length", int, where), MOONCAKE_BLOCK, page_size, {}))
     return sorted(out, key=lambda r: r.arrival)
 
 
@@ -134,10 +122,10 @@ def _claude_code(path: str | Path, page_size: int, limit: int | None, time_scale
     for k, (where, line) in enumerate(_lines(path)):
         if limit is not None and k >= limit:
             break
-        d = _obj(line, where)
-        sid = str(_need(d, "id", str, where))
-        block = _need(d, "block_size", int, where)
-        requests = _need(d, "requests", list, where)
+        d = json_object(line, where)
+        sid = str(need(d, "id", str, where))
+        block = need(d, "block_size", int, where)
+        requests = need(d, "requests", list, where)
         out += _session(requests, sid, k * session_gap_s, block, page_size, time_scale,
                         where)
     return sorted(out, key=lambda r: (r.arrival, r.id))
@@ -152,16 +140,16 @@ def _session(requests: list[Any], sid: str, start: float, block: int, page_size:
         at = f"{where} {sid} request {i}"
         if not isinstance(r, dict):
             raise TraceError(f"{at}: expected a JSON object")
-        t = start + _need(r, "t", (int, float), at) * time_scale
+        t = start + need(r, "t", (int, float), at) * time_scale
         if r.get("type") == "subagent":
             agent = f"{sid}/{r.get('agent_id', i)}"
-            out += _session(_need(r, "requests", list, at), agent, t, block, page_size,
+            out += _session(need(r, "requests", list, at), agent, t, block, page_size,
                             time_scale, where)
             continue
-        keep, add = _need(r, "keep", int, at), _need(r, "add", list, at)
+        keep, add = need(r, "keep", int, at), need(r, "add", list, at)
         prev = prev[:keep] + add
         out.append(_record(
-            f"{sid}#{i}", t, prev, sid, _need(r, "in", int, at), _need(r, "out", int, at),
+            f"{sid}#{i}", t, prev, sid, need(r, "in", int, at), need(r, "out", int, at),
             block, page_size, {"session": sid,
                                "think_time": float(r.get("think_time") or 0.0)}))
     return out

@@ -111,8 +111,7 @@ class Flusher:
             keys = self.prefix_keys(prefix, cache_salt, lora_name)
             aligned = bool(keys) and len(prefix) % self.page_size == 0
             if aligned:
-                parent = tree.find(keys[:-1])
-                top = parent.children.get(keys[-1]) if parent is not None else None
+                top = tree.subtree_at(keys, len(keys) - 1)
                 tops = [top] if top is not None else []
             else:
                 node = tree.find(keys)
@@ -139,13 +138,10 @@ class Flusher:
         """``forget`` of a conversation known by its page keys (a closed session's)."""
         tree = self.l2.tree
         start = max(tree.shared_depth(keys), min(keep_pages, len(keys)))
-        tops: list[TreeNode] = []
-        if start < len(keys):
-            # No other prefix forks off the path after ``start`` (shared_depth is the
-            # deepest fork): the subtree from there is the conversation's own.
-            above = tree.find(keys[:start])
-            top = above.children.get(keys[start]) if above is not None else None
-            tops = [top] if top is not None else []
+        # No other prefix forks off the path after ``start`` (shared_depth is the
+        # deepest fork): the subtree from there is the conversation's own.
+        top = tree.subtree_at(keys, start)
+        tops = [top] if top is not None else []
         if release is not None:
             release(tops)
         spans = self._span_objects(tops, keys, start)

@@ -84,7 +84,6 @@ from hicache.tiers.index.commands import DeletePages, L3Removal, RetainPages, St
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups, StateHandoff
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
-from hicache.tiers.index.radix_tree import TreeNode
 from hicache.tiers.index.spans import SpanLayout, pages_per_object
 from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.metrics import WorkerGauge as G
@@ -543,17 +542,18 @@ class HiCacheScheduler:
         ``forget``, remove them from L2 and plan their removal from L3 (flush.py).
         Returns (counts, the L3 removal or None); ``KeyError`` for an unknown id."""
         session = self.sessions.close(session_id)
-        released = 0
+        released = demoted = 0
         for path in session.paths:
             released += bool(self.pins.unpin(path))
-            own = self._own_subtree(path)
+            # Its own pages: after the deepest fork another cached prefix makes.
+            own = self.tree.subtree_at(path, self.tree.shared_depth(path))
             if own is not None:
                 released += self.pins.release_under([own])
+                if not forget:  # here: a later path's lookup may split this subtree
+                    demoted += self.tree.demote(own, CLOSED_PRIORITY)
         counts = {"released_pins": released}
         if not forget:
-            counts["demoted_pages"] = sum(
-                self.tree.demote(p, self.tree.shared_depth(p), CLOSED_PRIORITY)
-                for p in session.paths)
+            counts["demoted_pages"] = demoted
             return counts, None
         doomed: list[PageKey] = []
         for path in session.paths:
@@ -564,12 +564,6 @@ class HiCacheScheduler:
                 doomed.extend(l3_op.keys)
         session.paths = []
         return counts, DeletePages(tuple(dict.fromkeys(doomed))) if doomed else None
-
-    def _own_subtree(self, keys: Sequence[PageKey]) -> TreeNode | None:
-        """The subtree of ``keys``'s pages that no other cached prefix shares."""
-        start = self.tree.shared_depth(keys)
-        above = self.tree.find(keys[:start]) if start < len(keys) else None
-        return above.children.get(keys[start]) if above is not None else None
 
     def queue_command(self, command: StorageCommand) -> None:
         """A command for every worker, with the next plan."""

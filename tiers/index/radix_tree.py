@@ -344,17 +344,20 @@ class HiRadixTree:
             node, i = child, i + k
         return i
 
-    def demote(self, keys: Sequence[PageKey], start: int, priority: int) -> int:
-        """Lower to at most ``priority`` every page of the subtree that starts at page
-        ``start`` of ``keys`` (split there; ``keys[:start + 1]`` must be in the tree,
-        else nothing changes). A whole subtree, so no parent ends below a child.
-        Returns the pages lowered."""
+    def subtree_at(self, keys: Sequence[PageKey], start: int) -> TreeNode | None:
+        """The node whose first page is ``keys[start]``, under ``keys[:start]`` (split
+        so; either tier), or None when the tree lacks one of ``keys[:start + 1]``.
+        Times are not touched."""
         if start >= len(keys):
-            return 0
-        above = self.find(keys[:start]) if start else self.root
-        top = above.children.get(keys[start]) if above is not None else None
+            return None
+        above = self.find(keys[:start])
+        return above.children.get(keys[start]) if above is not None else None
+
+    def demote(self, top: TreeNode, priority: int) -> int:
+        """Lower every page of ``top``'s subtree to at most ``priority``. A whole
+        subtree, so no parent ends below a child. Returns the pages lowered."""
         lowered = 0
-        for node in _preorder(top) if top is not None else ():
+        for node in _preorder(top):
             if node.priority > priority:
                 node.priority = priority
                 lowered += len(node.keys)

@@ -10,7 +10,7 @@ of times. The store is the real file backend; the clock is injected.
 from __future__ import annotations
 
 import pytest
-from support.fakes import file_store, request
+from support.fakes import file_store, prefill, request
 
 from hicache.tiers.config import HiCacheConfig
 from hicache.tiers.controller.catch_up import MAX_TRIES
@@ -49,13 +49,7 @@ def tokens_of(base: int, pages: int) -> list[int]:
 
 def compute(sched: HiCacheScheduler, rid: str, tokens: list[int]) -> list[bytes]:
     """A request with no hit computes its prompt; returns the keys its plan stores."""
-    req = request(rid, tokens)
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    blocks = list(range(1, len(tokens) // BS + 2))
-    sched.update_state_after_alloc(req, [blocks], 0)
-    sched.tables[rid] = blocks  # type: ignore[attr-defined]
-    plan = sched.build_connector_meta({rid: len(tokens)})
-    req.num_computed_tokens = len(tokens)
+    plan = prefill(sched, request(rid, tokens), list(range(1, len(tokens) // BS + 2)))
     return [p.key for p in plan.stores]
 
 
