@@ -84,9 +84,16 @@ def test_l3_flushed_and_reattached_under_load_catches_up_and_survives_a_kill(
 
     fresh = open_llm(spec(tiny_model, path, hicache_storage_prefetch_policy="wait_complete"))
     try:
-        got = run_turns(fresh, third.prompts[:CONVS], WORKLOAD.answer_tokens)
+        # One at a time, so which tier serves the shared system prompt is fixed.
+        got = run_turns(fresh, third.prompts[:CONVS], WORKLOAD.answer_tokens,
+                        one_by_one=True)
     finally:
         close_llm(fresh)
     assert got.outputs == third.outputs[:CONVS]
     assert got.num_cached_tokens == full
-    assert [p["hicache"]["cached_tokens"]["l3"] for p in got.kv_transfer_params] == full
+    # Every history from L3, but the system prompt the first one stored in L2 again.
+    splits = [p["hicache"]["cached_tokens"] for p in got.kv_transfer_params]
+    assert splits[0] == {"l1": 0, "l2": 0, "l3": full[0]}
+    shared = WORKLOAD.shared_prefix_tokens // BLOCK_SIZE * BLOCK_SIZE
+    for split, n in zip(splits[1:], full[1:], strict=True):
+        assert split == {"l1": 0, "l2": shared, "l3": n - shared}, split

@@ -24,8 +24,10 @@ Contract:
   an attach, a detach or a flush of L3).
 - Cost: a scan walks the L2 part of the tree. It runs when L2 holds more
   pages that L3 lacks than are in flight or were found unfit at the last
-  scan, and then only when the last scan left pages behind or ``rescan_s``
-  has passed since it.
+  scan, and then only when the last scan left pages behind, a backup in
+  flight expired, or ``rescan_s`` has passed since it. ``has_work`` (an idle
+  engine steps while it holds) stays true while backups are in flight and
+  L2 holds lacking pages that are not known unfit, so an expiry is seen.
 - ``backlog``: pages still to back up as of the last scan, plus those in
   flight (``/stats`` ``tiers.l3.backlog_pages``).
 - Not for models with Mamba state groups: the tree does not index their L3
@@ -92,8 +94,19 @@ class L3CatchUp:
         return self._left + len(self._mine)
 
     def has_work(self) -> bool:
-        """Catch-up backups are in flight or waiting for room."""
-        return self.enabled and bool(self._mine or self._left)
+        """Catch-up backups are in flight or waiting for room, or L2 holds pages L3
+        lacks beyond those found unfit while backups are in flight: one of those may
+        never report (dropped with its slot, failed), and only a later plan, after
+        ``retry_s``, can tell. (An idle engine steps while this holds.)"""
+        if not self.enabled:
+            return False
+        return bool(self._mine or self._left or (
+            self._in_flight and self._lacking() > self._unfit))
+
+    def _lacking(self) -> int:
+        """L2 pages the tree does not know in L3."""
+        tree = self.l2.tree
+        return tree.total_pages() - (tree.l3_pages() - tree.l3_only_pages())
 
     def note_planned(self, plans: Iterable[PagePlan]) -> None:
         """A plan carries these pages' stores or backups: those with L3 keys are
@@ -134,9 +147,7 @@ class L3CatchUp:
         room = self.max_in_flight - len(self._mine)
         if not io_idle or room <= 0:
             return []
-        tree = self.l2.tree
-        lacking = tree.total_pages() - (tree.l3_pages() - tree.l3_only_pages())
-        if lacking <= len(self._in_flight) + self._unfit:
+        if self._lacking() <= len(self._in_flight) + self._unfit:
             self._left = 0
             return []
         if not self._left and now - self._last_scan < self.rescan_s:
@@ -158,6 +169,7 @@ class L3CatchUp:
                 break
             del self._in_flight[key]
             self._mine.discard(key)
+            self._last_scan = float("-inf")  # a backup that never reported: look again
 
     def _scan(self, room: int) -> list[tuple[PageKey, int]]:
         """Up to ``room`` candidates, hottest first; sets ``_left`` and ``_unfit``."""
