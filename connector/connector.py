@@ -195,8 +195,6 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 scheduler_output.num_scheduled_tokens,
                 getattr(scheduler_output, "preempted_req_ids", None) or (),
                 getattr(block_state, "boundary_state_offloads", None))  # Mamba "align" states
-        if self._admin is not None:
-            plan.storage_commands = [*plan.storage_commands, *self._admin.take_commands()]
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0
         return HiCacheStepMetadata.wrap(plan)
 
@@ -249,9 +247,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return False
         with self._scheduler.lock:
-            if self._scheduler.has_worker_work():
-                return True
-        return self._admin is not None and self._admin.has_commands()
+            return self._scheduler.has_worker_work()
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset_prefix_cache(reset_external=True): empty L2 (not the shared L3)."""

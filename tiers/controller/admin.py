@@ -58,7 +58,6 @@ from hicache.tiers.index.commands import (
     ClearStore,
     DetachStore,
     L3Removal,
-    StorageCommand,
 )
 from hicache.tiers.l3.base import StorageBackend, StorageConfigError
 from hicache.tiers.metrics import LatencyBuckets, section_metrics
@@ -126,7 +125,6 @@ class SchedulerAdmin:
             m.key: LatencyBuckets(m.buckets) for m in section_metrics("latency")}
         self._samples: deque[tuple[float, float, float]] = deque()
         self._lock = threading.Lock()
-        self.pending_commands: list[StorageCommand] = []
         # POST /prefetch operations: ids, status, cancel (prefetch_ops.py).
         self.prefetches = PrefetchOps(scheduler)
         # Wakes an idle engine so that it steps and carries work to the workers
@@ -156,21 +154,6 @@ class SchedulerAdmin:
             for name, values in observations.items():
                 if name in self.worker_latency:
                     self.worker_latency[name].observe(values)
-
-    def has_commands(self) -> bool:
-        with self._lock:
-            return bool(self.pending_commands)
-
-    def _queue_command(self, command: StorageCommand) -> None:
-        """For every worker, with the next engine step, which this wakes."""
-        with self._lock:
-            self.pending_commands.append(command)
-        self._wake()
-
-    def take_commands(self) -> list[StorageCommand]:
-        with self._lock:
-            commands, self.pending_commands = self.pending_commands, []
-        return commands
 
     # ---- AdminTarget -----------------------------------------------------------
 
@@ -434,25 +417,36 @@ class SchedulerAdmin:
     def _remove_from_l3(self, counts: dict[str, int], l3_op: L3Removal | None,
                         storage: L3Store | None) -> dict[str, int]:
         """Apply a flush's or forget's L3 removal: the scheduler's store, then the
-        workers' shards (at the next engine step)."""
+        workers' shards (at the next engine step). A store that cannot remove
+        single pages fails the request (400) and the workers are not asked."""
         s = self.scheduler
         counts["l3_pages"] = 0
-        if l3_op is not None and storage is not None:
-            # The scheduler's own instance first (lookups miss from now on),
-            # outside the lock: a slow store must not stall the engine.
-            try:
-                if isinstance(l3_op, ClearStore):
-                    storage.clear()
-                    counts["l3_pages"] = -1  # all; the store does not count
-                else:
-                    counts["l3_pages"] = storage.batch_delete([k.hex() for k in l3_op.keys])
-            except NotImplementedError as exc:
-                raise BadRequest(f"L3 backend {self.storage_name!r} cannot flush a prefix "
-                                 f"({exc}); flush all of L3 instead") from exc
-            # Every worker then drops queued backups of those pages and deletes its shard.
-            self._queue_command(l3_op)
+        if l3_op is None:
+            return counts
+        queued = False
+        try:
+            if storage is not None:
+                # The scheduler's own instance first (lookups miss from now on),
+                # outside the lock: a slow store must not stall the engine.
+                try:
+                    if isinstance(l3_op, ClearStore):
+                        storage.clear()
+                        counts["l3_pages"] = -1  # all; the store does not count
+                    else:
+                        counts["l3_pages"] = storage.batch_delete(
+                            [k.hex() for k in l3_op.keys])
+                except NotImplementedError as exc:
+                    raise BadRequest(f"L3 backend {self.storage_name!r} cannot flush a "
+                                     f"prefix ({exc}); flush all of L3 instead") from exc
+            queued = True
+        finally:
             with s.lock:
-                s.stats.flushed_l3_pages += max(0, counts["l3_pages"])
+                if queued:  # every worker drops queued backups of those pages, deletes them
+                    s.queue_command(l3_op)
+                    s.stats.flushed_l3_pages += max(0, counts["l3_pages"])
+                else:
+                    s.l3_change_dropped()
+            self._wake()
         return counts
 
     def attach_storage(self, backend: str, extra_config: dict[str, Any]) -> dict[str, Any]:
@@ -471,7 +465,8 @@ class SchedulerAdmin:
             old, s.storage = s.storage, instance
             self.storage_name = backend
             s.l3_changed()
-        self._queue_command(AttachStore(backend, dict(extra_config)))
+            s.queue_command(AttachStore(backend, dict(extra_config)))
+        self._wake()
         if old is not None:
             old.close()
         return {"attached": backend, "workers": "at the next engine step"}
@@ -484,7 +479,8 @@ class SchedulerAdmin:
             old, s.storage = s.storage, None
             name, self.storage_name = self.storage_name, None
             s.l3_changed()
-        self._queue_command(DetachStore())
+            s.queue_command(DetachStore())
+        self._wake()
         old.close()
         return {"detached": name, "workers": "at the next engine step: queued backups are "
                 "dropped, running I/O finishes first"}

@@ -27,7 +27,10 @@ Contract:
   scan, and then only when the last scan left pages behind, a backup in
   flight expired, or ``rescan_s`` has passed since it. ``has_work`` (an idle
   engine steps while it holds) stays true while backups are in flight and
-  L2 holds lacking pages that are not known unfit, so an expiry is seen.
+  L2 holds lacking pages that are not known unfit, so an expiry is seen, and
+  while such pages wait for a scan the next plan would run (after an L3
+  change: before, an engine that went idle as L3 was flushed or attached
+  never backed L2 up).
 - ``backlog``: pages still to back up as of the last scan, plus those in
   flight (``/stats`` ``tiers.l3.backlog_pages``).
 - Not for models with Mamba state groups: the tree does not index their L3
@@ -94,14 +97,21 @@ class L3CatchUp:
         return self._left + len(self._mine)
 
     def has_work(self) -> bool:
-        """Catch-up backups are in flight or waiting for room, or L2 holds pages L3
-        lacks beyond those found unfit while backups are in flight: one of those may
-        never report (dropped with its slot, failed), and only a later plan, after
-        ``retry_s``, can tell. (An idle engine steps while this holds.)"""
+        """Catch-up backups are in flight or waiting for room; or L2 holds pages L3
+        lacks beyond those found unfit, and either backups are in flight (one may
+        never report: dropped with its slot, failed, reported before an L3 change;
+        only a later plan, after ``retry_s``, can tell) or the next plan would scan
+        for them (after an L3 change, an expiry, or ``rescan_s``). An idle engine
+        steps while this holds."""
         if not self.enabled:
             return False
-        return bool(self._mine or self._left or (
-            self._in_flight and self._lacking() > self._unfit))
+        if self._mine or self._left:
+            return True
+        lacking = self._lacking()
+        if lacking <= self._unfit:
+            return False
+        return bool(self._in_flight) or (
+            self._clock() - self._last_scan >= self.rescan_s)
 
     def _lacking(self) -> int:
         """L2 pages the tree does not know in L3."""

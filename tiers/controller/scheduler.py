@@ -80,7 +80,13 @@ from hicache.tiers.controller.requests import (
 from hicache.tiers.controller.sessions import CLOSED_PRIORITY, Sessions
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
-from hicache.tiers.index.commands import DeletePages, L3Removal, RetainPages, StorageCommand
+from hicache.tiers.index.commands import (
+    L3_CHANGES,
+    DeletePages,
+    L3Removal,
+    RetainPages,
+    StorageCommand,
+)
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups, StateHandoff
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey
 from hicache.tiers.index.plans import RequestLoad, StepPlan, WorkerReport, prefetch_id
@@ -211,8 +217,14 @@ class HiCacheScheduler:
                                   max_in_flight=catch_up_pages, clock=clock)
         # rank -> pages waiting in its L3 backup queue, as it last reported.
         self._backup_queues: dict[int, float] = {}
-        # L3 commands of its own for every worker (retention), with the next plan.
+        # Commands for every worker (retention, cancelled fetches, the admin's L3
+        # changes), with the next plan (tiers/index/commands.py).
         self._commands: list[StorageCommand] = []
+        # L3 changes (flush, forget, attach, detach) the tree has seen, and those
+        # queued for the workers: a rank's backup report counts only once it has
+        # applied every one (WorkerReport.l3_changes).
+        self._l3_changes = 0
+        self._l3_changes_queued = 0
         # Finished requests' retain_s outcome (pages pinned, or why not), for the
         # connector to put in their responses (take_retained).
         self._retained: dict[str, int | str] = {}
@@ -468,7 +480,7 @@ class HiCacheScheduler:
         self.catch_up.note_planned(backups)
         if self.storage is not None:  # L2 pages L3 lacks, while its I/O is idle
             self.l2.back_up(self.catch_up.plan(io_idle=not self.fetches.in_flight and not any(
-                self._backup_queues.values())))
+                self._backup_queues.values()) and self._l3_changes == self._l3_changes_queued))
             backups += self.l2.take_backups()
         # Loads are taken (and their prefixes unlocked) after the stores are
         # planned: the eviction that makes room for a store must spare them.
@@ -563,11 +575,31 @@ class HiCacheScheduler:
             if l3_op is not None:
                 doomed.extend(l3_op.keys)
         session.paths = []
-        return counts, DeletePages(tuple(dict.fromkeys(doomed))) if doomed else None
+        if not doomed:
+            return counts, None
+        self._l3_changing()
+        return counts, DeletePages(tuple(dict.fromkeys(doomed)))
 
     def queue_command(self, command: StorageCommand) -> None:
-        """A command for every worker, with the next plan."""
+        """A command for every worker, with the next plan. An L3-changing one
+        (``L3_CHANGES``) must follow the ``l3_changed``/``flush``/``forget``/
+        ``close_session`` call whose tree change it stands for, once."""
         self._commands.append(command)
+        if isinstance(command, L3_CHANGES):
+            self._l3_changes_queued += 1
+
+    def l3_change_dropped(self) -> None:
+        """The L3 removal of the last ``flush``/``forget``/``close_session`` will not
+        be queued (the store refused it): the workers' L3 did not change."""
+        self._l3_changes -= 1
+
+    def _l3_changing(self) -> None:
+        """The tree's L3 marks change before the workers' L3 does: backup reports a
+        rank took before it applies the matching command are dropped from now
+        on (tiers/index/commands.py), and the catch-up starts over."""
+        self._l3_changes += 1
+        self._backup_votes.clear()
+        self.catch_up.reset()
 
     def _retain(self, state: RequestState) -> None:
         """Pin what L2 holds of a finished request's pages for its ``retain_s``, and
@@ -619,7 +651,9 @@ class HiCacheScheduler:
     def on_worker_report(self, report: WorkerReport) -> None:
         self.l2.report_bad_slots(report.bad_slots)
         if report.l3_stored:
-            self._count_backups(report.l3_stored)
+            self._count_backups({
+                rank: keys for rank, keys in report.l3_stored.items()
+                if report.l3_changes.get(rank, 0) == self._l3_changes})
         for rank, gauges in report.gauges.items():
             if G.L3_BACKUP_QUEUE_PAGES in gauges:
                 self._backup_queues[rank] = gauges[G.L3_BACKUP_QUEUE_PAGES]
@@ -664,8 +698,7 @@ class HiCacheScheduler:
         """Another L3 store was attached, or none: what the tree knew of L3 is
         forgotten, and the catch-up backs L2 up to the new one (catch_up.py)."""
         self.l2.forget_l3()
-        self._backup_votes.clear()
-        self.catch_up.reset()
+        self._l3_changing()
 
     def reset(self) -> bool:
         """Drop every L2 page (vLLM's reset_prefix_cache); False if pages are in use."""
@@ -684,19 +717,25 @@ class HiCacheScheduler:
               ) -> tuple[dict[str, int], L3Removal | None]:
         """Drop cached pages from L2 and plan their removal from L3: all of them, or
         those below ``prefix``. Returns (L2 counts, the L3 operation or None);
-        see flush.py for which pages and what the caller does with the operation."""
+        see flush.py for which pages. The caller applies the operation to its own
+        L3 instance, then queues it for the workers (``queue_command``), always:
+        until then backups reported are dropped and the catch-up waits."""
         counts, l3_op = self.flusher.flush(tiers, prefix, cache_salt, lora_name,
                                            release=self.pins.release_under)
         if l3_op is not None:  # the workers drop the queued backups of those pages
-            self.catch_up.reset()
+            self._l3_changing()
         return counts, l3_op
 
     def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
                lora_name: str | None = None, keep_tokens: int = 0,
                ) -> tuple[dict[str, int], L3Removal | None]:
-        """A conversation's own pages out of L2, and their L3 removal (flush.py)."""
-        return self.flusher.forget(prefix, cache_salt, lora_name, keep_tokens,
-                                   release=self.pins.release_under)
+        """A conversation's own pages out of L2, and their L3 removal (flush.py),
+        which the caller queues (``queue_command``) as ``flush``'s."""
+        counts, l3_op = self.flusher.forget(prefix, cache_salt, lora_name, keep_tokens,
+                                            release=self.pins.release_under)
+        if l3_op is not None:
+            self._l3_changing()
+        return counts, l3_op
 
     def prefix_keys(self, prefix: Sequence[int], cache_salt: str | None = None,
                     lora_name: str | None = None) -> list[PageKey]:

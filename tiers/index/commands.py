@@ -2,13 +2,18 @@
 carried in a ``StepPlan``.
 
 Contract (see DESIGN.md "Admin actions"):
-- The admin view (tiers/controller/admin.py) changes the scheduler's own
-  L3 instance at once and queues the matching command; the connector puts
-  the queued commands into the next step's plan, and each worker applies
+- The scheduler queues every command (``HiCacheScheduler.queue_command``)
+  and puts those queued into the next plan it builds; each worker applies
   them once, before that step's loads and fetches (tiers/worker/core.py).
-- The scheduler queues its own (a request's ``retain_s`` reaching L3,
-  ``HiCacheScheduler.retain_in_l3``) and puts them in the plan it builds,
-  ahead of the admin's.
+  Its own (a request's ``retain_s`` reaching L3, a cancelled prefetch) and
+  the admin's (tiers/controller/admin.py: a flush's removal, attach,
+  detach), which changes the scheduler's own L3 instance at once.
+- The L3-changing commands (``L3_CHANGES``) are queued under the scheduler
+  lock with the tree change they stand for, so no plan built after that
+  change lacks them. Each worker counts those it applied and sends its count
+  with the backups it reports stored: keys a rank took before the latest
+  change may name pages that change deleted, or that went to the store it
+  replaced, and the scheduler drops them.
 - Commands are plain frozen dataclasses (they cross process boundaries with
   the plan). Page keys stay ``bytes`` here; only the backend boundary
   (tiers/l3/) spells them as the store's string keys.
@@ -67,5 +72,8 @@ class DetachStore:
 
 # What an L3 flush asks of the store.
 L3Removal = DeletePages | ClearStore
+# Commands after which L3 may lack pages a rank reported backed up before it: the
+# scheduler counts those it queued, each worker those it applied (WorkerReport.l3_changes).
+L3_CHANGES = (DeletePages, ClearStore, AttachStore, DetachStore)
 StorageCommand = (DeletePages | ClearStore | RetainPages | CancelFetches | AttachStore
                   | DetachStore)

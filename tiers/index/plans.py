@@ -164,6 +164,10 @@ class WorkerReport:
     # rank -> page keys (L3 keys) its L3 backups stored since its last report;
     # the scheduler marks a page in L3 once every writing rank reported it.
     l3_stored: dict[int, list[bytes]] = field(default_factory=dict)
+    # rank -> how many L3-changing storage commands (flush, forget, attach, detach:
+    # tiers/index/commands.py ``L3_CHANGES``) it had applied when it took those
+    # keys; the scheduler drops keys a rank took before the latest change.
+    l3_changes: dict[int, int] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both ranks' reports in one (vLLM merges a step's reports over ranks)."""
@@ -183,4 +187,5 @@ class WorkerReport:
         for rank, keys in other.l3_stored.items():
             l3_stored.setdefault(rank, []).extend(keys)
         return type(self)(self.bad_slots | other.bad_slots, fetched, counters, gauges,
-                          observations, {**self.stores_done, **other.stores_done}, l3_stored)
+                          observations, {**self.stores_done, **other.stores_done}, l3_stored,
+                          {**self.l3_changes, **other.l3_changes})

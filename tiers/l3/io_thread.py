@@ -32,7 +32,8 @@ Contract:
   backend's own timeouts). Without this a backup could store another
   page's bytes, with a valid checksum, under this page's key.
   ``take_backed_up()`` returns the L3 keys stored since the last call, for
-  the scheduler's tree (``WorkerReport.l3_stored``).
+  the scheduler's tree (``WorkerReport.l3_stored``), but none while a
+  removal waits: when it starts it forgets those it deletes.
 - ``submit_removal(keys)`` (admin flush): drops queued backups of those
   pages and deletes them from this rank's store after the backup already
   running, so a flushed page is not written back later.
@@ -225,8 +226,11 @@ class StorageIO:
         return done
 
     def take_backed_up(self) -> list[bytes]:
-        """L3 keys whose backups succeeded since the last call."""
+        """L3 keys whose backups succeeded since the last call; none while a removal
+        waits (what it deletes must not be reported stored after it was asked for)."""
         with self._cv:
+            if any(not isinstance(r, _Retention) for r in self._removals):
+                return []
             done, self._backed_up = self._backed_up, []
         return done
 
@@ -316,6 +320,11 @@ class StorageIO:
                     backup = None
                 elif self._removals:
                     job, backup, removal = None, None, self._removals.popleft()
+                    if not isinstance(removal, _Retention):
+                        # Stored before this removal, then deleted: not in L3.
+                        wanted = None if removal is None else set(removal)
+                        self._backed_up = [k for k in self._backed_up
+                                           if wanted is not None and k not in wanted]
                 elif self._backup_q:
                     job, backup = None, self._backup_q.popleft()
                     self._running_backup = {b[1] for b in backup}
@@ -361,10 +370,6 @@ class StorageIO:
             logger.exception("HiCache L3: retention on this rank failed")
 
     def _remove(self, keys: list[bytes] | None) -> None:
-        with self._cv:  # stored before this removal, then deleted: not in L3
-            wanted = None if keys is None else set(keys)
-            self._backed_up = [k for k in self._backed_up
-                               if wanted is not None and k not in wanted]
         try:
             if keys is None:
                 self.backend.clear()

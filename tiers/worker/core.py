@@ -53,7 +53,8 @@ Contract:
   per step, in ``take_report``: counter increments since the previous
   report, latency observations (copy time of the step's L2 loads and
   stores, time of each finished L3 fetch), this rank's changed gauges (queue
-  depths, whether its L3 breaker is open). That
+  depths, whether its L3 breaker is open), the L3 keys its backups stored
+  with how many L3-changing commands it had applied then. That
   report feeds both the admin view and vLLM's stats
   (connector/vllm_metrics.py).
 """
@@ -72,7 +73,7 @@ import torch
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer
 from hicache.kernels.layer_pipeline import Checkpoint, LayerPipeline
-from hicache.tiers.index.commands import CancelFetches, RetainPages
+from hicache.tiers.index.commands import L3_CHANGES, CancelFetches, RetainPages
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch, StepPlan, WorkerReport
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
@@ -170,6 +171,9 @@ class HiCacheWorker:
         self._deltas = CounterDeltas()
         self._gauges_reported: dict[str, float] = {}
         self._commands_applied: object = None
+        # L3-changing commands applied (flush, forget, attach, detach), reported
+        # with the backups stored (tiers/index/commands.py).
+        self._l3_changes = 0
         self._side_stream: torch.cuda.Stream | None = None
 
     @property
@@ -664,7 +668,8 @@ class HiCacheWorker:
         self._done_reported = self._done_seq
         report = WorkerReport(self._bad_slots, self._fetched, deltas,
                               {self.rank: gauges} if gauges else {}, observations,
-                              done, l3_stored)
+                              done, l3_stored,
+                              {self.rank: self._l3_changes} if l3_stored else {})
         self._bad_slots, self._fetched = set(), {}
         return report
 
@@ -681,6 +686,7 @@ class HiCacheWorker:
             self._settle_all()
         for command in meta.storage_commands:
             self.l3.apply(command)
+            self._l3_changes += isinstance(command, L3_CHANGES)
 
     def _require_pool(self) -> HostPagePool:
         if self.pool is None:

@@ -4,7 +4,10 @@ Pages L2 holds and L3 lacks -- after an L3 flush or attach, a failed backup --
 are backed up with later plans, hottest first, parents first, at most
 ``catch_up_pages`` in flight, only while the workers' L3 I/O is idle, never
 twice while a backup is in flight, retried after ``retry_s`` a bounded number
-of times. The store is the real file backend; the clock is injected.
+of times. A backup a rank reports from before an L3 change reached it counts
+for nothing. The store is the real file backend; the clock is injected; the
+workers are the helpers below: they apply every command of the plans built
+(``backups``) and report with the count of L3 changes applied.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from support.fakes import file_store, prefill, request
 from hicache.tiers.config import HiCacheConfig
 from hicache.tiers.controller.catch_up import MAX_TRIES
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.index.commands import L3_CHANGES, AttachStore, L3Removal
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import RequestFetch, WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -40,6 +44,7 @@ def make(tmp_path, clock: Clock, slots: int = 16, **kw) -> HiCacheScheduler:
         block_ids_of=lambda rid: [tables[rid]], storage=file_store(tmp_path, NS, geometry),
         prefetch={"prefetch_threshold": 0}, clock=clock, **kw)
     sched.tables = tables  # type: ignore[attr-defined]
+    sched.applied = 0  # type: ignore[attr-defined]  # L3 changes the workers applied
     return sched
 
 
@@ -53,18 +58,35 @@ def compute(sched: HiCacheScheduler, rid: str, tokens: list[int]) -> list[bytes]
     return [p.key for p in plan.stores]
 
 
-def report(sched: HiCacheScheduler, keys, queue: float = 0) -> None:
+def report(sched: HiCacheScheduler, keys, queue: float = 0, changes: int | None = None,
+           ) -> None:
+    """Rank 0 stored ``keys`` (having applied ``changes`` L3 changes: all it got)."""
+    applied = sched.applied if changes is None else changes  # type: ignore[attr-defined]
     sched.on_worker_report(WorkerReport(
-        l3_stored={0: list(keys)}, gauges={0: {G.L3_BACKUP_QUEUE_PAGES: queue}}))
+        l3_stored={0: list(keys)}, gauges={0: {G.L3_BACKUP_QUEUE_PAGES: queue}},
+        l3_changes={0: applied}))
 
 
 def backups(sched: HiCacheScheduler) -> list[bytes]:
-    return [p.key for p in sched.build_connector_meta({}).backups]
+    """The keys the next plan backs up; the workers apply its commands."""
+    meta = sched.build_connector_meta({})
+    sched.applied += sum(isinstance(c, L3_CHANGES)  # type: ignore[attr-defined]
+                         for c in meta.storage_commands)
+    return [p.key for p in meta.backups]
 
 
-def flushed_l3(sched: HiCacheScheduler) -> None:
+def flushed_l3(sched: HiCacheScheduler, queue: bool = True) -> L3Removal:
+    """The admin's flush of L3: the tree first, then (after its own store) the command."""
     _, op = sched.flush({"l3"}, None)
     assert op is not None
+    if queue:
+        sched.queue_command(op)
+    return op
+
+
+def attached(sched: HiCacheScheduler) -> None:
+    sched.l3_changed()
+    sched.queue_command(AttachStore("file", {}))
 
 
 def test_after_an_l3_flush_l2_is_backed_up_again_in_bounded_batches(tmp_path):
@@ -108,11 +130,43 @@ def test_waits_for_idle_io_and_never_doubles_a_backup_in_flight(tmp_path):
     flushed_l3(sched)  # ...until L3 is flushed: the workers drop them
     report(sched, [], queue=7)  # a rank's backup queue is busy
     assert backups(sched) == []
+    # An idle engine must go on stepping: nothing scanned yet since the flush.
+    assert sched.has_worker_work()
     sched.fetches.in_flight["r"] = RequestFetch("r", (), ())  # a fetch runs
     report(sched, [], queue=0)
     assert backups(sched) == []
     del sched.fetches.in_flight["r"]
     assert backups(sched) == keys
+
+
+def test_a_backup_reported_from_before_an_l3_flush_counts_for_nothing(tmp_path):
+    """The rank took these keys before it applied the flush (the report crossed the
+    admin's flush): the flush deleted them, so the tree must not mark them in L3."""
+    clock = Clock()
+    sched = make(tmp_path, clock)
+    keys = compute(sched, "a", tokens_of(100, 3))
+    op = flushed_l3(sched, queue=False)  # the admin still clears its own instance
+    report(sched, keys)  # taken before the flush: dropped
+    assert backups(sched) == []  # the catch-up waits for the command to go out
+    assert sched.tree.l3_pages() == 0
+    sched.queue_command(op)
+    assert backups(sched) == keys  # the plan carries the flush, then the backups
+    report(sched, keys, changes=0)  # a late report from before the flush: dropped
+    assert sched.tree.l3_pages() == 0
+    report(sched, keys)  # after it
+    assert sched.tree.l3_pages() == 3 and not sched.has_worker_work()
+
+
+def test_a_refused_l3_removal_leaves_reports_counting(tmp_path):
+    """A flush whose store refused the removal (the admin's 400) queues no command:
+    the workers' L3 did not change, and their reports still count."""
+    clock = Clock()
+    sched = make(tmp_path, clock)
+    keys = compute(sched, "a", tokens_of(100, 2))
+    flushed_l3(sched, queue=False)
+    sched.l3_change_dropped()
+    report(sched, keys)
+    assert sched.tree.l3_pages() == 2 and backups(sched) == []
 
 
 def test_a_failed_backup_is_retried_a_bounded_number_of_times(tmp_path):
@@ -128,7 +182,7 @@ def test_a_failed_backup_is_retried_a_bounded_number_of_times(tmp_path):
     clock.now += sched.catch_up.retry_s
     assert backups(sched) == [] and not sched.has_worker_work()
     # Another store attached: the catch-up starts over.
-    sched.l3_changed()
+    attached(sched)
     assert backups(sched) == keys
 
 
@@ -139,7 +193,7 @@ def test_attaching_another_store_forgets_what_the_tree_knew_of_l3(tmp_path):
     report(sched, first)
     compute(sched, "b", tokens_of(500, 2))  # evicts a's pages: L3-only now
     assert sched.tree.l3_only_pages() == 2
-    sched.l3_changed()
+    attached(sched)
     assert sched.tree.l3_pages() == 0 and sched.tree.total_pages() == 2
     sched.tree.check_invariants()
 

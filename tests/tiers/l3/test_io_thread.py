@@ -342,6 +342,36 @@ def test_an_idle_wait_with_no_fetch_lets_the_running_backup_finish(tmp_path):
     io.shutdown()
 
 
+def test_backups_done_before_a_waiting_removal_are_not_reported_stored(tmp_path):
+    """A page backed up just before a flush that then deletes it must not reach the
+    scheduler's tree as stored: nothing is taken while a removal waits, and the
+    removal forgets what it deletes. (Before: the worker reported it, the tree
+    marked it in L3, and the L3 catch-up never wrote it again.)"""
+    seed_l3(tmp_path, 1)
+    GatedBackups.gate.clear()
+    GatedBackups.inside.clear()
+    io, pool, backend, _ = make(tmp_path, backend_class=GatedBackups)
+    backend.get_gate = threading.Event()
+    pool.set_key(60, KEYS[30])
+    io.submit_backup([(KEYS[30], 60, KEYS[30])])
+    assert GatedBackups.inside.wait(30)  # the backup runs
+    io.submit_fetch(RequestFetch("r", (), plan(70, 1), (), None))  # runs next, held
+    io.submit_removal(None)  # L3 flushed: waits behind the fetch
+    GatedBackups.gate.set()
+    assert backend.get_entered.wait(60)  # the backup is done, the removal waits
+    assert backend.exists(KEYS[30].hex())
+    assert io.take_backed_up() == []
+    backend.get_gate.set()
+    wait_result(io)
+    assert io.wait_backups(60)
+    pool.set_key(61, KEYS[31])
+    io.submit_backup([(KEYS[31], 61, KEYS[31])])  # after the removal: reported
+    assert io.wait_backups(60)
+    assert io.take_backed_up() == [KEYS[31]]
+    assert not backend.exists(KEYS[30].hex())
+    io.shutdown()
+
+
 def test_a_timed_backend_gets_byte_sized_batches_and_keeps_the_prefix_rule(tmp_path):
     """The plain file backend reads GIL-free batches that stop at the deadline by
     themselves (where numba runs): batches of TIMED_BATCH_BYTES, one call for these
