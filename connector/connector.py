@@ -274,6 +274,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(kv_connector_metadata, HiCacheStepMetadata):
             self.hicache_worker.handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """A new step's plan (once per step, before its loads): its storage commands
+        are applied on this rank now."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, HiCacheStepMetadata):
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheStepMetadata)

@@ -2,7 +2,7 @@
 
 Contract:
 - One path: each worker sends its counter increments and latency
-  observations once per step in its ``WorkerReport`` (tiers/worker/core.py);
+  observations once per step in its ``WorkerReport`` (tiers/worker/report.py);
   vLLM merges the ranks' reports; the scheduler-side connector feeds the
   merged report to the admin view and to ``HiCacheKVStats.record``, and
   returns the recorded stats from its ``get_kv_connector_stats`` (vLLM asks

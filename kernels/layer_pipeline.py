@@ -15,7 +15,7 @@ Contract (both modes):
   copy in its own thread without overtaking the queue.
 - ``checkpoint()`` marks the end of what is queued so far: its ``done()``
   answers without blocking whether all of that has run, ``wait()`` blocks
-  until it has. Stores that complete across steps (tiers/worker/core.py) are
+  until it has. Stores that complete across steps (tiers/worker/store_queue.py) are
   followed with checkpoints instead of a ``drain``; ``take_failures()``
   returns the failures recorded so far without waiting.
 - A failed copy never raises into the caller: it is reported by ``drain`` so

@@ -103,6 +103,6 @@ def test_returning_prompts_are_served_from_l2(run, oracle):
     # hicache_async_stores: copies run on the copy thread, not inline (this
     # workload's stores are below the per-layer size: tests/tiers/worker has the
     # per-layer saves).
-    assert not worker._pipeline.inline
+    assert not worker.copies.pipeline.inline
     # Every store was published and reported; nothing is left in flight.
-    assert not worker._pending and not run["sched"].has_pending_stores()
+    assert not worker.stores.pending and not run["sched"].has_pending_stores()

@@ -117,7 +117,7 @@ class TestEvictionAndFaults:
         # On a CPU the copies run in vLLM's own thread at the end of each step
         # (kernels/layer_pipeline.py inline mode): none during the forward pass,
         # whose cores they would take. test_engine_async_stores.py has the other mode.
-        assert worker._pipeline.inline and worker.stats.layer_saves_in_forward == 0
+        assert worker.copies.pipeline.inline and worker.stats.layer_saves_in_forward == 0
         assert worker.stats.saved_pages > 0
 
     def test_recent_histories_still_hit_after_l1_reset(self, engine, run, baseline):

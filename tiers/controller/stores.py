@@ -22,7 +22,7 @@ Contract:
   checkpoints.
 - Which stored pages the workers back up to L3 is the L3 admission rule's
   (policies.py): a page it does not admit is planned without L3 keys.
-- Stores across steps (``async_stores``, tiers/worker/core.py): a store may
+- Stores across steps (``async_stores``, tiers/worker/store_queue.py): a store may
   still read a request's blocks after the step that planned it. Each rank
   reports the last plan whose stores are done (``on_stores_done``), so
   ``store_in_flight`` knows whether a request's last store may still run.

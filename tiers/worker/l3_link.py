@@ -11,7 +11,10 @@ Contract:
   (tiers/index/commands.py) on this rank: retention and deletions go to the
   I/O thread when this rank writes L3 (``writer``; MLA: rank 0 only, the
   pages being the same on every rank); attach / detach replace the backend.
-  A failing command is logged, never raised into the engine.
+  A failing command is logged, never raised into the engine. ``changes``
+  counts the L3-changing ones applied (``L3_CHANGES``, failed or not): the
+  worker reports it with the backups stored (``take_backed_up``), so the
+  scheduler drops what was stored before its latest change.
 - ``detach()`` drops queued backups, finishes the running I/O and closes
   the backend. Fetches it cancelled are kept for ``take_retired`` (their
   requests still wait in vLLM), and its counters are added to the totals,
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache.tiers.index.commands import (
+    L3_CHANGES,
     AttachStore,
     CancelFetches,
     ClearStore,
@@ -59,6 +63,7 @@ class L3Link:
         # What start() bound: the pool and the worker's copy of fetched pages.
         self._pool: HostPagePool | None = None
         self._load_fetched: Callable[[list[PagePlan]], Any] | None = None
+        self.changes = 0  # L3-changing commands applied
 
     @property
     def writes(self) -> bool:
@@ -82,6 +87,7 @@ class L3Link:
         return True
 
     def apply(self, command: object) -> None:
+        self.changes += isinstance(command, L3_CHANGES)
         if isinstance(command, CancelFetches):
             if self.io is not None:
                 self.io.cancel_fetches(set(command.fetch_ids))

@@ -44,7 +44,7 @@ class WorkerStats:
     layer_saves_in_forward: int = 0
     # Idle engine steps that waited for an L3 fetch and saw one finish.
     idle_fetch_waits: int = 0
-    # Times a step waited for stores of earlier steps (tiers/worker/core.py,
+    # Times a step waited for stores of earlier steps (tiers/worker/store_queue.py,
     # "stores across steps").
     store_waits: int = 0
     # Latency key -> seconds observed since the last report.

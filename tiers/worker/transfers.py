@@ -6,7 +6,7 @@ Contract:
   one ``BlockTransfer`` per group; vLLM's null block (a token out of a
   sliding window) is never copied.
 - ``PendingStore`` is one plan's L1 -> L2 stores from queued to published
-  (tiers/worker/core.py, "stores across steps"): its copy checkpoint, the
+  (tiers/worker/store_queue.py, "stores across steps"): its copy checkpoint, the
   finished requests vLLM keeps the blocks of until it is done, the pages'
   checksums when the copy thread took them.
 - ``l3_keys(page)`` are the keys a stored page is backed up under.

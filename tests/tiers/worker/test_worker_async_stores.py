@@ -17,7 +17,8 @@ from hicache.tiers.index.commands import RetainPages
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestFetch, RequestLoad
 from hicache.tiers.l2.host_pool import PoolGeometry
-from hicache.tiers.worker.core import MAX_STORE_STEPS_IN_FLIGHT, HiCacheWorker
+from hicache.tiers.worker.core import HiCacheWorker
+from hicache.tiers.worker.store_queue import MAX_STORE_STEPS_IN_FLIGHT
 
 GEOM = PoolGeometry(num_slots=8, num_layers=2, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("tiny", "float32", "cpu", 8, 2)
@@ -47,7 +48,8 @@ def make_worker(gate: Gate, *, async_stores: bool = True) -> HiCacheWorker:
     w = HiCacheWorker(GEOM, L1_BLOCKS, layout="page_first", async_stores=async_stores)
     kv = {f"layer.{i}": torch.randn(L1_BLOCKS, 16) for i in range(2)}  # 64 B blocks
     w.register_kv_caches(kv)
-    w.copy_path = replace(w.copy_path, save=gate.wrap(w.copy_path.save))
+    copies = w.copies
+    copies.copy_path = replace(copies.copy_path, save=gate.wrap(copies.copy_path.save))
     w.kv = kv
     return w
 
@@ -108,7 +110,7 @@ def test_a_step_returns_while_its_store_runs_and_the_page_lands_intact_later(w, 
     w.finish_step(HiCacheStepMetadata(seq=2))  # the next step does not wait either
     assert w.stats.store_waits == 0
     gate.open.set()
-    w._pending[0].mark.wait()
+    w.stores.pending[0].mark.wait()
     assert w.take_released() == {"done"}
     assert w.pool.holds(0, KEY_A) and holds_blocks(w, 0, (3, 4))
     assert w.take_report().stores_done == {0: 1}
@@ -163,8 +165,8 @@ def test_a_slot_stored_again_belongs_to_the_later_store(w, gate):
     w.finish_step(store(2, 0, KEY_B, (5, 6)))  # L2 evicted A and reused its slot
     gate.open.set()
     w.finish_step(HiCacheStepMetadata(seq=3))
-    while w._pending:
-        w._pending[-1].mark.wait()
+    while w.stores.pending:
+        w.stores.pending[-1].mark.wait()
         w.take_released()
     assert w.pool.holds(0, KEY_B) and not w.pool.holds(0, KEY_A)
     assert holds_blocks(w, 0, (5, 6))
@@ -173,11 +175,11 @@ def test_a_slot_stored_again_belongs_to_the_later_store(w, gate):
 def test_a_backlog_beyond_the_bound_makes_the_step_wait(w, gate):
     for seq in range(1, MAX_STORE_STEPS_IN_FLIGHT + 1):
         w.finish_step(store(seq, seq, KEY_A if seq % 2 else KEY_B, (seq, seq + 1)))
-    assert w.stats.store_waits == 0 and len(w._pending) == MAX_STORE_STEPS_IN_FLIGHT
+    assert w.stats.store_waits == 0 and len(w.stores.pending) == MAX_STORE_STEPS_IN_FLIGHT
     opener = open_later(gate)
     w.finish_step(store(MAX_STORE_STEPS_IN_FLIGHT + 1, 7, KEY_B, (9, 10)))
     opener.join()
-    assert w.stats.store_waits == 1 and len(w._pending) <= MAX_STORE_STEPS_IN_FLIGHT
+    assert w.stats.store_waits == 1 and len(w.stores.pending) <= MAX_STORE_STEPS_IN_FLIGHT
 
 
 def test_without_async_stores_each_step_waits_for_its_own(gate):
@@ -200,7 +202,7 @@ def test_an_l3_retention_never_waits_for_the_stores_in_flight(w, gate):
     w.finish_step(store(1, 0, KEY_A, (3, 4)))
     assert gate.entered.wait(60)  # the store is in flight, held by the gate
     step = HiCacheStepMetadata(seq=2, storage_commands=[RetainPages((KEY_A,), 1.0)])
-    applied = threading.Thread(target=w.apply_commands, args=(step,), daemon=True)
+    applied = threading.Thread(target=w.begin_step, args=(step,), daemon=True)
     applied.start()
     applied.join(60)  # bounds a broken test only: the gate stays closed meanwhile
     assert not applied.is_alive() and w.stats.store_waits == 0
@@ -214,14 +216,14 @@ def test_layer_saves_run_inside_the_forward_pass_only_with_async_stores(gate, as
     once. The page is whole either way."""
     worker = make_worker(gate, async_stores=async_stores)
     try:
-        worker._per_layer_min = 0
+        worker.copies.per_layer_min = 0
         gate.open.set()
         meta = store(1, 0, KEY_A, (3, 4))
         worker.save_layer("layer.0", meta)
         assert worker.stats.layer_saves_in_forward == (1 if async_stores else 0)
-        assert worker._pipeline.inline is not async_stores
+        assert worker.copies.pipeline.inline is not async_stores
         worker.finish_step(meta)
-        for pending in list(worker._pending):  # inline: already done
+        for pending in list(worker.stores.pending):  # inline: already done
             pending.mark.wait()
         worker.finish_step(HiCacheStepMetadata(seq=2))
         assert worker.pool.holds(0, KEY_A) and holds_blocks(worker, 0, (3, 4))
