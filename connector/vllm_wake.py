@@ -13,7 +13,7 @@ Contract:
   prefetches, L3 commands) to the workers and their reports back.
 - Where no queue is found (an in-process engine, stepped by its caller; a
   vLLM that builds the connector elsewhere) ``wake()`` does nothing: the work
-  then goes with the engine's next step, as it did before this existed.
+  then goes with the engine's next step.
 """
 
 from __future__ import annotations

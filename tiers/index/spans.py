@@ -16,7 +16,7 @@ See DESIGN.md "L3 objects". Contract:
 - Per-page objects still exist: a span not stored in one plan (chunked
   prefill cuts it, a sliding window, a fault) is stored page by page, and
   ``run_in_store`` finds a run through both kinds, span by span.
-- ``pages == 1`` turns spans off: every page is its own object, as before.
+- ``pages == 1`` turns spans off: every page is its own object.
 - No torch, no vLLM: the scheduler and the simulator use this as is.
 """
 

@@ -11,7 +11,7 @@ Contract:
   the payload.
 - The version field is ``VERSION`` in its low 16 bits and the backend's
   container ``layout`` in its high 16 bits: 0 for a header directly followed
-  by the payload (Mooncake, NIXL: version 2 as before), others for
+  by the payload (Mooncake, NIXL), others for
   containers that place the payload elsewhere (file: 1, header padded to
   4 KiB). A page written under another version or layout fails ``verify``
   ("bad magic/version"): it is refused, never misread.

@@ -57,8 +57,7 @@ Contract:
   vLLM would otherwise run its step loop back to back in Python while the
   request waits for this fetch, and a thread that keeps the GIL busy makes
   this one wait up to the interpreter's switch interval (5 ms) for the GIL
-  after every system call. Measured before this: file L3 hits 20-45x slower
-  than recompute on an H100, 8.6x faster with a 0.5 ms switch interval. With
+  after every system call (docs/gpu.md has what that cost). With
   no fetch pending it waits the same way for the backups queued or running
   (an idle engine that steps for the L3 catch-up, tiers/controller/catch_up.py,
   lets them write instead of spinning).

@@ -14,7 +14,7 @@ Contract:
   mapping of this process (``/proc/self/maps``) that holds it. It
   returns Mooncake's result and a ``LocalSegment``, or None in its place when any of
   that cannot be learnt (not Linux, the probe landed elsewhere, a call failed): then
-  every read goes through Mooncake, as before.
+  every read goes through Mooncake.
 - ``addresses(store, okeys, sizes)``: one ``batch_get_replica_desc`` call; per key the
   address of a complete memory replica of exactly its size in bytes whose endpoint is
   ours and whose bytes lie inside the mapping found at mount, else ``ELSEWHERE``

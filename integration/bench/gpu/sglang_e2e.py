@@ -1,6 +1,6 @@
 """SGLang HiCache on the lent GPU, on e2e.py's workload: returning-turn TTFT from its
 device cache, its host tier (L2), its file storage (L3), and recompute, for the
-side-by-side table with vLLM + HiCache (issue 31, item 2).
+side-by-side table with vLLM + HiCache.
 
 Contract:
 - Runs where the SGLang bundle (``bundle.py build --profile sglang``; device.sh

@@ -15,7 +15,7 @@ What it measures, in one run on this machine:
   (checksums on a helper thread right behind the reads; auto picks it on GPU hosts).
 - ``python``: ``ours`` with the file backend's GIL-free batch path turned off (one
   ``open``/``preadv``/``close`` and one xxh3 call per page from Python), and
-  ``python+busy``: the path before this benchmark's issue.
+  ``python+busy``: that path beside a spinning thread.
 Pages are shaped like Llama-3-8B's KV at TP=1 (32 layers x 8 KV heads x 128 dims,
 K and V, bf16: 128 KiB per token) at the engine's page sizes (``--page-tokens``,
 default 16 and 64 tokens: 2 and 8 MiB), ``--total-gib`` of them (default 1). The

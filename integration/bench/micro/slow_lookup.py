@@ -1,13 +1,12 @@
 """What a slow L3 lookup costs a batch: one long decode plus fresh prompts, submitted
 together, with a file L3 whose ``batch_exists`` sleeps ``--delay`` seconds, looked up in
-the background (probe threads) and, as before issue 15, inline on vLLM's scheduling
-thread, against the same engine with an instant lookup, in one run.
+the background (probe threads) and inline on vLLM's scheduling thread, against the
+same engine with an instant lookup, in one run.
 
 The store is this module's ``SlowFileBackend`` (a file backend that sleeps in
 ``batch_exists``), loaded as a ``dynamic`` backend. With lookups on vLLM's scheduling
-thread, each fresh prompt's lookup delayed every running request in turn (issue 15:
-8.25 s against 1.31 s for 1 s lookups); with background lookups the batch should pay
-about one lookup latency at most. Prints the wall times, the extra time in lookup
+thread, each fresh prompt's lookup delays every running request in turn; with
+background lookups the batch should pay about one lookup latency at most. Prints the wall times, the extra time in lookup
 latencies and whether the tokens matched the instant run's.
 
     python -m hicache.integration.bench.micro.slow_lookup [--delay 1.0] [--prompts 6]
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     for background in (True, False):
         slow, got = run_once(model, args.delay, background, prompts, long_prompt, args)
         extra = (slow - fast) / args.delay if args.delay else 0.0
-        how = "background" if background else "inline (before issue 15)"
+        how = "background" if background else "inline"
         print(f"{args.delay:.1f} s lookups, {how}: {slow:.2f} s = +{extra:.2f} lookup "
               f"latencies ({args.prompts} fresh prompts, one {args.long_tokens}-token "
               f"decode); tokens identical: {got == want}")
