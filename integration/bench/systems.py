@@ -8,7 +8,12 @@ the workload — and lists the systems:
 
 - ``vllm``: vLLM with its own prefix cache only (the baseline);
 - ``hicache``: vLLM + HiCacheConnector, ``write_policy`` and optional ``l3``
-  (``file`` or ``nixl``, in a fresh directory per run);
+  (``file`` or ``nixl``, in a fresh directory per run). ``l3_read`` (config
+  level, default ``cold``) makes the file L3 read from storage, not from the
+  page cache: its ``direct_io`` is ``on`` (O_DIRECT; a filesystem that
+  refuses it fails the server's start, named). ``cached`` leaves reads to
+  the page cache; NIXL's POSIX plugin has no O_DIRECT, so a config with a
+  ``nixl`` system must say ``l3_read: cached``;
 - ``vllm_offload``: vLLM's native CPU offloading (``--kv-offloading-backend native``);
 - ``lmcache``: vLLM + LMCache (``--kv-offloading-backend lmcache``);
 - ``sglang``: SGLang with ``--enable-hierarchical-cache``.
@@ -36,6 +41,7 @@ from hicache.integration.bench.lmcache_service import NO_TELEMETRY
 
 SYSTEM_KINDS = ("vllm", "hicache", "vllm_offload", "lmcache", "sglang")
 L3_BACKENDS = ("file", "nixl")
+L3_READS = ("cold", "cached")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
@@ -96,6 +102,9 @@ class CompareConfig:
     # Environment every system gets (e.g. VLLM_CPU_KVCACHE_SPACE).
     env: dict[str, str] = field(default_factory=dict)
     out: str = "bench_results/compare"
+    # How HiCache's L3 pages are read: "cold" (from storage: O_DIRECT) or "cached"
+    # (through the page cache).
+    l3_read: str = "cold"
 
 
 def _check_keys(d: dict[str, Any], cls: type, where: str) -> None:
@@ -178,6 +187,15 @@ def parse_config(data: Any, where: str = "config") -> CompareConfig:
     for key in ("vllm_args",):
         if not isinstance(data.get(key, []), list):
             raise ConfigError(f"{where}: key {key!r} must be a list of strings")
+    l3_read = data.get("l3_read", "cold")
+    if l3_read not in L3_READS:
+        raise ConfigError(f"{where}: key 'l3_read' must be one of {', '.join(L3_READS)}, "
+                          f"got {l3_read!r}")
+    nixl = [spec.name for spec in specs if spec.l3 == "nixl"]
+    if l3_read == "cold" and nixl:
+        raise ConfigError(f"{where}: key 'l3_read' is 'cold' (the default) but system "
+                          f"{nixl[0]!r} uses l3: nixl, whose POSIX plugin reads through the "
+                          "page cache; set l3_read: cached")
     cfg = {**data, "systems": specs, "vllm_args": tuple(data.get("vllm_args", [])),
            "env": {k: str(v) for k, v in (data.get("env") or {}).items()}}
     return CompareConfig(**cfg)
@@ -298,7 +316,10 @@ def plan(cfg: CompareConfig, spec: SystemSpec, *, port: int, admin_port: int,
             shutil.rmtree(l3_dir, ignore_errors=True)
             l3_dir.mkdir(parents=True)
             extra["hicache_storage_backend"] = spec.l3
-            extra["hicache_storage_backend_extra_config"] = {"path": str(l3_dir)}
+            store: dict[str, Any] = {"path": str(l3_dir)}
+            if spec.l3 == "file" and cfg.l3_read == "cold":
+                store["direct_io"] = "on"  # reads from storage, not the page cache
+            extra["hicache_storage_backend_extra_config"] = store
         extra.update(spec.extra_config)
         kv = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": extra}

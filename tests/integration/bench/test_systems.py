@@ -58,6 +58,9 @@ def test_the_agent_preset_runs_one_server_shape_with_two_clients():
     ({"l1_blocks": 1}, "'l1_blocks'"),
     ({"page_size": 48}, "'page_size' must be a multiple"),
     ({"workload": None}, "'workload'"),
+    ({"l3_read": "warm"}, "'l3_read' must be one of cold, cached, got 'warm'"),
+    ({"systems": [{"name": "n", "kind": "hicache", "l3": "nixl"}]},
+     "system 'n' uses l3: nixl.*set l3_read: cached"),
 ])
 def test_bad_config_names_the_key(patch, key):
     with pytest.raises(ConfigError, match=key):
@@ -77,10 +80,23 @@ def test_hicache_plan_is_one_vllm_flag_on_loopback(tmp_path):
     assert kv["kv_connector"] == "HiCacheConnector"
     assert extra["hicache_size"] == 0.5 and extra["hicache_write_policy"] == "write_back"
     assert extra["hicache_admin_port"] == 4321 and lp.admin_url == "http://127.0.0.1:4321"
-    assert Path(extra["hicache_storage_backend_extra_config"]["path"]).is_dir()
+    store = extra["hicache_storage_backend_extra_config"]
+    assert Path(store["path"]).is_dir()
+    assert store["direct_io"] == "on"  # l3_read: cold (the default): reads from storage
     # An admin token of its own, in the environment only (the client's writes need it).
     token = lp.env["HICACHE_ADMIN_TOKEN"]
     assert len(token) == 32 and token not in " ".join(lp.cmd)
+
+
+def test_cached_l3_reads_leave_the_page_cache_on_and_nixl_needs_them(tmp_path):
+    cfg = parse_config({**MINIMAL, "l3_read": "cached", "systems": [
+        {"name": "f", "kind": "hicache", "l3": "file"},
+        {"name": "n", "kind": "hicache", "l3": "nixl"}]})
+    for spec in cfg.systems:
+        lp = plan(cfg, spec, port=1, admin_port=2, workdir=tmp_path)
+        kv = json.loads(lp.cmd[lp.cmd.index("--kv-transfer-config") + 1])
+        assert "direct_io" not in kv["kv_connector_extra_config"][
+            "hicache_storage_backend_extra_config"]
 
 
 def test_equal_budget_reaches_every_kind(tmp_path):
