@@ -197,18 +197,31 @@ class HiRadixTree:
     def find(self, keys: Sequence[PageKey]) -> TreeNode | None:
         """The node ending exactly at ``keys`` in either tier (split so; root for
         none), or None when the tree lacks one of them. Times are not touched."""
-        node, i = self.root, 0
+        node, end = self.root, 0
+        for child, i, k in self._walk(keys):
+            if k < len(child.keys):
+                return self._split(child, k) if i + k == len(keys) else None
+            node, end = child, i + k
+        return node if end == len(keys) else None
+
+    def _walk(self, keys: Sequence[PageKey], node: TreeNode | None = None, i: int = 0, *,
+              l2_only: bool = False) -> Iterator[tuple[TreeNode, int, int]]:
+        """The one descent: the edges the path of ``keys[i:]`` runs through below
+        ``node`` (default the root), as ``(child, i, k)``: ``child`` starts at
+        ``keys[i]`` and its first ``k`` pages match. The walk goes below ``child``
+        only when its whole edge matched; with ``l2_only`` it stops at an L3-only
+        node. It splits and touches nothing: a caller may split the last edge."""
+        node = node or self.root
         while i < len(keys):
             child = node.children.get(keys[i])
-            if child is None:
-                return None
+            if child is None or (l2_only and child.host_slots is None):
+                return
             k = _common_prefix_len(child.keys, keys, i)
-            if k < len(child.keys):
-                if i + k < len(keys):
-                    return None
-                child = self._split(child, k)
+            whole = k == len(child.keys)
+            yield child, i, k
+            if not whole:
+                return
             node, i = child, i + k
-        return node
 
     # ------------------------------------------------------------------ match / insert
 
@@ -216,41 +229,26 @@ class HiRadixTree:
         """Longest prefix of ``keys`` resident in L2 (split so ``node`` ends at it),
         and how many pages after it the tree knows L3 holds."""
         now = self._clock()
-        node = self.root
+        node, end = self.root, 0
         node.last_access = now
         slots: list[int] = []
-        i = 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None or child.host_slots is None:
-                break
-            k = _common_prefix_len(child.keys, keys, i)
+        for child, i, k in self._walk(keys, l2_only=True):
             if k < len(child.keys):
                 child = self._split(child, k)
             child.last_access = now
             assert child.host_slots is not None  # a split gives both halves their slots
             slots.extend(child.host_slots)
-            node = child
-            i += k
-            # A match that ended inside the edge stops next round: the split
-            # node's only child starts with a different key.
-        return MatchResult(node=node, num_pages=i, host_slots=slots,
-                           l3_pages=self._l3_run(node, keys, i))
+            node, end = child, i + k
+        return MatchResult(node=node, num_pages=end, host_slots=slots,
+                           l3_pages=self._l3_run(node, keys, end))
 
     def peek(self, keys: Sequence[PageKey]) -> int:
         """Leading pages of ``keys`` resident in L2, without touching the tree (no
         split, no access time: a lookup by a router must not refresh its LRU)."""
-        node, i = self.root, 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None or child.host_slots is None:
-                break
-            j = _common_prefix_len(child.keys, keys, i)
-            i += j
-            if j < len(child.keys):
-                break
-            node = child
-        return i
+        end = 0
+        for _, i, k in self._walk(keys, l2_only=True):
+            end = i + k
+        return end
 
     def shared_depth(self, keys: Sequence[PageKey]) -> int:
         """Leading pages of the prompt ``keys`` that another prefix in the tree (either
@@ -258,38 +256,29 @@ class HiRadixTree:
         forks off the prompt's path. Pages that extend the prompt count as the
         prompt's own, unless it ends exactly where several continuations part: then
         all of it is shared. Times are not touched, nothing is split."""
-        node, i, shared = self.root, 0, 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            k = _common_prefix_len(child.keys, keys, i)
+        shared = 0
+        for child, i, k in self._walk(keys):
+            end = i + k
             if k < len(child.keys):
-                if i + k < len(keys):
-                    shared = i + k  # another prefix leaves the path inside this edge
+                if end < len(keys):
+                    shared = end  # another prefix leaves the path inside this edge
                 break
-            node, i = child, i + k
-            if i < len(keys) and any(key != keys[i] for key in node.children):
-                shared = i  # another prefix branches off after page i
-            elif i == len(keys) and len(node.children) > 1:
-                shared = i  # the prompt ends where several continuations part
+            if end < len(keys) and any(key != keys[end] for key in child.children):
+                shared = end  # another prefix branches off after page ``end``
+            elif end == len(keys) and len(child.children) > 1:
+                shared = end  # the prompt ends where several continuations part
         return shared
 
     def _l3_run(self, node: TreeNode, keys: Sequence[PageKey], i: int) -> int:
         """Pages of ``keys[i:]`` below ``node`` known in L3, consecutively (no splits)."""
         run = 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
+        for child, _, k in self._walk(keys, node, i):
+            m = 0
+            while m < k and child.in_l3[m]:
+                m += 1
+            run += m
+            if m < len(child.keys):
                 break
-            j = 0
-            while (j < len(child.keys) and i + j < len(keys)
-                   and child.keys[j] == keys[i + j] and child.in_l3[j]):
-                j += 1
-            run, i = run + j, i + j
-            if j < len(child.keys):
-                break
-            node = child
         return run
 
     def insert(self, keys: Sequence[PageKey], host_slots: Sequence[int],
@@ -300,18 +289,11 @@ class HiRadixTree:
         if len(keys) != len(host_slots):
             raise ValueError(f"{len(keys)} keys but {len(host_slots)} host slots")
         now = self._clock()
-        node = self.root
+        node, end = self.root, 0
         node.last_access = now
         unused: list[int] = []
         new = 0
-        i = 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                child = self._add_leaf(node, list(keys[i:]), list(host_slots[i:]), now,
-                                       priority=priority)
-                return InsertResult(child, unused, new + len(keys) - i)
-            k = _common_prefix_len(child.keys, keys, i)
+        for child, i, k in self._walk(keys):
             if k < len(child.keys):
                 child = self._split(child, k)
             if child.host_slots is None:
@@ -322,27 +304,26 @@ class HiRadixTree:
             child.hit_count += 1
             child.last_access = now
             child.priority = max(child.priority, priority)
-            node = child
-            i += k
+            node, end = child, i + k
+        if end < len(keys):
+            leaf = self._add_leaf(node, list(keys[end:]), list(host_slots[end:]), now,
+                                  priority=priority)
+            return InsertResult(leaf, unused, new + len(keys) - end)
         return InsertResult(node, unused, new)
 
     def raise_priority(self, keys: Sequence[PageKey], priority: int) -> int:
         """Raise the pages of the longest prefix of ``keys`` in the tree (either tier)
         to at least ``priority`` (split so no page past it changes). Returns that
         prefix's length in pages. Times are not touched."""
-        node, i = self.root, 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            k = _common_prefix_len(child.keys, keys, i)
+        end = 0
+        for child, i, k in self._walk(keys):
             if k < len(child.keys):
                 if child.priority >= priority:
                     return i + k
                 child = self._split(child, k)
             child.priority = max(child.priority, priority)
-            node, i = child, i + k
-        return i
+            end = i + k
+        return end
 
     def subtree_at(self, keys: Sequence[PageKey], start: int) -> TreeNode | None:
         """The node whose first page is ``keys[start]``, under ``keys[:start]`` (split
@@ -369,29 +350,27 @@ class HiRadixTree:
         """L3 holds ``keys[start:]``, whose prefix ``keys[:start]`` is in the tree:
         mark them, adding the missing ones as L3-only pages. Returns the keys newly
         marked ([] when the prefix is not in the tree)."""
-        node, i = self.root, 0
         newly: list[PageKey] = []
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                if i < start:
-                    return newly
-                self._add_leaf(node, list(keys[i:]), None, node.last_access,
-                               in_l3=[True] * (len(keys) - i))
-                newly.extend(keys[i:])
-                break
-            k = _common_prefix_len(child.keys, keys, i)
+        node, end = self.root, 0
+        for child, i, k in self._walk(keys):
             if k < len(child.keys) and i + k < len(keys) and i + k < start:
                 return newly  # the prefix leaves the tree inside this edge
             for j in range(max(0, start - i), k):
                 if not child.in_l3[j]:
                     self._set_l3(child, j, True)
                     newly.append(child.keys[j])
+            if k < len(child.keys) and i + k == len(keys):
+                end = len(keys)  # ends inside this edge: nothing to add
+                break
             if k < len(child.keys):
-                if i + k == len(keys):
-                    break
                 child = self._split(child, k)
-            node, i = child, i + k
+            node, end = child, i + k
+        if end < len(keys):
+            if end < start:
+                return newly  # the prefix is not in the tree
+            self._add_leaf(node, list(keys[end:]), None, node.last_access,
+                           in_l3=[True] * (len(keys) - end))
+            newly.extend(keys[end:])
         self._trim_l3_index()
         return newly
 
