@@ -1,6 +1,6 @@
 """connector/vllm_wake.py: finding the engine core's input queue above the connector's
 constructor, and vLLM's own WAKEUP sentinel on it. The engine test is
-tests/connector/test_engine_admin.py (a prefetch on an idle engine)."""
+tests/e2e/test_engine_admin.py (a prefetch on an idle engine)."""
 
 from __future__ import annotations
 

@@ -208,7 +208,7 @@ def test_agent_sessions_pause_retain_and_prefetch(server, runs, tmp_path):
     returns and sends retain_s, which pins pages. This server has no L3, so every
     prefetch is refused (409) and counted as failed; the requests are unaffected.
     The trace records the hints and when each history's prefetch was asked (the
-    simulator replays both). (The prefetch itself: tests/connector/test_engine_sessions.py.)"""
+    simulator replays both). (The prefetch itself: tests/e2e/test_engine_sessions.py.)"""
     base, admin = server
     spec = WorkloadSpec(scenario="agent", clients=2, turns=3, history_tokens=300,
                         shared_prefix_tokens=64, question_tokens=32, answer_tokens=8,

@@ -3,7 +3,7 @@
 The real scheduler (through the simulator, which moves no bytes) replays
 conversations that share a system prompt, one request at a time, with an L1
 too small to keep any conversation between its turns. Every write policy is
-checked here; the engine matrix (tests/connector/test_engine_matrix.py) runs
+checked here; the engine matrix (tests/e2e/test_engine_matrix.py) runs
 each policy once on a real engine, paired with one L2 layout, because the
 policy decides on the scheduler side and the layout only on the worker side.
 
