@@ -154,6 +154,47 @@ def test_the_connector_does_not_import_integration():
     assert violations(lambda i: under(i, "connector") and refers_to(i, "integration")) == []
 
 
+# Each L3 backend's own modules; what tiers/l3/ shares (base, guard, integrity, the I/O
+# thread, native I/O, the page directory, verify, the factory) is nobody's.
+BACKEND_MODULES = {
+    "file": ("file_backend",),
+    "mooncake": ("mooncake_backend", "mooncake_config", "mooncake_local"),
+    "lmcache": ("lmcache_backend", "lmcache_wire"),
+    "nixl": ("nixl_backend",),
+}
+
+
+def _named_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of what ``path`` imports, ``from X import a`` as ``X.a``."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return out
+
+
+def test_l3_backends_never_import_each_other():
+    def backend_of(dotted: str) -> str | None:
+        if not dotted.startswith("hicache.tiers.l3."):
+            return None
+        name = dotted.removeprefix("hicache.tiers.l3.").split(".")[0]
+        return next((b for b, mods in BACKEND_MODULES.items() if name in mods), None)
+
+    seen, bad = 0, []
+    for backend, modules in BACKEND_MODULES.items():
+        for module in modules:
+            path = ROOT / "tiers" / "l3" / f"{module}.py"
+            for line, name in _named_imports(path):
+                seen += 1
+                other = backend_of(name)
+                if other not in (None, backend):
+                    bad.append(f"tiers/l3/{module}.py:{line} imports {name}")
+    assert seen, "the walk saw no backend import"
+    assert bad == []
+
+
 def test_exceptions_are_still_needed():
     used = {(i.path, i.module) for i in IMPORTS}
     assert EXCEPTIONS <= used, EXCEPTIONS - used
