@@ -146,6 +146,9 @@ def replay_cmd(
     out: Annotated[Path, typer.Option(help="Directory for replay.json and the plots.")] =
         Path("bench_results/replay"),
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    record: Annotated[Path | None, typer.Option(
+        "--record", dir_okay=False,
+        help="Write the served requests as a trace for `hicache simulate`.")] = None,
 ) -> None:
     """Replay a production trace against a running server; print and save its numbers."""
     from hicache.integration.bench.replay import ReplaySpec, load_trace, replay_sync
@@ -163,7 +166,7 @@ def replay_cmd(
     try:
         result = replay_sync(url, loaded, concurrency=concurrency, time_scale=time_scale,
                              model=model, admin_url=admin_url, admin_token=admin_token,
-                             progress=progress)
+                             progress=progress, record_path=record)
     except ValueError as e:
         _fail(str(e))
     out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +177,8 @@ def replay_cmd(
     t = result["trace"]
     console.print(f"replayed {t['replayed']} of {t['lines_read']} trace lines "
                   f"({t['skipped_too_long']} longer than --max-model-len skipped); wrote "
-                  f"{out / 'replay.json'}" + "".join(f", {p}" for p in plots), highlight=False)
+                  f"{out / 'replay.json'}" + "".join(f", {p}" for p in plots)
+                  + (f", trace {record}" if record else ""), highlight=False)
     if result["summary"]["n_errors"]:
         raise typer.Exit(1)
 

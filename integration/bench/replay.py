@@ -37,6 +37,10 @@ them with ``--enable-prompt-tokens-details``). With ``admin_url`` (HiCache's
 admin endpoint) the run also gets the per-tier page counters' deltas
 (``tiers``). A failed request is recorded with its error; the run goes on.
 The result is a mapping report.py plots and tabulates like a bench run's.
+With ``record_path`` the completed requests are written as a trace.py trace
+(prompt and answer token ids, arrival and finish), which ``hicache simulate``
+replays with the server's sizes: what the simulator predicts for exactly the
+requests the server served, skipped ones left out.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from hicache.integration.bench.client import (
 )
 from hicache.integration.bench.records import RequestRecord
 from hicache.integration.bench.report import summarize
+from hicache.integration.bench.trace import TraceRecord, write_trace
 
 TRACE_FORMATS = ("mooncake",)
 # Tokens per hash id in Mooncake's FAST'25 traces.
@@ -190,7 +195,8 @@ def load_trace(path: str | Path, fmt: str, spec: ReplaySpec) -> LoadedTrace:
 async def replay(base_url: str, trace: LoadedTrace, *, concurrency: int = 16,
                  time_scale: float | None = None, model: str | None = None,
                  admin_url: str | None = None, admin_token: str | None = None,
-                 progress: bool = True, request_timeout: float = 600.0) -> dict[str, Any]:
+                 progress: bool = True, request_timeout: float = 600.0,
+                 record_path: str | Path | None = None) -> dict[str, Any]:
     """Send ``trace``'s requests (see the module docstring); the run's result mapping."""
     if concurrency < 0 or (concurrency == 0 and time_scale is None):
         raise ValueError("concurrency must be >= 1 for a closed loop (or give time_scale)")
@@ -253,6 +259,13 @@ async def replay(base_url: str, trace: LoadedTrace, *, concurrency: int = 16,
             tiers = tier_deltas(before or {}, after, page_size,
                                 sum(r.prompt_tokens for r in done))
     records.sort(key=lambda r: r.arrival)
+    if record_path is not None:
+        write_trace(record_path, [
+            TraceRecord(id=r.id, arrival=r.arrival, finish=r.finish,
+                        output_tokens=r.output_tokens, prompt=tuple(r.prompt_ids),
+                        prompt_tokens=len(r.prompt_ids),
+                        output=None if r.answer_ids is None else tuple(r.answer_ids))
+            for r in records if r.error is None])
     return {"base_url": base_url, "model": model, "duration_s": duration,
             "summary": summarize(records, duration), "tiers": tiers,
             "trace": {"lines_read": trace.lines_read, "replayed": len(trace.requests),

@@ -259,7 +259,8 @@ def test_a_mooncake_trace_replays_through_the_cli(server, tmp_path):
     common = ["bench", "replay", "--trace", str(trace), "--url", base, "--block-tokens", "32",
               "--max-model-len", "2048", "--token-high", "1000", "--seed", "4",
               "--admin-url", admin, "--admin-token", TOKEN, "--no-progress"]
-    done = CliRunner().invoke(app, [*common, "--concurrency", "1", "--out", str(tmp_path / "1")])
+    done = CliRunner().invoke(app, [*common, "--concurrency", "1", "--out", str(tmp_path / "1"),
+                                    "--record", str(tmp_path / "served.jsonl")])
     assert done.exit_code == 0, done.output
     assert "replayed 4 of 5 trace lines (1 longer than --max-model-len skipped)" in " ".join(
         done.output.split())
@@ -274,6 +275,11 @@ def test_a_mooncake_trace_replays_through_the_cli(server, tmp_path):
     assert sum(tiers[t]["hits"] * PAGE for t in ("l1", "l2")) == sum(
         r["cached_tokens"] for r in reqs)
     assert (tmp_path / "1" / "ttft_cdf.png").stat().st_size > 5000
+    # --record: the served requests as a trace the simulator reads (skipped d absent).
+    served = read_trace(tmp_path / "served.jsonl")
+    assert [r.id for r in served] == ["line1", "line2", "line3", "line5"]
+    assert [r.prompt_tokens for r in served] == [128, 192, 64, 192]
+    assert all(r.output is not None and len(r.output) == 4 for r in served)
     done = CliRunner().invoke(app, [*common, "--concurrency", "2", "--time-scale", "0",
                                     "--out", str(tmp_path / "2")])
     assert done.exit_code == 0, done.output
