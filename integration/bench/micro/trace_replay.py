@@ -159,7 +159,9 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
             result = replay_sync(lp.base_url, trace, concurrency=args.concurrency,
                                  admin_url=lp.admin_url,
                                  admin_token=lp.env.get("HICACHE_ADMIN_TOKEN"),
-                                 progress=args.progress)
+                                 progress=args.progress,
+                                 record_path=(out / f"{tag}.trace.jsonl" if args.record
+                                              and case.kind == "hicache" else None))
         if lp.admin_url is not None:  # every counter of the run, for what went wrong
             import httpx
 
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="read vLLM's /metrics every this many seconds during each replay")
     p.add_argument("--profile", action="store_true",
                    help="HICACHE_PROFILE in every server (one JSON line per step)")
+    p.add_argument("--record", action="store_true",
+                   help="write each HiCache case's served requests as a trace for "
+                        "`hicache simulate` (<case>-r<round>.trace.jsonl)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--out", default="bench_results/trace-replay")
     args = p.parse_args(argv)
