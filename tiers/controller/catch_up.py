@@ -138,6 +138,15 @@ class L3CatchUp:
             self._mine.discard(key)
             self._tries.pop(key, None)
 
+    def forget(self, keys: Iterable[PageKey]) -> None:
+        """L3 lost these pages (a partial flush, a forget): what was in flight of them
+        was dropped, and they may be tried again; the next plan scans."""
+        for key in keys:
+            self._in_flight.pop(key, None)
+            self._mine.discard(key)
+            self._tries.pop(key, None)
+        self._last_scan = float("-inf")
+
     def reset(self) -> None:
         """L3 changed (attached, detached, flushed): what was in flight is dropped or
         went to another store, and every page may be tried again."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,8 @@ logger = logging.getLogger(__name__)
 
 # Pages backed up by some ranks but not yet all, remembered (oldest forgotten).
 MAX_BACKUP_VOTES = 1 << 16
+# L3 changes remembered for reports that predate them (older reports count for nothing).
+MAX_L3_CHANGE_LOG = 64
 
 
 class HiCacheScheduler:
@@ -225,6 +227,10 @@ class HiCacheScheduler:
         # applied every one (WorkerReport.l3_changes).
         self._l3_changes = 0
         self._l3_changes_queued = 0
+        # The latest L3 changes, the last one last: the L3 keys each removed (None:
+        # everything: a flush of all L3, an attach, a detach). A report that predates
+        # some keeps the keys none of them removed.
+        self._l3_change_log: deque[frozenset[bytes] | None] = deque(maxlen=MAX_L3_CHANGE_LOG)
         # Finished requests' retain_s outcome (pages pinned, or why not), for the
         # connector to put in their responses (take_retained).
         self._retained: dict[str, int | str] = {}
@@ -577,8 +583,9 @@ class HiCacheScheduler:
         session.paths = []
         if not doomed:
             return counts, None
-        self._l3_changing()
-        return counts, DeletePages(tuple(dict.fromkeys(doomed)))
+        removal = DeletePages(tuple(dict.fromkeys(doomed)))
+        self._l3_changing(removal)
+        return counts, removal
 
     def queue_command(self, command: StorageCommand) -> None:
         """A command for every worker, with the next plan. An L3-changing one
@@ -592,14 +599,49 @@ class HiCacheScheduler:
         """The L3 removal of the last ``flush``/``forget``/``close_session`` will not
         be queued (the store refused it): the workers' L3 did not change."""
         self._l3_changes -= 1
+        self._l3_change_log.pop()
 
-    def _l3_changing(self) -> None:
-        """The tree's L3 marks change before the workers' L3 does: backup reports a
-        rank took before it applies the matching command are dropped from now
-        on (tiers/index/commands.py), and the catch-up starts over."""
+    def _l3_changing(self, removal: L3Removal | None = None) -> None:
+        """The tree's L3 marks change before the workers' L3 does: from now on, the
+        keys a rank reports backed up from before it applied the matching command
+        count only if no later change removed them (tiers/index/commands.py).
+        ``removal``: the pages removed (None or ``ClearStore``: everything; the
+        catch-up then starts over, else it looks at those pages again)."""
+        removed = (frozenset(removal.keys) if isinstance(removal, DeletePages) else None)
         self._l3_changes += 1
-        self._backup_votes.clear()
-        self.catch_up.reset()
+        self._l3_change_log.append(removed)
+        if removed is None:
+            self._backup_votes.clear()
+            self.catch_up.reset()
+            return
+        for key in removed:
+            self._backup_votes.pop(key, None)
+        self.catch_up.forget(map(PageKey, removed))
+
+    def _removed_since(self, applied: int) -> set[bytes] | None:
+        """The L3 keys the changes after the ``applied``-th removed; None: everything
+        (a change removed all, or more changes than remembered)."""
+        log = self._l3_change_log
+        behind = self._l3_changes - applied
+        if behind > len(log):
+            return None
+        gone: set[bytes] = set()
+        for removed in list(log)[len(log) - behind:]:
+            if removed is None:
+                return None
+            gone |= removed
+        return gone
+
+    def _current(self, report: WorkerReport) -> dict[int, list[bytes]]:
+        """The keys of ``report.l3_stored`` L3 still holds: each rank's, less those an
+        L3 change it had not applied when it took them removed."""
+        out: dict[int, list[bytes]] = {}
+        for rank, keys in report.l3_stored.items():
+            gone = self._removed_since(report.l3_changes.get(rank, 0))
+            kept = [] if gone is None else [k for k in keys if k not in gone]
+            if kept:
+                out[rank] = kept
+        return out
 
     def _retain(self, state: RequestState) -> None:
         """Pin what L2 holds of a finished request's pages for its ``retain_s``, and
@@ -651,9 +693,7 @@ class HiCacheScheduler:
     def on_worker_report(self, report: WorkerReport) -> None:
         self.l2.report_bad_slots(report.bad_slots)
         if report.l3_stored:
-            self._count_backups({
-                rank: keys for rank, keys in report.l3_stored.items()
-                if report.l3_changes.get(rank, 0) == self._l3_changes})
+            self._count_backups(self._current(report))
         for rank, gauges in report.gauges.items():
             if G.L3_BACKUP_QUEUE_PAGES in gauges:
                 self._backup_queues[rank] = gauges[G.L3_BACKUP_QUEUE_PAGES]
@@ -698,7 +738,7 @@ class HiCacheScheduler:
         """Another L3 store was attached, or none: what the tree knew of L3 is
         forgotten, and the catch-up backs L2 up to the new one (catch_up.py)."""
         self.l2.forget_l3()
-        self._l3_changing()
+        self._l3_changing(None)
 
     def reset(self) -> bool:
         """Drop every L2 page (vLLM's reset_prefix_cache); False if pages are in use."""
@@ -723,7 +763,7 @@ class HiCacheScheduler:
         counts, l3_op = self.flusher.flush(tiers, prefix, cache_salt, lora_name,
                                            release=self.pins.release_under)
         if l3_op is not None:  # the workers drop the queued backups of those pages
-            self._l3_changing()
+            self._l3_changing(l3_op)
         return counts, l3_op
 
     def forget(self, prefix: Sequence[int], cache_salt: str | None = None,
@@ -734,7 +774,7 @@ class HiCacheScheduler:
         counts, l3_op = self.flusher.forget(prefix, cache_salt, lora_name, keep_tokens,
                                             release=self.pins.release_under)
         if l3_op is not None:
-            self._l3_changing()
+            self._l3_changing(l3_op)
         return counts, l3_op
 
     def prefix_keys(self, prefix: Sequence[int], cache_salt: str | None = None,

@@ -11,9 +11,10 @@ Contract (see DESIGN.md "Admin actions"):
 - The L3-changing commands (``L3_CHANGES``) are queued under the scheduler
   lock with the tree change they stand for, so no plan built after that
   change lacks them. Each worker counts those it applied and sends its count
-  with the backups it reports stored: keys a rank took before the latest
-  change may name pages that change deleted, or that went to the store it
-  replaced, and the scheduler drops them.
+  with the backups it reports stored: keys a rank took before a change may
+  name pages that change deleted, or that went to the store it replaced;
+  the scheduler keeps only those no later change removed (a flush of all L3,
+  an attach or a detach removes everything).
 - Commands are plain frozen dataclasses (they cross process boundaries with
   the plan). Page keys stay ``bytes`` here; only the backend boundary
   (tiers/l3/) spells them as the store's string keys.

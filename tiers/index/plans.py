@@ -166,7 +166,7 @@ class WorkerReport:
     l3_stored: dict[int, list[bytes]] = field(default_factory=dict)
     # rank -> how many L3-changing storage commands (flush, forget, attach, detach:
     # tiers/index/commands.py ``L3_CHANGES``) it had applied when it took those
-    # keys; the scheduler drops keys a rank took before the latest change.
+    # keys; the scheduler drops the keys a change the rank had not applied removed.
     l3_changes: dict[int, int] = field(default_factory=dict)
 
     def merge(self, other: WorkerReport) -> WorkerReport:

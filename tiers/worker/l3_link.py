@@ -14,7 +14,7 @@ Contract:
   A failing command is logged, never raised into the engine. ``changes``
   counts the L3-changing ones applied (``L3_CHANGES``, failed or not): the
   worker reports it with the backups stored (``take_backed_up``), so the
-  scheduler drops what was stored before its latest change.
+  scheduler drops what a change the rank had not applied yet removed.
 - ``detach()`` drops queued backups, finishes the running I/O and closes
   the backend. Fetches it cancelled are kept for ``take_retired`` (their
   requests still wait in vLLM), and its counters are added to the totals,

@@ -157,6 +157,25 @@ def test_a_backup_reported_from_before_an_l3_flush_counts_for_nothing(tmp_path):
     assert sched.tree.l3_pages() == 3 and not sched.has_worker_work()
 
 
+def test_a_report_from_before_a_partial_flush_keeps_the_pages_it_did_not_remove(tmp_path):
+    """A prefix flush of L3 (or a forget) removes one conversation's pages: a report
+    taken before it still counts for the other's, not for the removed ones."""
+    clock = Clock()
+    sched = make(tmp_path, clock)
+    a_tokens = tokens_of(100, 3)
+    a = compute(sched, "a", a_tokens)
+    b = compute(sched, "b", tokens_of(500, 2))
+    report(sched, a)  # a's first report: the flush below removes what the tree knows
+    _, op = sched.flush({"l3"}, a_tokens[:PAGE])  # a's first page and below
+    assert op is not None and set(op.keys) == set(a)
+    sched.queue_command(op)
+    report(sched, [*a, *b], changes=0)  # a second batch, taken before the flush
+    assert sched.tree.l3_pages() == 2  # b's
+    assert backups(sched) == a  # the catch-up writes a's again, after the flush
+    report(sched, a)
+    assert sched.tree.l3_pages() == 5 and not sched.has_worker_work()
+
+
 def test_a_refused_l3_removal_leaves_reports_counting(tmp_path):
     """A flush whose store refused the removal (the admin's 400) queues no command:
     the workers' L3 did not change, and their reports still count."""
