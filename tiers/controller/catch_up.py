@@ -133,19 +133,20 @@ class L3CatchUp:
 
     def backed_up(self, keys: Iterable[PageKey]) -> None:
         """Every writing rank reported these pages stored in L3."""
-        for key in keys:
-            self._in_flight.pop(key, None)
-            self._mine.discard(key)
-            self._tries.pop(key, None)
+        self._settle(keys)
 
     def forget(self, keys: Iterable[PageKey]) -> None:
         """L3 lost these pages (a partial flush, a forget): what was in flight of them
         was dropped, and they may be tried again; the next plan scans."""
+        self._settle(keys)
+        self._last_scan = float("-inf")
+
+    def _settle(self, keys: Iterable[PageKey]) -> None:
+        """These pages are no longer in flight, and their tries start over."""
         for key in keys:
             self._in_flight.pop(key, None)
             self._mine.discard(key)
             self._tries.pop(key, None)
-        self._last_scan = float("-inf")
 
     def reset(self) -> None:
         """L3 changed (attached, detached, flushed): what was in flight is dropped or

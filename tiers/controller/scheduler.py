@@ -601,7 +601,7 @@ class HiCacheScheduler:
         self._l3_changes -= 1
         self._l3_change_log.pop()
 
-    def _l3_changing(self, removal: L3Removal | None = None) -> None:
+    def _l3_changing(self, removal: L3Removal | None) -> None:
         """The tree's L3 marks change before the workers' L3 does: from now on, the
         keys a rank reports backed up from before it applied the matching command
         count only if no later change removed them (tiers/index/commands.py).

@@ -42,10 +42,8 @@ logger = logging.getLogger(__name__)
 # the next layers' compute) only when a layer's share is at least this many bytes;
 # smaller stores go as one copy of every layer at the end of the step. Each per-layer
 # save costs the host an enqueue (GPU: an event pair, a stream switch and a kernel
-# launch, ~0.1 ms of Python; CPU: a hand-off to the copy thread): on an H200 with
-# 16-token pages and 32 decoding requests nearly every decode step stores a page or
-# two, and 8 per-layer saves per step cost ~20% throughput (docs/gpu.md, "Serving under
-# load on a GPU"). 4 MiB copies in ~0.1 ms at 45 GB/s.
+# launch; CPU: a hand-off to the copy thread), which decode steps storing a page or
+# two cannot repay (docs/gpu.md, "Serving under load on a GPU", has the measurement).
 PER_LAYER_SAVE_MIN_BYTES = {"cuda": 4 << 20, "cpu": 256 << 10}
 
 
@@ -83,7 +81,7 @@ class KVCopies:
             io_backend.select(io, device.type),
             # CUDA: side stream + per-layer events, copies only enqueue (never block the host).
             LayerPipeline(device) if on_cuda else LayerPipeline(inline=not async_stores),
-            PER_LAYER_SAVE_MIN_BYTES[device.type if on_cuda else "cpu"],
+            PER_LAYER_SAVE_MIN_BYTES["cuda" if on_cuda else "cpu"],
             geometry.block_bytes,
             torch.cuda.Stream(device) if on_cuda else None)
         copies._precompile()

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from hicache.tiers.index.commands import CancelFetches, RetainPages
+from hicache.tiers.index.commands import L3_CHANGES
 from hicache.tiers.index.plans import StepPlan, WorkerReport
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageBackend
@@ -133,8 +133,7 @@ class HiCacheWorker:
         """A new step's plan: apply its storage commands on this rank, once."""
         if not meta.storage_commands:
             return
-        changes = any(not isinstance(c, (RetainPages, CancelFetches))
-                      for c in meta.storage_commands)
+        changes = any(isinstance(c, L3_CHANGES) for c in meta.storage_commands)
         if changes and self.stores is not None:
             # An L3 deletion must not be followed by a backup of a page it deletes.
             self.stores.flush()

@@ -49,7 +49,7 @@ MAX_STORE_STEPS_IN_FLIGHT = 4
 # On a CPU, when each step waits for its stores, a step's store below this many bytes
 # (all layers) is copied in the calling thread when the copy thread is idle: handing a
 # few KiB to the thread and waiting for it costs more than the copy (a pool submit, a
-# future, a condition wait: ~4% of a decode step of the tiny model, py-spy).
+# future, a condition wait).
 INLINE_STORE_MAX_BYTES = 1 << 20
 
 
