@@ -48,8 +48,8 @@ from hicache.tiers.config import HiCacheConfig, HiCacheConfigError
 from hicache.tiers.controller.admin import SchedulerAdmin
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.kv_groups import GroupBlockIds
-from hicache.tiers.l3.io_thread import IDLE_WAIT_S
 from hicache.tiers.worker.core import HiCacheWorker
+from hicache.tiers.worker.l3_io import IDLE_WAIT_S
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

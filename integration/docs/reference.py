@@ -96,10 +96,10 @@ def model_table(model: type[BaseModel], *, key_prefix: str = "") -> list[str]:
 
 def _backend_models() -> list[tuple[str, type[BaseModel]]]:
     from hicache.tiers.l3.factory import DynamicLoaderConfig
-    from hicache.tiers.l3.file_backend import FileExtraConfig
-    from hicache.tiers.l3.lmcache_backend import LMCacheExtraConfig
-    from hicache.tiers.l3.mooncake_config import MooncakeExtraConfig
-    from hicache.tiers.l3.nixl_backend import NixlExtraConfig
+    from hicache.tiers.l3.file.backend import FileExtraConfig
+    from hicache.tiers.l3.lmcache.backend import LMCacheExtraConfig
+    from hicache.tiers.l3.mooncake.config import MooncakeExtraConfig
+    from hicache.tiers.l3.nixl.backend import NixlExtraConfig
 
     return [("file", FileExtraConfig), ("mooncake", MooncakeExtraConfig),
             ("nixl", NixlExtraConfig), ("lmcache", LMCacheExtraConfig),

@@ -28,7 +28,7 @@ from hicache.integration.vllm.engine import (
     worker_connector,
 )
 from hicache.tiers.l3 import integrity
-from hicache.tiers.l3.io_thread import BATCH_PAGES
+from hicache.tiers.worker.l3_io import BATCH_PAGES
 
 pytestmark = pytest.mark.engine
 
@@ -193,7 +193,7 @@ class TestSlowStoreUnderTimeout:
         # The wait ended at the deadline plus at most the one batch in flight
         # (counted, not timed: the suite never asserts on how busy the machine is;
         # a fetch whose thread started past its deadline reads nothing, and the
-        # batch-in-flight rule itself is tests/tiers/l3/test_io_thread.py's, on an
+        # batch-in-flight rule itself is tests/tiers/worker/test_l3_io.py's, on an
         # injected clock). The rest was never read (late pages, not failed ones:
         # the store answered nothing wrong), reported as load errors and
         # recomputed. (vLLM's num_cached_tokens keeps the promised count even when
@@ -431,7 +431,7 @@ def test_mooncake_master_killed_mid_run(tiny_model, baseline, mooncake):
     assert second.outputs == want1.outputs[3:6]
     assert again.outputs == want1.outputs[6:7]
     # That the breaker stops further calls from waiting on the dead master is
-    # checked call by call in tests/tiers/l3/test_mooncake_backend.py.
+    # checked call by call in tests/tiers/l3/mooncake/test_mooncake_backend.py.
 
 
 def test_mooncake_reads_from_the_engines_own_segment_in_place(tiny_model, baseline):
@@ -506,4 +506,4 @@ def test_lmcache_restart_and_a_killed_server(tiny_model, baseline, lmcache):
     assert stored.outputs == want0.outputs[3:6]
     assert down.outputs == want1.outputs[3:6]
     assert back.outputs == want1.outputs[6:7]
-    # Call by call (breaker, recovery, re-registration): tests/tiers/l3/test_lmcache_backend.py.
+    # Call by call (breaker, recovery, re-registration): tests/tiers/l3/lmcache/test_lmcache_backend.py.

@@ -25,7 +25,7 @@ from hicache.tiers.index.page_keys import (
 from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 
 

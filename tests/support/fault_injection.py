@@ -34,7 +34,7 @@ import torch
 
 from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 
 FAULT_KEYS = ("fault_get_delay_s", "fault_delete_after_exists", "fault_fail_gets",
               "fault_exists_delay_s", "fault_unreachable")

@@ -12,7 +12,7 @@ from hicache.tiers.engine_shape import EngineShape
 from hicache.tiers.index.kv_groups import KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.l2.host_pool import PoolGeometry
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.rank_shards import RankShards
 
 

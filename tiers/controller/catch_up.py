@@ -15,7 +15,7 @@ Contract:
   nothing else to do: no L3 fetch in flight, every rank's backup queue empty
   as last reported; and at most ``max_in_flight`` of them are queued and not
   yet reported backed up. The I/O thread runs fetches before backups
-  (tiers/l3/io_thread.py), so a fetch that arrives meanwhile waits at most
+  (tiers/worker/l3_io.py), so a fetch that arrives meanwhile waits at most
   for the batch being written.
 - Every backup a plan carries (the stores' and the catch-up's) is in flight
   from ``note_planned`` until the workers report it (``backed_up``) or

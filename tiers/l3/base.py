@@ -161,7 +161,7 @@ class StorageBackend(ABC):
     concurrent_lookups: ClassVar[bool] = False
     # True when several ``batch_get_v1`` calls may run at once (into distinct
     # slots): the worker then reads fetches on a few threads
-    # (tiers/l3/io_thread.py ``FETCH_THREADS``). False: one at a time.
+    # (tiers/worker/l3_io.py ``FETCH_THREADS``). False: one at a time.
     concurrent_io: ClassVar[bool] = False
     # True when ``batch_set_v1`` takes the checksums the store path left with the
     # pool's slots (host_pool.py ``checksums_of``) instead of a pass of its own:
@@ -200,7 +200,7 @@ class StorageBackend(ABC):
         ``batch_get_v1`` that starts no page once ``deadline`` (``time.monotonic()``
         seconds) has passed (those pages are False, not misses). The worker then hands
         over large batches, one GIL hand-off each, without losing the fetch's deadline
-        (tiers/l3/io_thread.py). Backends whose batches run without the GIL offer it
+        (tiers/worker/l3_io.py). Backends whose batches run without the GIL offer it
         (file: tiers/l3/native_io.py)."""
         return False
 

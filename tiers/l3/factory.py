@@ -34,10 +34,10 @@ from hicache.tiers.settings import Settings
 StorageBackendName = Literal["file", "mooncake", "nixl", "lmcache", "dynamic"]
 STORAGE_BACKENDS: tuple[str, ...] = get_args(StorageBackendName)
 BACKENDS: dict[str, str] = {
-    "file": "hicache.tiers.l3.file_backend:FileBackend",
-    "mooncake": "hicache.tiers.l3.mooncake_backend:MooncakeBackend",
-    "nixl": "hicache.tiers.l3.nixl_backend:NixlBackend",
-    "lmcache": "hicache.tiers.l3.lmcache_backend:LMCacheBackend",
+    "file": "hicache.tiers.l3.file.backend:FileBackend",
+    "mooncake": "hicache.tiers.l3.mooncake.backend:MooncakeBackend",
+    "nixl": "hicache.tiers.l3.nixl.backend:NixlBackend",
+    "lmcache": "hicache.tiers.l3.lmcache.backend:LMCacheBackend",
 }
 
 

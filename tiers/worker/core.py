@@ -41,10 +41,10 @@ from hicache.tiers.index.commands import L3_CHANGES
 from hicache.tiers.index.plans import StepPlan, WorkerReport
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageBackend
-from hicache.tiers.l3.io_thread import StorageIO
 from hicache.tiers.metrics import WorkerKey as K
 from hicache.tiers.worker.copies import KVCopies
 from hicache.tiers.worker.fetch_endings import FetchEndings
+from hicache.tiers.worker.l3_io import StorageIO
 from hicache.tiers.worker.l3_link import L3Link, StorageBuilder
 from hicache.tiers.worker.loads import L2Loads
 from hicache.tiers.worker.outcome import StepOutcome
@@ -192,7 +192,7 @@ class HiCacheWorker:
         """Requests whose fetch ended (for vLLM's finished_recving); their unfilled
         blocks go to take_load_errors, their counts to take_report. ``wait_s`` > 0
         (a step in which nothing computes): first wait up to that long for a pending
-        fetch to finish (tiers/l3/io_thread.py ``wait_results``)."""
+        fetch to finish (tiers/worker/l3_io.py ``wait_results``)."""
         results, waited = self.l3.take_results(wait_s)
         if waited:
             self.stats.idle_fetch_waits += 1

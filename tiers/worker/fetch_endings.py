@@ -7,7 +7,7 @@ Contract:
   step's end. A page whose slot does not hold its key ends the copy there:
   that slot is bad, the rest of the request's blocks are recomputed.
 - ``on_results`` takes the L3 I/O thread's finished fetches
-  (tiers/l3/io_thread.py): the pages that arrived are already in vLLM's
+  (tiers/worker/l3_io.py): the pages that arrived are already in vLLM's
   blocks, the rest are recomputed.
 - A prefetch (a request vLLM has not admitted, ``RequestFetch.prefetch``)
   stops in L2: its page count goes to the scheduler, nothing to vLLM.
@@ -23,9 +23,9 @@ from __future__ import annotations
 import logging
 
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch
-from hicache.tiers.l3.io_thread import FetchResult
 from hicache.tiers.metrics import WorkerKey as K
 from hicache.tiers.worker.copies import KVCopies
+from hicache.tiers.worker.l3_io import FetchResult
 from hicache.tiers.worker.outcome import StepOutcome
 from hicache.tiers.worker.stats import WorkerStats
 

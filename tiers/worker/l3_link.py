@@ -4,7 +4,7 @@ Contract:
 - ``start(pool, load_fetched)`` binds the link to this rank's pool and the
   worker's L2 -> L1 copy of fetched pages, builds this rank's backend from
   the current spec, registers the pool with it (zero-copy slots) and starts
-  the I/O thread (tiers/l3/io_thread.py). An attach command later builds
+  the I/O thread (tiers/worker/l3_io.py). An attach command later builds
   with the same pool and copy. A backend that cannot start leaves the
   rank without L3 (logged, False): its fetches fail and vLLM recomputes.
 - ``apply(command)`` runs one admin storage command
@@ -38,9 +38,9 @@ from hicache.tiers.index.commands import (
 from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageBackend
-from hicache.tiers.l3.io_thread import FetchResult, StorageIO
 from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
+from hicache.tiers.worker.l3_io import FetchResult, StorageIO
 
 logger = logging.getLogger(__name__)
 

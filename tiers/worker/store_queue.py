@@ -3,7 +3,7 @@
 Contract:
 - A step's stores are one ``PendingStore`` (transfers.py), built once per
   plan (``store_of``): its slots' keys are cleared until it lands, and
-  queued L3 backups of those slots are dropped first (io_thread.py
+  queued L3 backups of those slots are dropped first (worker/l3_io.py
   ``release_slots``). ``save_layer`` copies a layer's share as soon as that
   layer's attention has run, when the share is big enough
   (copies.py ``PER_LAYER_SAVE_MIN_BYTES``); ``finish`` queues the rest.

@@ -49,9 +49,9 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
-from hicache.tiers.l3.io_thread import StorageIO
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.verify import THREADS as VERIFY_THREADS
+from hicache.tiers.worker.l3_io import StorageIO
 
 KIB_PER_TOKEN = 128  # Llama-3-8B, TP=1, bf16: 32 layers x 8 heads x 128 dims x 2 x 2 B
 REPO = Path(__file__).resolve().parents[3]

@@ -174,7 +174,7 @@ def _native_case(directory: Path, pool: HostPagePool, pages: int, cold: bool,
     read by a small C program (l3_fetch.py) with one thread: open, pread, close per
     file into one preallocated buffer, timed by the program itself."""
     from hicache.integration.bench.micro.l3_fetch import native_seconds
-    from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES
+    from hicache.tiers.l3.file.backend import FILE_HEADER_BYTES
 
     src = [pool.buffer[i].view(-1).numpy() for i in range(pages)]
     target = directory / "native-per-page"

@@ -35,7 +35,7 @@ import torch
 from hicache.integration.bench.lmcache_service import start_lmcache
 from hicache.integration.bench.micro.store_rounds import ours_round, source_pool, timed
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.lmcache_backend import (
+from hicache.tiers.l3.lmcache.backend import (
     MAX_BATCH,
     LMCacheBackend,
     _Shm,
@@ -43,7 +43,7 @@ from hicache.tiers.l3.lmcache_backend import (
     ipc_key,
     registration,
 )
-from hicache.tiers.l3.lmcache_wire import Request, WireClient
+from hicache.tiers.l3.lmcache.wire import Request, WireClient
 
 TIMEOUT_S = 60.0
 

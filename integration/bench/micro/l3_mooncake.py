@@ -13,7 +13,7 @@ measures:
   the L1 -> L2 copy); what that costs there is ``l2_checksum_gbps``, the
   checksums of the same slots timed on their own;
 - ours reading through Mooncake (``ours_get_transfer``): the same get with reads
-  in place turned off (mooncake_local.py), as for objects in another process's or
+  in place turned off (tiers/l3/mooncake/local.py), as for objects in another process's or
   host's segment: Mooncake's transfer, then the check;
 - raw: ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the
   same pool slots through the backend's own client (same segment, same
@@ -47,7 +47,7 @@ from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.integrity import HEADER_BYTES, checksums_at
-from hicache.tiers.l3.mooncake_backend import MooncakeBackend
+from hicache.tiers.l3.mooncake.backend import MooncakeBackend
 
 
 def _span_round(backend: MooncakeBackend, pool: HostPagePool, keys: list[str],

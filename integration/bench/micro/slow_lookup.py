@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 
 
 class SlowFileBackend(FileBackend):

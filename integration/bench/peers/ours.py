@@ -55,7 +55,7 @@ from hicache.tiers.index.radix_tree import HiRadixTree
 from hicache.tiers.index.slot_allocator import SlotAllocator
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 
 PARTS = ("radix", "file", "kv")
 

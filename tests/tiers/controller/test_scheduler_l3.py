@@ -7,7 +7,7 @@ from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 
 BS, PAGE = 4, 8
 GEOM = PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=64)

@@ -197,7 +197,7 @@ def test_a_request_that_leaves_a_span_early_is_never_promised_pages_only_that_sp
     trust the tree for it (the fetch used to fail that page: the "failed L3 fetch
     pages" of a single engine nobody else writes to); it asks the store, which finds
     what b can read, and the real I/O thread then reads every page it was promised."""
-    from hicache.tiers.l3.io_thread import StorageIO
+    from hicache.tiers.worker.l3_io import StorageIO
 
     sched = scheduler(tmp_path)
     meta = prefill(sched, request("a", TOKENS), list(range(1, 16)))

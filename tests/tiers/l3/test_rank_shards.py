@@ -11,7 +11,7 @@ import torch
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.rank_shards import RankShards
 

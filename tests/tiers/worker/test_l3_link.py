@@ -12,7 +12,7 @@ from hicache.tiers.index.commands import AttachStore, DetachStore, RetainPages
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K

@@ -13,7 +13,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, StepPlan
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.worker.core import HiCacheWorker

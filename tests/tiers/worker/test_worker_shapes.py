@@ -14,7 +14,7 @@ from hicache.tiers.index.plans import PagePlan, RequestLoad
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.worker.core import HiCacheWorker
 
 GEOM = PoolGeometry(num_slots=4, num_layers=1, blocks_per_page=2, block_bytes=64)

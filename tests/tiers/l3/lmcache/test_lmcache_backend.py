@@ -37,7 +37,7 @@ from hicache.integration.bench.lmcache_service import (
 from hicache.tiers.l3.base import StorageConfigError, StorageUnavailable
 from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.guard import guarded
-from hicache.tiers.l3.lmcache_backend import LMCacheBackend, chunk_hash
+from hicache.tiers.l3.lmcache.backend import LMCacheBackend, chunk_hash
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import integrity, native_io, verify
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
-from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES, FILE_LAYOUT, FileBackend
+from hicache.tiers.l3.file.backend import FILE_HEADER_BYTES, FILE_LAYOUT, FileBackend
 from hicache.tiers.l3.guard import GuardedBackend, guarded
 
 
@@ -164,7 +164,7 @@ def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypat
     only retained pages are left the capacity wins, oldest first. (One page per write:
     a batch may pass the capacity while it is written.)"""
     now = [1000.0]
-    monkeypatch.setattr("hicache.tiers.l3.file_backend.time.time", lambda: now[0])
+    monkeypatch.setattr("hicache.tiers.l3.file.backend.time.time", lambda: now[0])
     page_file = FILE_HEADER_BYTES + GEOM.page_bytes
     backend = guarded(FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9)))
     backend.register_host_pool(filled_pool("page_first", 8))
@@ -268,7 +268,7 @@ def test_bad_extra_config_message(tmp_path, extra, expect):
 
 def test_dynamic_loader_keys_are_checked_and_the_rest_passes_through(tmp_path):
     with pytest.raises(StorageConfigError) as err:
-        create_backend("dynamic", config(tmp_path, module_path="hicache.tiers.l3.file_backend"))
+        create_backend("dynamic", config(tmp_path, module_path="hicache.tiers.l3.file.backend"))
     assert "hicache_storage_backend_extra_config.class_name is required" in str(err.value)
     with pytest.raises(StorageConfigError, match="module_path must be a non-empty string"):
         create_backend("dynamic", config(tmp_path, module_path="", class_name="FileBackend"))
@@ -276,7 +276,7 @@ def test_dynamic_loader_keys_are_checked_and_the_rest_passes_through(tmp_path):
         create_backend("dynamic", config(tmp_path, module_path="no.such.module",
                                          class_name="FileBackend"))
     backend = create_backend("dynamic", config(
-        tmp_path, module_path="hicache.tiers.l3.file_backend", class_name="FileBackend",
+        tmp_path, module_path="hicache.tiers.l3.file.backend", class_name="FileBackend",
         backend_name="mine", interface_v1=1, fsync=True))
     assert isinstance(backend.inner, FileBackend) and backend.fsync and backend.root == tmp_path
     assert backend.config.extra_config == {"path": str(tmp_path), "fsync": True}
@@ -284,7 +284,7 @@ def test_dynamic_loader_keys_are_checked_and_the_rest_passes_through(tmp_path):
 
 def test_dynamic_backend_loads_a_third_party_class(tmp_path):
     cfg = StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes, extra_config={
-        "backend_name": "mine", "module_path": "hicache.tiers.l3.file_backend",
+        "backend_name": "mine", "module_path": "hicache.tiers.l3.file.backend",
         "class_name": "FileBackend", "path": str(tmp_path)})
     backend = create_backend("dynamic", cfg)
     assert isinstance(backend.inner, FileBackend) and backend.root == tmp_path

@@ -47,8 +47,8 @@ from hicache.tiers.l3.base import (  # noqa: E402
 )
 from hicache.tiers.l3.factory import create_backend  # noqa: E402
 from hicache.tiers.l3.guard import guarded  # noqa: E402
-from hicache.tiers.l3.mooncake_backend import MooncakeBackend  # noqa: E402
-from hicache.tiers.l3.mooncake_config import (  # noqa: E402
+from hicache.tiers.l3.mooncake.backend import MooncakeBackend  # noqa: E402
+from hicache.tiers.l3.mooncake.config import (  # noqa: E402
     ENV_VARS,
     MooncakeSettings,
     parse_size,
@@ -328,12 +328,12 @@ _CLOSE_AFTER_MASTER_DIED = textwrap.dedent("""
     from hicache.integration.bench.mooncake_service import start_mooncake
     from hicache.tiers.l3.base import StorageConfig
     from hicache.tiers.l3.guard import guarded
-    from hicache.tiers.l3.mooncake_backend import MooncakeBackend
+    from hicache.tiers.l3.mooncake.backend import MooncakeBackend
     with start_mooncake() as svc:
         b = guarded(MooncakeBackend(StorageConfig(0, 1, "ns", "page_first", 4096,
                                           extra_config=svc.extra_config(16 << 20))))
         ok = b.set("ab" * 32, __import__("torch").zeros(4096, dtype=__import__("torch").uint8))
-    from hicache.tiers.l3 import mooncake_backend
+    from hicache.tiers.l3.mooncake import backend as mooncake_backend
     # master stopped; the breaker never tripped: close() must see the closed port
     # and abandon the client rather than call Mooncake's close, which blocks 10-20 s
     b.close()

@@ -17,7 +17,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity  # noqa: E402
 from hicache.tiers.l3.base import StorageConfig, StorageConfigError  # noqa: E402
 from hicache.tiers.l3.guard import guarded
-from hicache.tiers.l3.nixl_backend import NixlBackend  # noqa: E402
+from hicache.tiers.l3.nixl.backend import NixlBackend  # noqa: E402
 from hicache.tiers.l3.page_dir import QUARANTINE_DIR  # noqa: E402
 
 GEOMETRY = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=1024)

@@ -15,9 +15,9 @@ from hicache.tiers.index.spans import SpanLayout
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FileBackend
+from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
-from hicache.tiers.l3.io_thread import StorageIO
+from hicache.tiers.worker.l3_io import StorageIO
 
 GEOM = PoolGeometry(num_slots=80, num_layers=2, blocks_per_page=1, block_bytes=128)
 NS = KeyNamespace("m", "f32", "cpu", 4, 1)
@@ -117,7 +117,7 @@ def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, monkeypatch, timeo
     after that batch, whatever the machine's speed."""
     seed_l3(tmp_path, 40)
     clock = FakeTime()
-    monkeypatch.setattr("hicache.tiers.l3.io_thread.time", clock)
+    monkeypatch.setattr("hicache.tiers.worker.l3_io.time", clock)
     io, _, backend, _ = make(tmp_path)
     backend.get_gate = threading.Event()
     io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), timeout_s))
@@ -376,8 +376,9 @@ def test_a_timed_backend_gets_byte_sized_batches_and_keeps_the_prefix_rule(tmp_p
     """The plain file backend reads GIL-free batches that stop at the deadline by
     themselves (where numba runs): batches of TIMED_BATCH_BYTES, one call for these
     40 small pages; a missing page still ends the fetched prefix."""
-    from hicache.tiers.l3 import io_thread, native_io
-    from hicache.tiers.l3.file_backend import FileBackend
+    from hicache.tiers.l3 import native_io
+    from hicache.tiers.l3.file.backend import FileBackend
+    from hicache.tiers.worker import l3_io as io_thread
 
     stored = seed_l3(tmp_path, 40)
     io, pool, backend, loaded = make(tmp_path, backend_class=FileBackend)

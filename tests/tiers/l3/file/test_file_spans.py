@@ -20,7 +20,7 @@ from hicache.tiers.index.spans import SpanLayout, SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.file_backend import FILE_HEADER_BYTES, FileBackend
+from hicache.tiers.l3.file.backend import FILE_HEADER_BYTES, FileBackend
 from hicache.tiers.l3.guard import guarded
 
 GEOM = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=256)

@@ -2,7 +2,7 @@
 
 Contract (on top of ``base.py``):
 - A pure client: never imports lmcache (its pins conflict with vLLM's; the
-  server runs from its own venv). The wire is ``lmcache_wire.py``; the data
+  server runs from its own venv). The wire is ``wire.py``; the data
   moves through the server's shared-memory pool (``/dev/shm``): the server
   hands out slots, we copy, then commit. Its pickle transfer path (which
   unpickles client bytes) is never used.
@@ -74,7 +74,7 @@ from hicache.tiers.l3.base import (
     StorageUnavailable,
     validate_extra,
 )
-from hicache.tiers.l3.lmcache_wire import Request, ServerGone, ServerTimeout, WireClient
+from hicache.tiers.l3.lmcache.wire import Request, ServerGone, ServerTimeout, WireClient
 from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)

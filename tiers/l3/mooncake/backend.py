@@ -1,7 +1,7 @@
 """L3 backend on a Mooncake Store cluster (``mooncake.store.MooncakeDistributedStore``).
 
 Contract (on top of ``base.py``):
-- Extra-config keys and their environment fallbacks: mooncake_config.py.
+- Extra-config keys and their environment fallbacks: config.py.
 - One Mooncake client per instance, set up with a global segment of 0 bytes
   (this checks the master: unreachable -> ``StorageUnavailable``). The
   instance's share of the global segment is mounted when it first needs to
@@ -18,7 +18,7 @@ Contract (on top of ``base.py``):
   multi-buffer call; a read takes any subset of its records (the others land
   in a registered scratch page). A bad record is a miss for its page only
   (counted corrupt); the object is then removed.
-- Reads in place (mooncake_local.py): objects whose replica lies in this
+- Reads in place (local.py): objects whose replica lies in this
   instance's own mounted segment are copied into the slots and hashed in one
   pass (native_io ``copy_records``; ``verify`` = helper: hashed on a helper
   thread right behind the copy), counted in ``pages_in_place``; the others,
@@ -76,14 +76,15 @@ import torch
 
 from hicache.tiers.index.spans import SpanRef, whole_spans
 from hicache.tiers.l2.host_pool import HostPagePool
-from hicache.tiers.l3 import integrity, mooncake_local, native_io
+from hicache.tiers.l3 import integrity, native_io
 from hicache.tiers.l3.base import (
     StorageBackend,
     StorageConfig,
     StorageConfigError,
     StorageUnavailable,
 )
-from hicache.tiers.l3.mooncake_config import MooncakeSettings
+from hicache.tiers.l3.mooncake import local as mooncake_local
+from hicache.tiers.l3.mooncake.config import MooncakeSettings
 from hicache.tiers.l3.verify import helpers as verify_helpers
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ class MooncakeBackend(StorageBackend):
         self._local = threading.local()
         self._pool_base = 0
         self._pool_rows: np.ndarray | None = None
-        # where this instance's own segment lies, once mounted (mooncake_local.py)
+        # where this instance's own segment lies, once mounted (local.py)
         self._segment: mooncake_local.LocalSegment | None = None
         self._verify_helper: ThreadPoolExecutor | None = None
 
@@ -420,7 +421,7 @@ class MooncakeBackend(StorageBackend):
                        first: dict[str, int], base: int, ptrs: list[int],
                        arrived: dict[int, int]) -> list[str]:
         """Objects in this process's own segment: copied and hashed in one pass
-        (mooncake_local.py). Returns the objects to read through Mooncake."""
+        (local.py). Returns the objects to read through Mooncake."""
         assert self._segment is not None
         rec = HEADER + self.config.page_bytes
         okeys = list(objects)

@@ -26,7 +26,7 @@ from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity, native_io  # noqa: E402
 from hicache.tiers.l3.base import StorageConfig, StorageStats  # noqa: E402
 from hicache.tiers.l3.guard import guarded
-from hicache.tiers.l3.mooncake_backend import MooncakeBackend  # noqa: E402
+from hicache.tiers.l3.mooncake.backend import MooncakeBackend  # noqa: E402
 
 GEOM = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=256)
 NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 1)
@@ -248,7 +248,7 @@ def test_reads_in_place_hash_on_a_helper_thread_when_asked():
 
 
 def test_batches_are_cut_into_calls_without_splitting_an_object():
-    from hicache.tiers.l3.mooncake_backend import ARENA_PAGES, _chunks
+    from hicache.tiers.l3.mooncake.backend import ARENA_PAGES, _chunks
 
     span = [("s", r, 4) for r in range(4)]
     pages = [(f"p{i}", 0, 1) for i in range(ARENA_PAGES)]
@@ -270,7 +270,7 @@ def test_only_replicas_inside_the_segment_found_at_mount_are_read_in_place(store
     else (another endpoint, an address outside, another size) goes through Mooncake."""
     from dataclasses import replace
 
-    from hicache.tiers.l3.mooncake_local import ELSEWHERE
+    from hicache.tiers.l3.mooncake.local import ELSEWHERE
 
     writer, *_ = store
     segment = writer._segment
