@@ -177,6 +177,16 @@ def test_l3_is_a_folder_per_backend():
     assert not [p.name for p in l3.glob("*_backend.py")]
 
 
+def test_the_data_plane_keeps_small_rooms():
+    """No L3 module over 500 lines (the worker's L3 I/O thread included), the worker
+    facade at most 300."""
+    files = [*(ROOT / "tiers" / "l3").rglob("*.py"), *(ROOT / "tiers" / "worker").glob("l3_*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}
+    assert len((ROOT / "tiers" / "worker" / "core.py").read_text().splitlines()) <= 300
+
+
 def test_l3_backends_never_import_each_other():
     def backend_of(dotted: str) -> str | None:
         if not dotted.startswith("hicache.tiers.l3."):

@@ -26,8 +26,9 @@ from hicache.tiers.config import HiCacheConfig, HiCacheConfigError
 from hicache.tiers.index.kv_groups import KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.l2.host_pool import PoolGeometry
-from hicache.tiers.l3.base import StorageBackend, StorageConfig, StorageConfigError
+from hicache.tiers.l3.base import StorageConfig, StorageConfigError
 from hicache.tiers.l3.factory import create_backend
+from hicache.tiers.l3.guard import GuardedBackend
 from hicache.tiers.l3.rank_shards import RankShards
 
 logger = logging.getLogger(__name__)
@@ -68,20 +69,20 @@ class EngineShape:
                 "l2_pages": self.geometry.num_slots, "page_bytes": self.geometry.page_bytes,
                 "mem_layout": self.mem_layout, "io_backend": self.io_backend}
 
-    def storage(self, tp_rank: int, name: str, extra: dict[str, Any]) -> StorageBackend:
+    def storage(self, tp_rank: int, name: str, extra: dict[str, Any]) -> GuardedBackend:
         """This rank's L3 backend ``name`` with backend settings ``extra``."""
         return create_backend(name, StorageConfig(
             tp_rank=tp_rank, tp_size=self.tp_size, namespace=self.namespace.fingerprint(),
             mem_layout=self.mem_layout, page_bytes=self.geometry.page_bytes,
             is_mla=self.is_mla, model_name=self.model, extra_config=extra))
 
-    def lookup(self, name: str, extra: dict[str, Any]) -> StorageBackend | RankShards:
+    def lookup(self, name: str, extra: dict[str, Any]) -> GuardedBackend | RankShards:
         """The scheduler's L3 view: every rank's shard (one shared shard for MLA)."""
         if self.is_mla or self.tp_size == 1:
             return self.storage(0, name, extra)
         return RankShards([self.storage(r, name, extra) for r in range(self.tp_size)])
 
-    def scheduler_storage(self, config: HiCacheConfig) -> StorageBackend | RankShards | None:
+    def scheduler_storage(self, config: HiCacheConfig) -> GuardedBackend | RankShards | None:
         name = config.hicache_storage_backend
         if name is None:
             return None

@@ -217,7 +217,7 @@ class L1PrefixCache:
 
 
 class SimulatedL3:
-    """Pages backed up to L3; ``batch_exists`` is what the scheduler asks."""
+    """Pages backed up to L3; ``exists_prefix`` is what the scheduler asks."""
 
     def __init__(self, capacity_pages: int) -> None:
         self.capacity = capacity_pages  # -1 = unbounded
@@ -231,7 +231,7 @@ class SimulatedL3:
             self._pages.popitem(last=False)
             self.evictions += 1
 
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: Sequence[str]) -> int:
         n = 0
         for key in keys:
             if key not in self._pages:
@@ -502,7 +502,7 @@ class SimEngine:
         keys = self.sched.prefix_keys(req.all_token_ids[: rec.prefetch_tokens], rec.cache_salt)
         result.prefetches += 1
         try:
-            pages = self.sched.prefetch_prefix(keys, self.l3.batch_exists([k.hex() for k in keys]))
+            pages = self.sched.prefetch_prefix(keys, self.l3.exists_prefix([k.hex() for k in keys]))
         except NoRoom:
             return
         meta = self.sched.build_connector_meta({})

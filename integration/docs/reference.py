@@ -96,8 +96,8 @@ def model_table(model: type[BaseModel], *, key_prefix: str = "") -> list[str]:
 
 def _backend_models() -> list[tuple[str, type[BaseModel]]]:
     from hicache.tiers.l3.factory import DynamicLoaderConfig
-    from hicache.tiers.l3.file.backend import FileExtraConfig
-    from hicache.tiers.l3.lmcache.backend import LMCacheExtraConfig
+    from hicache.tiers.l3.file.config import FileExtraConfig
+    from hicache.tiers.l3.lmcache.config import LMCacheExtraConfig
     from hicache.tiers.l3.mooncake.config import MooncakeExtraConfig
     from hicache.tiers.l3.nixl.backend import NixlExtraConfig
 

@@ -330,7 +330,7 @@ class TestSlowStorePrefetchUnderTimeout:
 
 
 class TestSlowLookups:
-    """A store whose ``batch_exists`` takes 1 s. vLLM's scheduling thread never
+    """A store whose ``exists_prefix`` takes 1 s. vLLM's scheduling thread never
     asks it: every lookup runs on a probe thread while vLLM is told "not known
     yet" and keeps stepping, and requests submitted together are looked up side
     by side, once each (counted, not timed)."""
@@ -349,7 +349,7 @@ class TestSlowLookups:
                             WORKLOAD.answer_tokens)
             sched = scheduler_connector(llm).hicache_scheduler
             shards = getattr(sched.storage, "shards", [sched.storage])
-            yield got, sched, [name for shard in shards for name in shard.exists_threads]
+            yield got, sched, [name for shard in shards for name in shard.inner.exists_threads]
         finally:
             close_llm(llm)
 
@@ -393,6 +393,21 @@ def test_nixl_restart_serves_from_l3(tiny_model, baseline, tmp_path):
     got = restart_round_trip(tiny_model, baseline, "nixl", {"path": str(tmp_path)})
     assert got.num_cached_tokens == history_pages(baseline, 1)[:3]
     assert not list((tmp_path / "quarantine").glob("*"))
+
+
+def test_a_store_written_to_sglangs_interface_serves_l3_hits(tiny_model, baseline, tmp_path):
+    """A class with SGLang's HiCacheStorage methods (get / set / exists on tensors), loaded
+    through ``dynamic`` as SGLang loads one, behind tiers/l3/sglang_compat.py."""
+    extra = {"module_path": "support.sglang_style_store", "class_name": "SGLangStyleFileStore",
+             "path": str(tmp_path)}
+    got = restart_round_trip(tiny_model, baseline, "dynamic", extra)
+    assert got.num_cached_tokens == history_pages(baseline, 1)[:3]
+    # Empty L2 and L1 at start: all from L3 (a prefix the first fetch brought into L2
+    # is an L2 hit for the others).
+    tiers = [p["hicache"]["cached_tokens"] for p in got.kv_transfer_params]
+    assert [t["l2"] + t["l3"] for t in tiers] == got.num_cached_tokens
+    assert tiers[0] == {"l1": 0, "l2": 0, "l3": got.num_cached_tokens[0]}
+    assert list(tmp_path.glob("*.bin")), "the store holds no page of its own"
 
 
 @pytest.fixture(scope="module")
@@ -439,7 +454,7 @@ def test_mooncake_reads_from_the_engines_own_segment_in_place(tiny_model, baseli
     up lies in its own segment, so with L2 flushed the returning turn is read in place
     (one copy-and-check pass), and tokens equal the baseline. (Pages in another
     process's segment go through Mooncake's transfer: the restart test above, and
-    tests/tiers/l3/test_mooncake_spans.py with both kinds in one batch.)"""
+    tests/tiers/l3/mooncake/test_mooncake_spans.py with both kinds in one batch.)"""
     from hicache.integration.bench.mooncake_service import start_mooncake
 
     want0, want1 = baseline.turns[0], baseline.turns[1]

@@ -24,7 +24,7 @@ from hicache.tiers.index.page_keys import (
 )
 from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.l2.host_pool import HostPagePool
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import Capabilities, StorageConfig, WriteBatch
 from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 
@@ -76,7 +76,7 @@ def write_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeometry,
     would have written them."""
     writer = file_store(path, namespace, geometry)
     writer.register_host_pool(HostPagePool(geometry, layout="page_first", pin_memory=False))
-    assert all(writer.batch_set_v1(keys, list(range(len(keys)))))
+    assert all(writer.write(WriteBatch(keys, list(range(len(keys))))))
 
 
 def write_prompt_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeometry,
@@ -88,21 +88,21 @@ def write_prompt_pages(path: Path, namespace: KeyNamespace, geometry: PoolGeomet
 
 
 class GatedStore:
-    """batch_exists blocks until ``gate`` opens; counts the callers inside."""
+    """exists_prefix blocks until ``gate`` opens; counts the callers inside."""
 
-    concurrent_lookups = True
+    capabilities = Capabilities(concurrent_lookups=True)
 
     def __init__(self, store=None, found: int | None = None, fail: bool = False) -> None:
         self.gate = threading.Event()
         self.inside = threading.Semaphore(0)
         self.store, self.found, self.fail = store, found, fail
 
-    def batch_exists(self, keys):
+    def exists_prefix(self, keys):
         self.inside.release()
         assert self.gate.wait(30), "gate never opened"
         if self.fail:
             raise OSError("store down")
-        return self.store.batch_exists(keys) if self.store is not None else self.found
+        return self.store.exists_prefix(keys) if self.store is not None else self.found
 
     def entered(self, n: int) -> None:
         for _ in range(n):

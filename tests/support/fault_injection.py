@@ -9,13 +9,12 @@ Select it like any third-party backend::
         "path": "/tmp/l3", "fault_get_delay_s": 0.5}
 
 Faults (extra-config keys, all optional):
-- ``fault_get_delay_s``: sleep this long in every ``batch_get_v1`` and
-  ``batch_get_spans`` call (a slow store; the gate and ``fault_fail_gets`` act on
-  both too).
-- ``fault_exists_delay_s``: sleep this long in every ``batch_exists`` call (a slow
+- ``fault_get_delay_s``: sleep this long in every ``read`` call (a slow store;
+  the gate and ``fault_fail_gets`` act there too).
+- ``fault_exists_delay_s``: sleep this long in every ``exists_prefix`` call (a slow
   lookup); the names of the threads that called it are kept in ``exists_threads``.
 - ``fault_delete_after_exists``: delete every page file right after a
-  ``batch_exists`` found anything (pages vanishing between lookup and read).
+  ``exists_prefix`` found anything (pages vanishing between lookup and read).
 - ``fault_fail_gets``: every read raises ``OSError`` (a store that went down).
 - ``fault_unreachable``: the constructor raises ``ConnectionError`` (a store that
   cannot be reached at start).
@@ -29,11 +28,10 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Sequence
 
-import torch
-
-from hicache.tiers.index.spans import SpanRef
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l2.host_pool import HostPagePool
+from hicache.tiers.l3.base import ReadBatch, StorageConfig
 from hicache.tiers.l3.file.backend import FileBackend
 
 FAULT_KEYS = ("fault_get_delay_s", "fault_delete_after_exists", "fault_fail_gets",
@@ -59,11 +57,11 @@ class FaultyFileBackend(FileBackend):
         self.get_gate: threading.Event | None = None
         self.get_entered = threading.Event()
 
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: Sequence[str]) -> int:
         self.exists_threads.append(threading.current_thread().name)
         if self.exists_delay_s:
             time.sleep(self.exists_delay_s)
-        found = super().batch_exists(keys)
+        found = super().exists_prefix(keys)
         if self.delete_after_exists and found:
             # Everything goes: what was found, and the page objects that may hold the
             # same pages as a span object found (spans.py: pages a store cut out).
@@ -81,16 +79,12 @@ class FaultyFileBackend(FileBackend):
         if self.fail_gets:
             raise OSError("injected L3 read failure")
 
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
-        self._read_faults()
-        return super().batch_get_v1(keys, host_slots)
+    def register_host_pool(self, pool: HostPagePool) -> None:
+        super().register_host_pool(pool)
+        # Every read goes through the faults a batch at a time (BATCH_PAGES pages each),
+        # without the file backend's deadline inside a batch.
+        self.capabilities = dataclasses.replace(self.capabilities, timed=False)
 
-    def batch_get_spans(self, keys: list[str], host_slots: list[int], spans: list[SpanRef],
-                        deadline: float | None = None) -> list[bool]:
+    def read(self, batch: ReadBatch) -> list[bool]:
         self._read_faults()
-        return super().batch_get_spans(keys, host_slots, spans, deadline)
-
-    def get(self, key: str, target: torch.Tensor) -> bool:
-        if self.fail_gets:
-            raise OSError("injected L3 read failure")
-        return super().get(key, target)
+        return super().read(batch)

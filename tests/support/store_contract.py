@@ -22,7 +22,7 @@ import torch
 
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3.base import StorageBackend, StorageConfig, StorageStats
+from hicache.tiers.l3.base import ReadBatch, StorageBackend, StorageConfig, StorageStats, WriteBatch
 
 GEOM = PoolGeometry(num_slots=8, num_layers=3, blocks_per_page=2, block_bytes=1024)
 NS = KeyNamespace("tiny", "float32", "cpu:NHD", 64, 2)
@@ -62,17 +62,17 @@ def check_round_trip(a: StorageBackend, b: StorageBackend, seed: int) -> Storage
     Returns ``b``'s counters over the exists and the read."""
     a0, b0 = a.stats(), b.stats()
     ks = keys(5, seed=seed)
-    assert a.batch_set_v1(ks, [0, 1, 2, 3, 4]) == [True] * 5
+    assert a.write(WriteBatch(ks, [0, 1, 2, 3, 4])) == [True] * 5
     assert delta(a, a0).set_pages == 5 and delta(a, a0).bytes_written == 5 * GEOM.page_bytes
-    assert b.batch_exists(ks) == 5
-    assert b.batch_get_v1(ks, [7, 6, 5, 4, 3]) == [True] * 5
+    assert b.exists_prefix(ks) == 5
+    assert b.read(ReadBatch(ks, [7, 6, 5, 4, 3])) == [True] * 5
     for s, d in zip([0, 1, 2, 3, 4], [7, 6, 5, 4, 3], strict=True):
         assert torch.equal(pool_of(a).canonical[s], pool_of(b).canonical[d])
     st = delta(b, b0)
     assert (st.get_hits, st.get_misses, st.corrupt_pages) == (5, 0, 0)
     assert st.bytes_read == 5 * GEOM.page_bytes
     # a missing page is a plain miss, the others in the batch still load
-    assert b.batch_get_v1([ks[0], keys(1, seed=99_999)[0]], [0, 1]) == [True, False]
+    assert b.read(ReadBatch([ks[0], keys(1, seed=99_999)[0]], [0, 1])) == [True, False]
     assert delta(b, b0).get_misses == 1 and delta(b, b0).corrupt_pages == 0
     return st
 
@@ -82,18 +82,18 @@ def check_exists_and_dedup(backend: StorageBackend, other: StorageBackend,
     """Consecutive exists; a set skips what exists, in the same instance and in another
     one on the same store. Returns the five keys (the first four stored)."""
     ks = keys(5, seed=seed)
-    assert backend.batch_exists([]) == 0
-    assert backend.batch_set_v1([ks[0], ks[1], ks[3]], [0, 1, 3]) == [True] * 3
-    assert backend.batch_exists(ks) == 2
-    assert backend.batch_exists(ks[3:]) == 1
-    assert backend.batch_exists(ks[2:]) == 0
+    assert backend.exists_prefix([]) == 0
+    assert backend.write(WriteBatch([ks[0], ks[1], ks[3]], [0, 1, 3])) == [True] * 3
+    assert backend.exists_prefix(ks) == 2
+    assert backend.exists_prefix(ks[3:]) == 1
+    assert backend.exists_prefix(ks[2:]) == 0
     before = backend.stats()
-    assert backend.batch_set_v1([ks[0], ks[2]], [5, 2]) == [True, True]
+    assert backend.write(WriteBatch([ks[0], ks[2]], [5, 2])) == [True, True]
     assert delta(backend, before).set_skipped_existing == 1
     assert delta(backend, before).set_pages == 1
     # another instance (another engine's rank 0) dedups against the same store
     before = other.stats()
-    assert other.batch_set_v1(ks[:4], [0, 1, 2, 3]) == [True] * 4
+    assert other.write(WriteBatch(ks[:4], [0, 1, 2, 3])) == [True] * 4
     assert delta(other, before).set_skipped_existing == 4 and delta(other, before).set_pages == 0
     return ks
 
@@ -101,15 +101,15 @@ def check_exists_and_dedup(backend: StorageBackend, other: StorageBackend,
 _READER = textwrap.dedent("""
     import json, sys, xxhash
     from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-    from hicache.tiers.l3.base import StorageConfig
+    from hicache.tiers.l3.base import ReadBatch, StorageConfig
     from hicache.tiers.l3.factory import create_backend
     args = json.loads(sys.argv[1])
     b = create_backend(args["backend"], StorageConfig(**args["config"]))
     pool = HostPagePool(PoolGeometry(**args["geom"]), layout="page_first_direct",
                         pin_memory=False)
     b.register_host_pool(pool)
-    n = b.batch_exists(args["keys"])
-    ok = b.batch_get_v1(args["keys"], list(range(len(args["keys"]))))
+    n = b.exists_prefix(args["keys"])
+    ok = b.read(ReadBatch(args["keys"], list(range(len(args["keys"])))))
     digests = [xxhash.xxh3_64_hexdigest(pool.read_page(i).numpy().tobytes()) if o else None
                for i, o in enumerate(ok)]
     print(json.dumps({"exists": n, "ok": ok, "digests": digests}))
@@ -124,7 +124,7 @@ def read_in_another_process(writer: StorageBackend, backend_name: str, extra: di
     import xxhash
 
     ks = keys(4, seed=4000)
-    assert writer.batch_set_v1(ks, [4, 5, 6, 7]) == [True] * 4
+    assert writer.write(WriteBatch(ks, [4, 5, 6, 7])) == [True] * 4
     cfg = config(extra, layout="page_first_direct")
     args: dict[str, Any] = {
         "backend": backend_name,

@@ -312,7 +312,7 @@ class SchedulerAdmin:
         l3_pages = 0
         if storage is not None and keys:
             try:  # through span objects and page objects (tiers/index/spans.py)
-                l3_pages = spans.run_in_store(storage.batch_exists, keys, 0, len(keys))
+                l3_pages = spans.run_in_store(storage.exists_prefix, keys, 0, len(keys))
             except Exception:  # noqa: BLE001 - a failing store holds nothing we can load
                 l3_pages = 0
         with self._lock:
@@ -346,7 +346,7 @@ class SchedulerAdmin:
             raise Conflict("no L3 storage backend is attached")
         try:  # outside the lock: a slow store must not stall the engine; through span
             # objects and page objects, as lookups count (tiers/index/spans.py)
-            in_l3 = spans.run_in_store(storage.batch_exists, keys, 0, len(keys)) if keys else 0
+            in_l3 = spans.run_in_store(storage.exists_prefix, keys, 0, len(keys)) if keys else 0
         except Exception as exc:  # noqa: BLE001 - a failing store holds nothing to read
             raise Conflict(f"the L3 store could not be asked: {exc}") from exc
         try:
@@ -433,7 +433,7 @@ class SchedulerAdmin:
                         storage.clear()
                         counts["l3_pages"] = -1  # all; the store does not count
                     else:
-                        counts["l3_pages"] = storage.batch_delete(
+                        counts["l3_pages"] = storage.delete(
                             [k.hex() for k in l3_op.keys])
                 except NotImplementedError as exc:
                     raise BadRequest(f"L3 backend {self.storage_name!r} cannot flush a "

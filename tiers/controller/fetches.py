@@ -7,7 +7,7 @@ Contract:
   objects: a page inside one is readable only by requests sharing that whole
   span, which the tree, indexed page by page, cannot tell, so the store is
   asked for the whole run. Only the pages after those are
-  asked of the store (its ``batch_exists``, as SGLang asks before every
+  asked of the store (its ``exists_prefix``, as SGLang asks before every
   prefetch), and what it finds enters the tree. With ``probes`` (the
   connector's setting) and a store whose lookups may run concurrently, the
   question runs in the background (tiers/controller/probes.py) and
@@ -63,7 +63,7 @@ from hicache.tiers.index.spans import SpanLayout
 logger = logging.getLogger(__name__)
 
 # How far back from the end of an L3 run of bodies a lookup asks for a page
-# held whole (a Mamba checkpoint): one batch_exists call each.
+# held whole (a Mamba checkpoint): one exists_prefix call each.
 CHECKPOINT_PROBES = 4
 # Ended prefetches whose page counts are kept (L3Fetches.ended).
 ENDED_KEPT = 4096
@@ -73,15 +73,21 @@ class L3Store(Protocol):
     """The scheduler's view of L3 (a ``StorageBackend`` or ``RankShards``). The
     scheduler only looks pages up; the admin flushes and swaps it."""
 
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` (hex page keys) the store holds."""
         ...
 
-    def batch_delete(self, keys: list[str]) -> int: ...
+    def delete(self, keys: Sequence[str]) -> int: ...
 
     def clear(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def can(storage: object, capability: str) -> bool:
+    """Whether ``storage`` (an ``L3Store``, or None) has ``capability``, a field of
+    tiers/l3/base.py ``Capabilities`` (read by name: the planner imports no torch)."""
+    return bool(getattr(getattr(storage, "capabilities", None), capability, False))
 
 
 @dataclass
@@ -172,7 +178,7 @@ class L3Fetches:
             self._stats.l3_lookups_from_tree += 1
             found = known
         elif (self.probes is not None and not checkpoints
-                and getattr(self.storage, "concurrent_lookups", False)):
+                and can(self.storage, "concurrent_lookups")):
             started = self.probes.started
             answer = self.probes.result(req_id, run[known:], self.storage,
                                         self._span_count(keys, start + known, end), wait)
@@ -201,7 +207,7 @@ class L3Fetches:
         storage, spans = self.storage, self.l2.spans
         if storage is None or not spans.enabled or self.l2.groups.has_state:
             return None
-        return lambda: spans.run_in_store(storage.batch_exists, keys, start, end)
+        return lambda: spans.run_in_store(storage.exists_prefix, keys, start, end)
 
     def _ask(self, run: Sequence[PageKey], checkpoints: bool,
              count: Callable[[], int] | None = None) -> int:
@@ -212,7 +218,7 @@ class L3Fetches:
             if count is not None:
                 return count()
             wanted = [body_key(k) if checkpoints else k for k in run]
-            found = self.storage.batch_exists([k.hex() for k in wanted])  # type: ignore[union-attr]
+            found = self.storage.exists_prefix([k.hex() for k in wanted])  # type: ignore[union-attr]
             if checkpoints:
                 found = self._last_checkpoint(run, min(found, self._room()))
             return int(found)
@@ -225,7 +231,7 @@ class L3Fetches:
         """The longest run of the first ``found`` pages whose last page L3 holds whole."""
         assert self.storage is not None
         for end in range(found, max(found - CHECKPOINT_PROBES, 0), -1):
-            if self.storage.batch_exists([keys[end - 1].hex()]):
+            if self.storage.exists_prefix([keys[end - 1].hex()]):
                 return end
         return 0
 

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from hicache.tiers.controller.fetches import L3Fetches
+from hicache.tiers.controller.fetches import L3Fetches, can
 from hicache.tiers.controller.requests import RequestTable, SchedulerRequest
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey
@@ -100,7 +100,7 @@ class ArrivalPrefetches:
         f = self.fetches
         return (f.probes is not None and f.storage is not None
                 and not f.l2.groups.has_state
-                and bool(getattr(f.storage, "concurrent_lookups", False)))
+                and can(f.storage, "concurrent_lookups"))
 
     def reserved_pages(self) -> int:
         """Pages of L2 that prefetches hold: in flight, or arrived and kept for

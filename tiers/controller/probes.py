@@ -2,7 +2,7 @@
 
 Contract:
 - ``L3Probes.result(req_id, keys, store)`` answers how many leading ``keys``
-  ``store`` holds (its ``batch_exists``), as ``(found, failed)``, or None
+  ``store`` holds (its ``exists_prefix``), as ``(found, failed)``, or None
   while that is not known yet. The first call for a request starts a probe
   on a small thread pool. The first call with ``wait`` (the lookup at
   admission; an arrival passes ``wait=False``) waits at most ``fast_wait_s``
@@ -19,7 +19,7 @@ Contract:
   a request vLLM cannot admit yet is not looked up again at every step.
 - A store that raises is a miss: ``(0, True)``, logged.
 - ``forget(req_id)`` drops a request's probe (finished or aborted);
-  ``close()`` stops the pool. Only stores whose ``concurrent_lookups`` is
+  ``close()`` stops the pool. Only stores whose ``capabilities.concurrent_lookups`` is
   true are probed here (tiers/l3/base.py); the caller looks others up inline.
 """
 
@@ -70,7 +70,7 @@ class L3Probes:
     def result(self, req_id: str, keys: Sequence[PageKey], store: object,
                ask: Callable[[], int] | None = None, wait: bool = True,
                ) -> tuple[int, bool] | None:
-        """``ask``: how the run is counted (default: ``store.batch_exists`` of
+        """``ask``: how the run is counted (default: ``store.exists_prefix`` of
         ``keys``), e.g. through span objects (tiers/index/spans.py). ``wait``
         False: the probe is not waited for at all (a request's arrival: its
         answer is needed only when vLLM tries to admit it, which waits once)."""
@@ -80,7 +80,7 @@ class L3Probes:
             self.forget(req_id)
             if ask is None:
                 hex_keys = [k.hex() for k in keys]
-                future = self._pool.submit(store.batch_exists, hex_keys)  # type: ignore[attr-defined]
+                future = self._pool.submit(store.exists_prefix, hex_keys)  # type: ignore[attr-defined]
             else:
                 future = self._pool.submit(ask)
             probe = self._probes[req_id] = _Probe(list(keys), store, future)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.tiers.controller.catch_up import DEFAULT_MAX_IN_FLIGHT, L3CatchUp
 from hicache.tiers.controller.events import PageEvent, PageEvents
-from hicache.tiers.controller.fetches import L3Fetches, L3Store
+from hicache.tiers.controller.fetches import L3Fetches, L3Store, can
 from hicache.tiers.controller.flush import Flusher, PrefixHasher, StandInPrefixHasher
 from hicache.tiers.controller.hints import HINTS_KEY
 from hicache.tiers.controller.l2_manager import L2Manager
@@ -292,7 +292,7 @@ class HiCacheScheduler:
     @storage.setter
     def storage(self, storage: L3Store | None) -> None:
         self.fetches.storage = storage
-        spans = getattr(storage, "supports_spans", False)
+        spans = can(storage, "spans")
         self.l2.spans = SpanLayout(self._span_pages if spans else 1)
 
     @property

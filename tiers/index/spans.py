@@ -107,10 +107,10 @@ class SpanLayout:
         """Whether page ``position`` is the last page of its span."""
         return self.pages > 1 and (position + 1) % self.pages == 0
 
-    def run_in_store(self, batch_exists: Callable[[list[str]], int], keys: Sequence[bytes],
+    def run_in_store(self, exists_prefix: Callable[[list[str]], int], keys: Sequence[bytes],
                      start: int, end: int) -> int:
         """How many pages of ``keys[start:end]`` the store holds consecutively, in span
-        objects or page objects. ``batch_exists`` answers for hex keys (how many lead).
+        objects or page objects. ``exists_prefix`` answers for hex keys (how many lead).
         Asks span objects for the spans from ``start`` on, then page objects where a
         span object is missing, and so on: two questions per span stored page by page,
         one for a run of span objects."""
@@ -121,7 +121,7 @@ class SpanLayout:
             if span != missing_span and self.has_span(keys, pos):
                 objects = objects if objects is not None else self.object_keys(keys)
                 spans = objects[span:(end - 1) // self.pages + 1]
-                found = batch_exists([k.hex() for k in spans])
+                found = exists_prefix([k.hex() for k in spans])
                 if found:
                     pos = (span + found) * self.pages
                 if found < len(spans):
@@ -129,7 +129,7 @@ class SpanLayout:
                 continue
             # Page objects up to the next span boundary (or the end).
             stop = end if self.pages <= 1 else min(end, pos - pos % self.pages + self.pages)
-            found = batch_exists([bytes(k).hex() for k in keys[pos:stop]])
+            found = exists_prefix([bytes(k).hex() for k in keys[pos:stop]])
             pos += found
             if pos < stop:
                 break

@@ -1,43 +1,51 @@
-"""The L3 storage backend interface (SGLang ``HiCacheStorage``-compatible) and its config.
+"""The L3 storage backend contract: one narrow batch interface, its capabilities and config.
 
 Contract:
 - One backend instance per process that uses it: each worker (TP rank) has
-  one with its host pool registered (zero-copy ``batch_get_v1`` /
-  ``batch_set_v1`` address pool slots); the scheduler has one without a pool
-  and only asks ``batch_exists``. Instances in different processes, engines
-  or machines sharing one store must see each other's pages.
-- Keys passed in are page keys as 64-char hex strings (SGLang passes hash
-  strings the same way). A backend stores each page under
-  ``object_key(key)``, which appends ``StorageConfig.fingerprint``: pages of
-  another model, dtype, host byte order, page size or TP rank never alias.
+  one with its host pool registered (reads and writes address pool slots);
+  the scheduler has one without a pool and only asks ``exists_prefix``.
+  Instances in different processes, engines or machines sharing one store
+  must see each other's pages.
+- Seven verbs, all batches: ``read(ReadBatch)`` and ``write(WriteBatch)``
+  (a list of bools, one per page), ``exists_prefix(keys)`` (how many keys
+  exist consecutively from the first), ``delete(keys)`` (how many were
+  there) and ``clear()``, ``retain(keys, until)``, ``answers()`` (the
+  breaker's probe) and ``close()``. What a backend can do beyond them is one
+  frozen ``Capabilities`` record, ``capabilities``, set by its constructor.
+- Keys are page keys as 64-char hex strings (SGLang passes hash strings the
+  same way). A backend stores each page under ``object_key(key)``, which
+  appends ``StorageConfig.fingerprint``: pages of another model, dtype, host
+  byte order, page size or TP rank never alias.
 - Every stored page carries the header of ``integrity.py`` and every read
   verifies it: a page whose key, fingerprint, length or checksum does not
   match is a miss, reported with ``report.corrupt`` (and removed or
   quarantined where the backend can). A read never returns True for bytes
   it has not verified.
-- ``batch_exists`` returns how many keys exist consecutively from the start.
-  Existence is a hint (a page may vanish before it is read); reads decide.
-- Writes skip keys that already exist (cross-instance dedup). A successful
-  ``set`` is not proof of residency (stores may evict).
-- Methods never raise for an unavailable or failing store: they return
-  False / 0 and report the failure (``report.failed``; ``down=True`` when the
-  store stopped answering). Counters, the breaker and the never-raise rule for
-  backends that do raise live in the guard every backend runs behind
-  (tiers/l3/guard.py, tiers/l3/report.py); a backend keeps none. A backend
-  whose store can go away offers ``answers()``, the breaker's probe.
-  ``__init__`` raises ``StorageConfigError``
-  for bad configuration (message names the key and the allowed values) and
+- Existence is a hint (a page may vanish before it is read); reads decide.
+  Writes skip keys that already exist (cross-instance dedup, reported with
+  ``report.skipped``). A successful write is not proof of residency.
+- A backend may raise for a failing store; every backend runs behind its
+  guard (tiers/l3/guard.py), the one place that turns such an exception into
+  a miss, counts the calls and runs the breaker. A backend keeps no
+  counters; it tells its guard what the results do not say on ``report``
+  (tiers/l3/report.py). ``__init__`` raises ``StorageConfigError`` for bad
+  configuration (the message names the key and the allowed values) and
   ``StorageUnavailable`` when the store cannot be reached at start. A
   backend's extra config is a ``Settings`` model next to it, read with
   ``validate_extra``.
-- Span objects (optional, ``supports_spans``): a run of pages in one object
-  under a span key (tiers/index/spans.py), each page's record verified on
-  its own; existence and deletion of a span object go through the same
-  ``batch_exists`` / ``delete`` as pages (a span key is a key).
-- ``retain(keys, until)`` asks a backend to keep pages ahead of its own
-  eviction until a deadline; a backend that cannot returns 0 (the default).
-- Thread-safety: a worker calls one backend from one I/O thread; the
-  scheduler from its own thread. Backends need not be re-entrant.
+- Span objects (``capabilities.spans``): a run of pages in one object under a
+  span key (tiers/index/spans.py), each page's record verified on its own. A
+  batch with ``spans`` reads or writes every page through its span object;
+  existence and deletion of a span object go through ``exists_prefix`` and
+  ``delete`` like a page's (a span key is a key).
+- Thread-safety: a worker calls one backend from its I/O thread (and, where
+  ``capabilities.concurrent_io``, from a few fetch helpers at once); the
+  scheduler from its own thread (several at once where
+  ``capabilities.concurrent_lookups``). Backends need not be re-entrant
+  otherwise.
+- A class written to SGLang's ``HiCacheStorage`` interface (``get``, ``set``,
+  ``exists``...) is not a backend; the ``dynamic`` loader wraps it
+  (tiers/l3/sglang_compat.py).
 """
 
 from __future__ import annotations
@@ -45,9 +53,9 @@ from __future__ import annotations
 import functools
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -151,72 +159,83 @@ class StorageStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond the seven verbs (all False: a plain page store)."""
+
+    # ``exists_prefix`` may run on several threads at once, beside the worker's reads
+    # and writes: the scheduler then looks pages up in the background
+    # (tiers/controller/probes.py). False keeps lookups on vLLM's scheduling thread.
+    concurrent_lookups: bool = False
+    # several ``read`` calls may run at once (into distinct slots): the worker then
+    # reads fetches on a few threads (tiers/worker/l3_io.py ``FETCH_THREADS``).
+    concurrent_io: bool = False
+    # runs of pages as one object (``ReadBatch.spans`` / ``WriteBatch.spans``): the
+    # scheduler then plans span objects of the ``object_mib`` setting.
+    spans: bool = False
+    # ``read`` honours ``ReadBatch.deadline`` page by page: the worker then hands
+    # over large batches, one GIL hand-off each, without losing the fetch's deadline.
+    timed: bool = False
+    # ``write`` takes the checksums the store path left with the pool's slots
+    # (host_pool.py ``checksums_of``) instead of a pass of its own: the worker then
+    # computes them on its copy thread right after each store.
+    pool_checksums: bool = False
+    # ``answers()`` tells whether the store answers now: the guard runs a breaker with
+    # it as the probe. False: no probe, the guard calls the backend every time.
+    probe: bool = False
+
+
+@dataclass(frozen=True)
+class ReadBatch:
+    """Pages to read into pool slots: ``keys[i]`` into ``slots[i]``."""
+
+    keys: Sequence[str]
+    slots: Sequence[int]
+    # each page's place in its span object (only where ``capabilities.spans``)
+    spans: Sequence[SpanRef] | None = None
+    # ``time.monotonic()`` seconds after which no page is started: those pages are
+    # False, neither hits nor misses (page by page where ``capabilities.timed``; the
+    # guard checks it once before the call otherwise)
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        _same_length(self.keys, self.slots, self.spans)
+
+
+@dataclass(frozen=True)
+class WriteBatch:
+    """Pages to store from pool slots: ``slots[i]`` under ``keys[i]``."""
+
+    keys: Sequence[str]
+    slots: Sequence[int]
+    # span objects to store the pages as (only where ``capabilities.spans``): the pages
+    # of one object come in order, all of them; a page left False is stored by the
+    # caller as a page object (not a failure)
+    spans: Sequence[SpanRef] | None = None
+
+    def __post_init__(self) -> None:
+        _same_length(self.keys, self.slots, self.spans)
+
+
+def _same_length(keys: Sequence[str], slots: Sequence[int],
+                 spans: Sequence[SpanRef] | None) -> None:
+    if len(keys) != len(slots) or (spans is not None and len(spans) != len(keys)):
+        raise ValueError(f"a batch needs one slot (and span) per key: {len(keys)} keys, "
+                         f"{len(slots)} slots, {'no' if spans is None else len(spans)} spans")
+
+
 class StorageBackend(ABC):
-    """Base class of every L3 backend; subclasses implement get / set / exists."""
-
-    # True when ``batch_exists`` may run on several threads at once, beside the
-    # worker's reads and writes: the scheduler then looks pages up in the
-    # background (tiers/controller/probes.py). False keeps lookups on vLLM's
-    # scheduling thread, one at a time.
-    concurrent_lookups: ClassVar[bool] = False
-    # True when several ``batch_get_v1`` calls may run at once (into distinct
-    # slots): the worker then reads fetches on a few threads
-    # (tiers/worker/l3_io.py ``FETCH_THREADS``). False: one at a time.
-    concurrent_io: ClassVar[bool] = False
-    # True when ``batch_set_v1`` takes the checksums the store path left with the
-    # pool's slots (host_pool.py ``checksums_of``) instead of a pass of its own:
-    # the worker then computes them on its copy thread right after each store.
-    # False where the write hashes as it copies anyway (the file batch path).
-    uses_pool_checksums: ClassVar[bool] = False
-
-    @property
-    def supports_spans(self) -> bool:
-        """True when the backend stores runs of pages as one object (``batch_set_spans``
-        / ``batch_get_spans``; tiers/index/spans.py): the scheduler then plans span
-        objects of the ``object_mib`` setting. False (the default, and any third-party
-        backend): one object per page."""
-        return False
-
-    def batch_set_spans(self, keys: list[str], host_slots: list[int],
-                        spans: list[SpanRef]) -> list[bool]:
-        """Store pages from pool slots as span objects: ``spans[i]`` is page ``i``'s
-        place; the pages of one object come in order, all of them (index 0 to count
-        - 1). Each page's record carries its own header (key, fingerprint, checksum).
-        An object that exists already is kept (True). False per page not stored (the
-        caller stores those as page objects). Only called where ``supports_spans``."""
-        raise NotImplementedError
-
-    def batch_get_spans(self, keys: list[str], host_slots: list[int], spans: list[SpanRef],
-                        deadline: float | None = None) -> list[bool]:
-        """Read pages from their span objects into pool slots, each record verified on
-        its own: a bad record is a miss for its page only (counted corrupt), a missing
-        object a plain miss. ``deadline`` as ``batch_get_until``. Only called where
-        ``supports_spans``."""
-        raise NotImplementedError
-
-    @property
-    def timed_batches(self) -> bool:
-        """True when the backend has ``batch_get_until(keys, host_slots, deadline)``:
-        ``batch_get_v1`` that starts no page once ``deadline`` (``time.monotonic()``
-        seconds) has passed (those pages are False, not misses). The worker then hands
-        over large batches, one GIL hand-off each, without losing the fetch's deadline
-        (tiers/worker/l3_io.py). Backends whose batches run without the GIL offer it
-        (file: tiers/l3/native_io.py)."""
-        return False
-
-    def batch_get_until(self, keys: list[str], host_slots: list[int],
-                        deadline: float | None) -> list[bool]:
-        """See ``timed_batches``; only called where that is True."""
-        raise NotImplementedError
+    """Base class of every L3 backend: ``read``, ``write`` and ``exists_prefix`` to write."""
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
+        self.capabilities = Capabilities()
         self.pool: HostPagePool | None = None
         # what this backend tells its guard (tiers/l3/guard.py binds it); detached,
         # it keeps nothing
         self.report = Report()
 
-    # ---- keys ---------------------------------------------------------------
+    # ---- keys and the host pool ---------------------------------------------------------
 
     def object_key(self, key: str) -> str:
         """Name of ``key``'s page object in the store."""
@@ -225,8 +244,6 @@ class StorageBackend(ABC):
     @staticmethod
     def page_key_bytes(key: str) -> bytes:
         return bytes.fromhex(key)
-
-    # ---- host pool ----------------------------------------------------------
 
     def register_host_pool(self, pool: HostPagePool) -> None:
         """Zero-copy backends register the pool's buffer with their transport here."""
@@ -239,104 +256,56 @@ class StorageBackend(ABC):
 
     def _require_pool(self) -> HostPagePool:
         if self.pool is None:
-            raise RuntimeError("batch_get_v1/batch_set_v1 need register_host_pool first")
+            raise RuntimeError("read/write need register_host_pool first")
         return self.pool
 
-    # ---- single pages (SGLang: get / set / exists) ---------------------------
-
-    @abstractmethod
-    def get(self, key: str, target: torch.Tensor) -> bool:
-        """Read page ``key`` into ``target`` (1-D uint8 CPU tensor of page_bytes), verified."""
-
-    @abstractmethod
-    def set(self, key: str, value: torch.Tensor) -> bool:
-        """Store ``value`` (1-D uint8 CPU tensor of page_bytes) as page ``key``."""
-
-    @abstractmethod
-    def exists(self, key: str) -> bool:
-        """Whether page ``key`` is (probably) stored."""
-
-    # ---- batches --------------------------------------------------------------
-
-    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
-        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
-
-    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
-        return [self.set(k, v) for k, v in zip(keys, values, strict=True)]
-
-    def batch_exists(self, keys: list[str]) -> int:
-        """Number of keys that exist consecutively from the first."""
-        for i, key in enumerate(keys):
-            if not self.exists(key):
-                return i
-        return len(keys)
-
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
-        """Read pages straight into host pool slots; False per page not loaded.
-
-        Default: through ``get`` on the slot's contiguous page view, or a
-        staging page for layouts whose slots are not contiguous.
-        """
+    def _read_staged(self, keys: Sequence[str], slots: Sequence[int], staging: torch.Tensor,
+                     read_one: Callable[[str], bool]) -> list[bool]:
+        """Pools whose slots are not contiguous (``layer_first``): each page read into
+        ``staging`` by ``read_one(key)``, then copied into its slot."""
         pool = self._require_pool()
         results = []
-        for key, slot in zip(keys, host_slots, strict=True):
-            view = pool.page_view(slot)
-            if view is not None:
-                results.append(self.get(key, view))
-                continue
-            staging = torch.empty(pool.geometry.page_bytes, dtype=torch.uint8)
-            ok = self.get(key, staging)
+        for key, slot in zip(keys, slots, strict=True):
+            ok = read_one(key)
             if ok:
                 pool.write_page(slot, staging)
             results.append(ok)
         return results
 
-    def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
-        """Store pages straight from host pool slots; False per page not stored."""
-        pool = self._require_pool()
-        values = [pool.read_page(slot) for slot in host_slots]
-        return self.batch_set(keys, values)
+    # ---- the verbs ----------------------------------------------------------------------
 
-    # ---- maintenance ----------------------------------------------------------
+    @abstractmethod
+    def read(self, batch: ReadBatch) -> list[bool]:
+        """Read and verify pages into pool slots; False per page not loaded."""
 
-    def delete(self, key: str) -> bool:
-        """Remove page ``key`` (this rank's object); True if it was there.
+    @abstractmethod
+    def write(self, batch: WriteBatch) -> list[bool]:
+        """Store pages from pool slots (a page that exists already is kept: True);
+        False per page not stored."""
 
-        Used to flush a prefix. Not part of SGLang's interface: a third-party
-        backend without it makes prefix flushes of L3 fail with a clear error.
-        """
+    @abstractmethod
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """Number of keys that exist consecutively from the first."""
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove these pages (this rank's objects); how many were there. Used to flush a
+        prefix; a backend without it makes prefix flushes of L3 fail with a clear error."""
         raise NotImplementedError(f"{type(self).__name__} cannot delete single pages")
 
-    def batch_delete(self, keys: list[str]) -> int:
-        """Remove these pages; returns how many were there."""
-        return sum(1 for key in keys if self.delete(key))
+    def clear(self) -> None:
+        """Remove every page this backend can see (all namespaces it owns)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot clear its store")
 
-    def retain(self, keys: list[str], until: float) -> int:
+    def retain(self, keys: Sequence[str], until: float) -> int:
         """Keep these pages (stored now or later) ahead of this backend's own eviction
         until ``until`` (seconds since the epoch; 0 ends it); how many it took on. A
         request's ``retain_s`` and the admin's pins reach L3 this way. Default: 0, the
         backend keeps nothing on request (Mooncake, NIXL, LMCache evict on their own)."""
         return 0
 
-    def clear(self) -> None:
-        """Remove every page this backend can see (all namespaces it owns)."""
-        return None
-
-    def stats(self) -> StorageStats:
-        """This instance's counters: kept by the guard (``GuardedBackend.stats``); a
-        backend used without one has none (all zero)."""
-        return StorageStats()
-
-    @property
-    def reachable(self) -> bool:
-        """False while calls fail fast: the guard's breaker is open
-        (``GuardedBackend.reachable``); a backend used without one has no breaker."""
-        return True
-
     def answers(self) -> bool:
-        """Whether the store answers now: the guard's breaker probe, called every half
-        second while the breaker is open. Override it where a store can go away (the
-        default, kept, means "no probe": the guard then calls the backend every time)."""
+        """Whether the store answers now: the breaker's probe where
+        ``capabilities.probe``, called every half second while the breaker is open."""
         return True
 
     def close(self) -> None:

@@ -2,14 +2,16 @@
 
 Contract: ``create_backend(name, config)`` imports the backend lazily (so a
 missing optional dependency only matters to whoever selects it) and returns
-a ``StorageBackend`` behind its guard (tiers/l3/guard.py: counters, breaker,
-never raising), whichever backend it is. ``StorageBackendName`` is the one list of names (the
+it behind its guard (a ``GuardedBackend``, tiers/l3/guard.py: counters,
+breaker, never raising), whichever backend it is. ``StorageBackendName`` is the one list of names (the
 connector config's ``hicache_storage_backend`` accepts exactly these).
 ``dynamic`` loads a third-party class as SGLang does: ``extra_config``
 names ``module_path`` and ``class_name`` (``backend_name`` and
-``interface_v1`` optional; see ``DynamicLoaderConfig``); the class must
-subclass ``StorageBackend`` and is built as ``cls(config)`` with the loader
-keys removed from ``extra_config`` and every other key passed through.
+``interface_v1`` optional; see ``DynamicLoaderConfig``), with the loader
+keys removed from ``extra_config`` and every other key passed through. A
+``StorageBackend`` subclass is built as ``cls(config)``; a class written to
+SGLang's ``HiCacheStorage`` interface (``get``, ``set``, ``exists``) as SGLang
+builds it, behind tiers/l3/sglang_compat.py's adapter.
 Errors are ``StorageConfigError`` naming the key and the allowed values.
 """
 
@@ -28,7 +30,8 @@ from hicache.tiers.l3.base import (
     StorageConfigError,
     validate_extra,
 )
-from hicache.tiers.l3.guard import guarded
+from hicache.tiers.l3.guard import GuardedBackend, guarded
+from hicache.tiers.l3.sglang_compat import SGLANG_METHODS, SGLangStorage, is_sglang_storage
 from hicache.tiers.settings import Settings
 
 StorageBackendName = Literal["file", "mooncake", "nixl", "lmcache", "dynamic"]
@@ -47,17 +50,19 @@ class DynamicLoaderConfig(Settings):
     model_config = ConfigDict(extra="allow")
 
     module_path: str = Field(min_length=1, description="importable module holding the class")
-    class_name: str = Field(min_length=1, description="a StorageBackend subclass in module_path")
+    class_name: str = Field(
+        min_length=1, description="in module_path: a StorageBackend subclass, or a class "
+        "with SGLang's HiCacheStorage methods (get, set, exists)")
     backend_name: str | None = Field(None, description="a name for logs (SGLang's key)")
     interface_v1: bool | int | None = Field(
-        None, description="SGLang's flag for batch_get_v1/batch_set_v1; every HiCache "
-        "backend has them")
+        None, description="SGLang's flag for its zero-copy batch calls; accepted and "
+        "ignored (HiCache backends always read into pool slots)")
 
 
 LOADER_KEYS: tuple[str, ...] = tuple(DynamicLoaderConfig.model_fields)
 
 
-def create_backend(name: str, config: StorageConfig) -> StorageBackend:
+def create_backend(name: str, config: StorageConfig) -> GuardedBackend:
     if name == "dynamic":
         return _dynamic(config)
     if name not in BACKENDS:
@@ -70,7 +75,7 @@ def create_backend(name: str, config: StorageConfig) -> StorageBackend:
     return guarded(cls(config))
 
 
-def _dynamic(config: StorageConfig) -> StorageBackend:
+def _dynamic(config: StorageConfig) -> GuardedBackend:
     loader = validate_extra(config.extra_config, DynamicLoaderConfig, "dynamic")
     try:
         module = importlib.import_module(loader.module_path)
@@ -80,10 +85,13 @@ def _dynamic(config: StorageConfig) -> StorageBackend:
             f"cannot be imported: {exc}"
         ) from exc
     cls = getattr(module, loader.class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-        raise StorageConfigError(
-            f"{EXTRA_CONFIG}.class_name={loader.class_name!r} is not "
-            f"a StorageBackend subclass in {loader.module_path!r}"
-        )
-    return guarded(cls(dataclasses.replace(config,
-                                           extra_config=dict(loader.model_extra or {}))))
+    config = dataclasses.replace(config, extra_config=dict(loader.model_extra or {}))
+    if isinstance(cls, type) and issubclass(cls, StorageBackend):
+        return guarded(cls(config))
+    if isinstance(cls, type) and is_sglang_storage(cls):
+        return guarded(SGLangStorage.build(cls, config))
+    raise StorageConfigError(
+        f"{EXTRA_CONFIG}.class_name={loader.class_name!r} is neither a StorageBackend "
+        f"subclass nor a class with SGLang's HiCacheStorage methods "
+        f"{list(SGLANG_METHODS)} in {loader.module_path!r}"
+    )

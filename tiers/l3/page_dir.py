@@ -21,8 +21,6 @@ Contract:
 - ``page_files()`` lists every page file of this ``ext`` (the fan-out, and flat
   ``pages/*<ext>`` of earlier layouts); ``clear()`` removes them and the
   quarantined files.
-- ``adopt_flat(pattern)`` moves page files of an earlier flat layout (directly
-  under ``root``, names matching ``pattern``) into the fan-out; how many moved.
 - Thread-safe: every method is a few syscalls on paths; the set of made
   sub-directories only grows.
 """
@@ -32,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -133,25 +130,6 @@ class PageDirectory:
             if entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
-
-    def adopt_flat(self, pattern: re.Pattern[str]) -> int:
-        """Move ``root/<name>`` files whose name matches ``pattern`` (an earlier flat
-        layout; group 1 is the page key) to their place in the fan-out."""
-        moved = 0
-        with os.scandir(self.root) as entries:
-            for entry in entries:
-                m = pattern.fullmatch(entry.name)
-                if m is None or not entry.is_file(follow_symlinks=False):
-                    continue
-                name = self.name(m.group(1))
-                self.make_dir(name)
-                with contextlib.suppress(FileNotFoundError):
-                    os.replace(entry.path, self.pages + name)
-                    moved += 1
-        if moved:
-            logger.info("HiCache L3: moved %d page files of the flat layout into %s", moved,
-                        self.pages_dir)
-        return moved
 
 
 def _pid_alive(pid_text: str) -> bool:

@@ -17,7 +17,7 @@ Contract:
   backend's ``answers()`` probe returns True). ``down`` is whether the breaker is
   open now, for a backend that wants to stop inside a long batch.
 - Thread-safe: per-batch tallies are kept per thread, so batches on several
-  threads (``concurrent_io``) never mix.
+  threads (``capabilities.concurrent_io``) never mix.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import logging
 from hicache.tiers.index.plans import NULL_BLOCK_ID, PagePlan, RequestFetch
 from hicache.tiers.metrics import WorkerKey as K
 from hicache.tiers.worker.copies import KVCopies
-from hicache.tiers.worker.l3_io import FetchResult
+from hicache.tiers.worker.l3_jobs import FetchResult
 from hicache.tiers.worker.outcome import StepOutcome
 from hicache.tiers.worker.stats import WorkerStats
 

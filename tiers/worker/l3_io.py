@@ -5,7 +5,7 @@ See DESIGN.md "Processes and threads".
 Contract:
 - ``submit_fetch(fetch)``: L3 pages are read into their reserved L2 slots
   in order, in batches (``BATCH_PAGES`` pages; at least ``TIMED_BATCH_BYTES``
-  for backends with ``timed_batches``, which stop at the deadline inside a
+  for backends with ``capabilities.timed``, which stop at the deadline inside a
   batch), until one fails, the fetch's deadline passes
   (``timeout_s`` from submission; None = no deadline; 0 = best effort: stop
   at the second ``poll`` after submission, i.e. after about one engine
@@ -18,13 +18,13 @@ Contract:
 - ``submit_backup(pages)``: (page key, slot, L3 key) triples just written to
   L2 are copied to L3 under the L3 key (the page key, or the key of its
   body, see tiers/index/page_keys.py ``body_key``) in the background
-  (``batch_set_v1``), after pending fetches. A fetched page is read from
+  (``write``), after pending fetches. A fetched page is read from
   its plan's ``l3_key`` when it has one.
-- Span objects (tiers/index/spans.py), where the backend ``supports_spans``:
-  a backup's pages whose span is there whole are stored as span objects
-  (``batch_set_spans``) and the rest, or what that did not store, page by
-  page; a fetch reads the pages that name a span from it
-  (``batch_get_spans``) and the others, or what the span lacked, from
+- Span objects (tiers/index/spans.py), where the backend has
+  ``capabilities.spans``: a backup's pages whose span is there whole are
+  stored as span objects (a ``WriteBatch`` with spans) and the rest, or what
+  that did not store, page by page; a fetch reads the pages that name a span
+  from it (a ``ReadBatch`` with spans) and the others, or what the span lacked, from
   their page objects. A page counts as stored and fetched either way.
   A slot must not be overwritten while its backup reads it: the worker
   calls ``release_slots`` before writing to L2 slots, which drops queued
@@ -42,10 +42,13 @@ Contract:
   ``stats.retained_pages``.
 - Fetches run first, then removals, then backups; a fetch never waits for
   the backup queue. With a backend that allows concurrent reads
-  (``concurrent_io``), up to ``FETCH_THREADS`` fetches run at once (helper
+  (``capabilities.concurrent_io``), up to ``FETCH_THREADS`` fetches run at once (helper
   threads take fetches only, each after any running backup of its slots),
   so the prefetches of many queued requests overlap their store latency.
-- Nothing raises into the engine: a backend exception fails that batch.
+- Nothing raises into the engine: the backend's guard (tiers/l3/guard.py)
+  turns a failing store into misses; a job that raises anyway (a bug on this
+  side) is logged and ends as a failed fetch (its blocks recompute) or a
+  backup that stored nothing.
 - ``wait_backups(timeout_s)``: blocks until every backup handed over is done
   (tests and shutdown-minded callers; not on the engine's path).
 - ``wait_fetches(timeout_s)``: blocks until every fetch handed over has a
@@ -57,10 +60,9 @@ Contract:
   vLLM would otherwise run its step loop back to back in Python while the
   request waits for this fetch, and a thread that keeps the GIL busy makes
   this one wait up to the interpreter's switch interval (5 ms) for the GIL
-  after every system call (docs/gpu.md has what that cost). With
-  no fetch pending it waits the same way for the backups queued or running
-  (an idle engine that steps for the L3 catch-up, tiers/controller/catch_up.py,
-  lets them write instead of spinning).
+  after every system call (docs/gpu.md). With no fetch pending it waits the
+  same way for the backups queued or running (an idle engine that steps for
+  the L3 catch-up, tiers/controller/catch_up.py).
 """
 
 from __future__ import annotations
@@ -70,75 +72,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
-from hicache.tiers.l3.base import StorageBackend
+from hicache.tiers.l3.base import ReadBatch, StorageBackend, WriteBatch
+from hicache.tiers.worker.l3_jobs import Backup, FetchResult, Job, Retention, StorageIOStats
 
 logger = logging.getLogger(__name__)
 
 BATCH_PAGES = 32
-# Backends with timed batches (``StorageBackend.timed_batches``: the batch runs
-# without the GIL and stops at the fetch's deadline itself) get batches of at least
-# this many bytes: each batch costs the thread one GIL hand-back, up to the
-# interpreter's switch interval (5 ms) beside vLLM's busy loop, which 32 pages of
-# 2 MiB (16 ms of reading here) made a third of the time (integration/bench/micro/
-# l3_fetch.py: 0.61 -> 0.77-0.87x of a native read at 64-128 MiB batches).
+# Backends with timed batches (``Capabilities.timed``: the batch runs without the GIL
+# and stops at the fetch's deadline itself) get batches of at least this many bytes:
+# each batch costs the thread one GIL hand-back beside vLLM's busy loop
+# (docs/benchmarks-l3.md, integration/bench/micro/l3_fetch.py).
 TIMED_BATCH_BYTES = 128 << 20
 # Threads that read fetches when the backend allows concurrent reads
-# (``StorageBackend.concurrent_io``): the I/O thread plus helpers.
+# (``Capabilities.concurrent_io``): the I/O thread plus helpers.
 FETCH_THREADS = 4
 # Longest an idle engine step waits for a fetch: bounds how late the engine
 # notices a new request arriving meanwhile.
 IDLE_WAIT_S = 0.005
-
-
-@dataclass
-class FetchResult:
-    req_id: str
-    fetched_pages: int
-    error_block_ids: set[int]
-    seconds: float
-    # A prefetch at arrival: L3 -> L2 only, nothing for vLLM.
-    prefetch: bool = False
-
-
-@dataclass
-class StorageIOStats:
-    fetches: int = 0
-    fetched_pages: int = 0
-    # Pages a read did not return, and pages never read (deadline passed, cancelled).
-    fetch_failed_pages: int = 0
-    fetch_late_pages: int = 0
-    fetch_deadline_misses: int = 0
-    max_fetch_seconds: float = 0.0
-    backup_pages: int = 0
-    backup_failed_pages: int = 0
-    backups_dropped: int = 0
-    deleted_pages: int = 0
-    retained_pages: int = 0
-
-
-# A queued backup: (page key, slot, L3 key, its span object or None).
-_Backup = tuple[bytes, int, bytes, SpanRef | None]
-
-
-@dataclass(frozen=True)
-class _Retention:
-    keys: list[bytes]
-    until: float
-
-
-@dataclass
-class _Job:
-    fetch: RequestFetch
-    submitted: float
-    polls: int = 0
-    cancel: bool = False
-    result: FetchResult | None = None
-    slots: set[int] = field(default_factory=set)
 
 
 class StorageIO:
@@ -156,17 +110,17 @@ class StorageIO:
         self._load_pages = load_pages
         self.stats = StorageIOStats()
         self._cv = threading.Condition()
-        self._fetch_q: deque[_Job] = deque()
-        self._backup_q: deque[list[_Backup]] = deque()
+        self._fetch_q: deque[Job] = deque()
+        self._backup_q: deque[list[Backup]] = deque()
         self._running_backup: set[int] = set()
         # Removals (keys, None = all) and retentions, in the order submitted.
-        self._removals: deque[list[bytes] | _Retention | None] = deque()
-        self._jobs: list[_Job] = []  # submitted, not yet returned by poll
+        self._removals: deque[list[bytes] | Retention | None] = deque()
+        self._jobs: list[Job] = []  # submitted, not yet returned by poll
         self._backed_up: list[bytes] = []  # L3 keys stored, not yet taken
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self._thread.start()
-        helpers = fetch_threads - 1 if backend.concurrent_io else 0
+        helpers = fetch_threads - 1 if backend.capabilities.concurrent_io else 0
         self._helpers = [threading.Thread(target=self._run_fetches, daemon=True,
                                           name=f"hicache-l3-fetch-{i}")
                          for i in range(max(0, helpers))]
@@ -176,7 +130,7 @@ class StorageIO:
     # ---- called by the worker (engine thread) ----------------------------------
 
     def submit_fetch(self, fetch: RequestFetch) -> None:
-        job = _Job(fetch, time.monotonic(), slots={p.slot for p in fetch.l3_pages})
+        job = Job(fetch, time.monotonic(), slots={p.slot for p in fetch.l3_pages})
         with self._cv:
             self._drop_backups(lambda _, s: s in job.slots)
             self._jobs.append(job)
@@ -228,7 +182,7 @@ class StorageIO:
         """L3 keys whose backups succeeded since the last call; none while a removal
         waits (what it deletes must not be reported stored after it was asked for)."""
         with self._cv:
-            if any(not isinstance(r, _Retention) for r in self._removals):
+            if any(not isinstance(r, Retention) for r in self._removals):
                 return []
             done, self._backed_up = self._backed_up, []
         return done
@@ -265,7 +219,7 @@ class StorageIO:
         in order with removals, ahead of queued backups (the backend keeps names, so
         pages backed up later are covered too)."""
         with self._cv:
-            self._removals.append(_Retention(keys, until))
+            self._removals.append(Retention(keys, until))
             self._cv.notify_all()
 
     def cancel_backups(self) -> None:
@@ -300,7 +254,7 @@ class StorageIO:
 
     def _drop_backups(self, drop: Callable[[bytes, int], bool]) -> None:
         """Remove queued (page key, slot) backups for which ``drop`` is true; caller holds _cv."""
-        kept: deque[list[_Backup]] = deque()
+        kept: deque[list[Backup]] = deque()
         for batch in self._backup_q:
             rest = [b for b in batch if not drop(b[0], b[1])]
             self.stats.backups_dropped += len(batch) - len(rest)
@@ -313,13 +267,13 @@ class StorageIO:
             with self._cv:
                 while not (self._fetch_q or self._backup_q or self._removals or self._stopping):
                     self._cv.wait()
-                removal: list[bytes] | _Retention | None | bool = False
+                removal: list[bytes] | Retention | None | bool = False
                 if self._fetch_q:
-                    job: _Job | None = self._fetch_q.popleft()
+                    job: Job | None = self._fetch_q.popleft()
                     backup = None
                 elif self._removals:
                     job, backup, removal = None, None, self._removals.popleft()
-                    if not isinstance(removal, _Retention):
+                    if not isinstance(removal, Retention):
                         # Stored before this removal, then deleted: not in L3.
                         wanted = None if removal is None else set(removal)
                         self._backed_up = [k for k in self._backed_up
@@ -331,13 +285,15 @@ class StorageIO:
                     return  # stopping, nothing left
             try:
                 if job is not None:
-                    self._fetch(job)
-                elif isinstance(removal, _Retention):
+                    self._fetch_safely(job)
+                elif isinstance(removal, Retention):
                     self._retain(removal)
                 elif removal is not False:
                     self._remove(removal)  # type: ignore[arg-type]
                 else:
                     self._backup(backup or [])
+            except Exception:  # noqa: BLE001 - a bug here never stops the thread
+                logger.exception("HiCache L3: an L3 job failed on this rank")
             finally:
                 with self._cv:
                     self._running_backup = set()
@@ -356,76 +312,59 @@ class StorageIO:
                 while self._running_backup & job.slots:
                     self._cv.wait()
             try:
-                self._fetch(job)
+                self._fetch_safely(job)
             finally:
                 with self._cv:
                     self._cv.notify_all()
 
-    def _retain(self, retention: _Retention) -> None:
-        try:
-            self.stats.retained_pages += self.backend.retain(
-                [k.hex() for k in retention.keys], retention.until)
-        except Exception:  # noqa: BLE001 - reported, never raised into the engine
-            logger.exception("HiCache L3: retention on this rank failed")
+    def _retain(self, retention: Retention) -> None:
+        self.stats.retained_pages += self.backend.retain(
+            [k.hex() for k in retention.keys], retention.until)
 
     def _remove(self, keys: list[bytes] | None) -> None:
-        try:
-            if keys is None:
-                self.backend.clear()
-            else:
-                self.stats.deleted_pages += self.backend.batch_delete([k.hex() for k in keys])
-        except Exception:  # noqa: BLE001 - reported, never raised into the engine
-            logger.exception("HiCache L3: flush on this rank failed")
+        if keys is None:
+            self.backend.clear()
+        else:
+            self.stats.deleted_pages += self.backend.delete([k.hex() for k in keys])
 
     def _batch_pages(self) -> int:
         """Pages per backend call (see ``TIMED_BATCH_BYTES``)."""
-        if not self.backend.timed_batches:
+        if not self.backend.capabilities.timed:
             return BATCH_PAGES
         return max(BATCH_PAGES, TIMED_BATCH_BYTES // max(1, self.pool.geometry.page_bytes))
 
-    def _backup(self, pages: list[_Backup]) -> None:
+    def _backup(self, pages: list[Backup]) -> None:
         per = self._batch_pages()
         # A slot may have been reused since (dropped backups cover queued ones; this
         # covers a key the worker invalidated meanwhile).
         pages = [b for b in pages if self.pool.holds(b[1], b[0])]
-        spans = self._whole(pages) if self._spans() else []
+        spans = self._whole(pages) if self.backend.capabilities.spans else []
         if spans:  # span objects first; what they did not store goes page by page
-            done = self._set(spans, [b[3] for b in spans])
+            done = self._set(spans, [b[3] for b in spans])  # type: ignore[misc]
             pages = [b for b in pages if b[3] is None or b[2] not in done]
         for i in range(0, len(pages), per):
             self._set(pages[i : i + per], None)
 
-    def _spans(self) -> bool:
-        try:
-            return bool(self.backend.supports_spans)
-        except Exception:  # noqa: BLE001 - a backend that cannot tell stores pages
-            return False
-
     @staticmethod
-    def _whole(pages: list[_Backup]) -> list[_Backup]:
+    def _whole(pages: list[Backup]) -> list[Backup]:
         """The pages of every span all of whose pages are here, each span in order."""
-        by_key: dict[bytes, dict[int, _Backup]] = {}
+        by_key: dict[bytes, dict[int, Backup]] = {}
         for b in pages:
             if b[3] is not None:
                 by_key.setdefault(b[3].key, {})[b[3].index] = b
-        out: list[_Backup] = []
+        out: list[Backup] = []
         for members in by_key.values():
             count = next(iter(members.values()))[3].count  # type: ignore[union-attr]
             if len(members) == count:
                 out.extend(members[i] for i in range(count))
         return out
 
-    def _set(self, batch: list[_Backup], spans: list[SpanRef | None] | None) -> set[bytes]:
+    def _set(self, batch: list[Backup], spans: list[SpanRef] | None) -> set[bytes]:
         """Store ``batch`` (as span objects where ``spans``); the L3 keys stored."""
         if not batch:
             return set()
-        keys, slots = [b[2].hex() for b in batch], [b[1] for b in batch]
-        try:
-            ok = (self.backend.batch_set_spans(keys, slots, spans)  # type: ignore[arg-type]
-                  if spans is not None else self.backend.batch_set_v1(keys, slots))
-        except Exception:  # noqa: BLE001 - a failing L3 never reaches the engine
-            logger.exception("HiCache L3: backup of %d pages failed", len(batch))
-            ok = [False] * len(batch)
+        ok = self.backend.write(WriteBatch([b[2].hex() for b in batch], [b[1] for b in batch],
+                                           spans))
         stored = [b[2] for b, x in zip(batch, ok, strict=True) if x]
         with self._cv:
             self._backed_up.extend(stored)
@@ -434,35 +373,46 @@ class StorageIO:
             self.stats.backup_failed_pages += len(batch) - len(stored)
         return set(stored)
 
-    def _get(self, batch: list[PagePlan], deadline: float | None, timed: bool) -> list[bool]:
+    def _get(self, batch: list[PagePlan], deadline: float | None) -> list[bool]:
         """Read ``batch`` into its slots: from span objects where the pages have one,
         then, for what those lacked, from page objects."""
         ok = [False] * len(batch)
-        try:
-            spanned = ([i for i, p in enumerate(batch) if p.span is not None]
-                       if self._spans() else [])
-            if spanned:
-                got = self.backend.batch_get_spans(
-                    [(batch[i].l3_key or batch[i].key).hex() for i in spanned],
-                    [batch[i].slot for i in spanned],
-                    [batch[i].span for i in spanned],  # type: ignore[misc]
-                    deadline)
-                for i, x in zip(spanned, got, strict=True):
-                    ok[i] = x
-            rest = [i for i, x in enumerate(ok) if not x]
-            if rest:
-                keys = [(batch[i].l3_key or batch[i].key).hex() for i in rest]
-                slots = [batch[i].slot for i in rest]
-                got = (self.backend.batch_get_until(keys, slots, deadline) if timed
-                       else self.backend.batch_get_v1(keys, slots))
-                for i, x in zip(rest, got, strict=True):
-                    ok[i] = x
-        except Exception:  # noqa: BLE001 - a failing L3 is a miss
-            logger.exception("HiCache L3: fetch of %d pages failed", len(batch))
-            return [False] * len(batch)
+        # A backend that does not stop at the deadline inside a batch gets none: this
+        # thread checks it between batches.
+        deadline = deadline if self.backend.capabilities.timed else None
+        spanned = ([i for i, p in enumerate(batch) if p.span is not None]
+                   if self.backend.capabilities.spans else [])
+        for spans in ((True, False) if spanned else (False,)):
+            todo = spanned if spans else [i for i, x in enumerate(ok) if not x]
+            if not todo:
+                continue
+            got = self.backend.read(ReadBatch(
+                [(batch[i].l3_key or batch[i].key).hex() for i in todo],
+                [batch[i].slot for i in todo],
+                [batch[i].span for i in todo] if spans else None,  # type: ignore[misc]
+                deadline))
+            for i, x in zip(todo, got, strict=True):
+                ok[i] = x
         return ok
 
-    def _fetch(self, job: _Job) -> None:
+    def _fetch_safely(self, job: Job) -> None:
+        """``_fetch``; a fetch that raised (a bug on this side) ends failed, so its
+        request recomputes instead of waiting for ever."""
+        try:
+            self._fetch(job)
+        except Exception:  # noqa: BLE001 - the request recomputes
+            logger.exception("HiCache L3: fetch of %s failed on this rank", job.fetch.req_id)
+            fetch = job.fetch
+            blocks = set(fetch.unloadable_block_ids)
+            for page in [*fetch.l2_pages, *fetch.l3_pages]:
+                blocks.update(page.block_ids)
+            with self._cv:
+                self.stats.fetches += 1
+                self.stats.fetch_failed_pages += len(fetch.l3_pages)
+                job.result = FetchResult(fetch.req_id, 0, blocks,
+                                         time.monotonic() - job.submitted, fetch.prefetch)
+
+    def _fetch(self, job: Job) -> None:
         fetch = job.fetch
         deadline = None if fetch.timeout_s is None else job.submitted + fetch.timeout_s
         errors: set[int] = set(fetch.unloadable_block_ids)
@@ -476,7 +426,6 @@ class StorageIO:
                 loadable.append(page)
         fetched = missed = 0
         pages = list(fetch.l3_pages)
-        timed = self.backend.timed_batches
         per = self._batch_pages()
         if deadline is not None and fetch.timeout_s == 0:
             deadline = None  # best effort: cancelled by poll, not by a clock
@@ -487,7 +436,7 @@ class StorageIO:
             batch = pages[fetched : fetched + per]
             for page in batch:
                 self.pool.set_key(page.slot, None)
-            ok = self._get(batch, deadline, timed)
+            ok = self._get(batch, deadline)
             n = 0
             while n < len(batch) and ok[n]:
                 self.pool.set_key(batch[n].slot, batch[n].key)
@@ -517,5 +466,4 @@ class StorageIO:
             else:
                 self.stats.fetch_failed_pages += len(pages) - fetched
             self.stats.fetch_deadline_misses += missed
-            self.stats.max_fetch_seconds = max(self.stats.max_fetch_seconds, result.seconds)
             job.result = result

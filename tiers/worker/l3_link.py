@@ -38,9 +38,11 @@ from hicache.tiers.index.commands import (
 from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import StorageBackend
+from hicache.tiers.l3.guard import GuardedBackend, guarded
 from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
-from hicache.tiers.worker.l3_io import FetchResult, StorageIO
+from hicache.tiers.worker.l3_io import StorageIO
+from hicache.tiers.worker.l3_jobs import FetchResult
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class L3Link:
         # (backend name, extra config) to build at start; None: no L3.
         self.spec = spec if builder is not None else None
         self.writer = writer
-        self.backend: StorageBackend | None = None
+        self.backend: GuardedBackend | None = None
         self.io: StorageIO | None = None
         self._retired: list[FetchResult] = []
         self._retired_counters: dict[str, float] = {}
@@ -76,7 +78,7 @@ class L3Link:
         if self.spec is None or self.builder is None:
             return False
         try:
-            backend = self.builder(*self.spec)
+            backend = guarded(self.builder(*self.spec))
             backend.register_host_pool(pool)
         except Exception:  # noqa: BLE001 - an unreachable L3 degrades to recompute
             logger.exception("HiCache: L3 backend unavailable on this rank; continuing "

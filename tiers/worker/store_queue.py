@@ -255,13 +255,13 @@ class StoreQueue:
         """Checksum the store's slots right after their copy, on the copy thread (the
         bytes are still in the CPU's caches), for the L3 writes to reuse
         (host_pool.py ``set_checksums``), where the backend takes them
-        (``uses_pool_checksums``: Mooncake; the file batch path hashes as it writes).
+        (``capabilities.pool_checksums``: Mooncake; the file batch path hashes as it writes).
         CPU copies only: a GPU's copies land by DMA later, and the L3 write checksums
         those pages itself. The job runs in the copy thread's queue: loads queued
         behind it wait for it (about 1 ms per 11 MB here)."""
         pool, backend = self._copies.pool, self._l3.backend
         if (backend is None or not self._l3.writes
-                or self._copies.on_cuda or not backend.uses_pool_checksums
+                or self._copies.on_cuda or not backend.capabilities.pool_checksums
                 or pool.layout == "layer_first" or not native_io.available()):
             return
         base, page = pool.buffer.data_ptr(), pool.geometry.page_bytes

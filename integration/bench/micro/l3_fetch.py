@@ -48,7 +48,7 @@ from tqdm import tqdm
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import StorageConfig, WriteBatch
 from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.verify import THREADS as VERIFY_THREADS
 from hicache.tiers.worker.l3_io import StorageIO
@@ -176,7 +176,7 @@ def _store(directory: Path, page_bytes: int, pages: int) -> tuple[FileBackend, H
                         extra_config={"path": str(directory)})
     backend = FileBackend(cfg)
     backend.register_host_pool(pool)
-    assert all(backend.batch_set_v1([k.hex() for k in keys], list(range(pages))))
+    assert all(backend.write(WriteBatch([k.hex() for k in keys], list(range(pages)))))
     return backend, pool, keys
 
 

@@ -59,7 +59,7 @@ from tqdm import tqdm
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.spans import SpanLayout, pages_per_object
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3.base import StorageBackend, StorageConfig
+from hicache.tiers.l3.base import ReadBatch, StorageBackend, StorageConfig, WriteBatch
 from hicache.tiers.l3.factory import create_backend
 
 GB = 1e9
@@ -174,7 +174,7 @@ def _native_case(directory: Path, pool: HostPagePool, pages: int, cold: bool,
     read by a small C program (l3_fetch.py) with one thread: open, pread, close per
     file into one preallocated buffer, timed by the program itself."""
     from hicache.integration.bench.micro.l3_fetch import native_seconds
-    from hicache.tiers.l3.file.backend import FILE_HEADER_BYTES
+    from hicache.tiers.l3.file.page_io import FILE_HEADER_BYTES
 
     src = [pool.buffer[i].view(-1).numpy() for i in range(pages)]
     target = directory / "native-per-page"
@@ -243,24 +243,21 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
         slots = list(range(pages))
         if layout.enabled:  # whole spans as objects, a tail shorter than one as pages
             whole = [i for i, span in enumerate(spans) if span is not None]
-            assert all(state["b"].batch_set_spans([keys[i] for i in whole], whole,
-                                                  [spans[i] for i in whole]))  # type: ignore[misc]
+            assert all(state["b"].write(WriteBatch([keys[i] for i in whole], whole, [spans[i] for i in whole])))  # type: ignore[misc]
             rest = [i for i, span in enumerate(spans) if span is None]
-            assert all(state["b"].batch_set_v1([keys[i] for i in rest], rest))
+            assert all(state["b"].write(WriteBatch([keys[i] for i in rest], rest)))
             return
-        assert all(state["b"].batch_set_v1(keys, slots))
+        assert all(state["b"].write(WriteBatch(keys, slots)))
 
     def read() -> None:
         if layout.enabled:
             whole = [i for i, span in enumerate(spans) if span is not None]
-            assert all(state["b"].batch_get_spans(
-                [keys[i] for i in whole], [pages + i for i in whole],
-                [spans[i] for i in whole]))  # type: ignore[misc]
+            assert all(state["b"].read(ReadBatch([keys[i] for i in whole], [pages + i for i in whole], [spans[i] for i in whole])))  # type: ignore[misc]
             rest = [i for i, span in enumerate(spans) if span is None]
-            assert all(state["b"].batch_get_v1([keys[i] for i in rest],
-                                               [pages + i for i in rest]))
+            assert all(state["b"].read(ReadBatch([keys[i] for i in rest],
+                                               [pages + i for i in rest])))
             return None
-        assert all(state["b"].batch_get_v1(keys, list(range(pages, 2 * pages))))
+        assert all(state["b"].read(ReadBatch(keys, list(range(pages, 2 * pages)))))
         return None
 
     def check() -> None:

@@ -35,14 +35,8 @@ import torch
 from hicache.integration.bench.lmcache_service import start_lmcache
 from hicache.integration.bench.micro.store_rounds import ours_round, source_pool, timed
 from hicache.tiers.l3.base import StorageConfig
-from hicache.tiers.l3.lmcache.backend import (
-    MAX_BATCH,
-    LMCacheBackend,
-    _Shm,
-    delete_body,
-    ipc_key,
-    registration,
-)
+from hicache.tiers.l3.lmcache.backend import MAX_BATCH, LMCacheBackend
+from hicache.tiers.l3.lmcache.objects import ShmPool, delete_body, ipc_key, registration
 from hicache.tiers.l3.lmcache.wire import Request, WireClient
 
 TIMEOUT_S = 60.0
@@ -60,7 +54,7 @@ class RawClient:
         reply = self.wire.call("register_kv_cache_engine_driven_context",
                                registration(self.iid, self.model, self.chunk, page_bytes),
                                timeout_s=TIMEOUT_S)
-        self.shm = _Shm(reply["shm_name"], int(reply["pool_size"]))
+        self.shm = ShmPool(reply["shm_name"], int(reply["pool_size"]))
 
     def _key(self, key: str) -> dict[str, Any]:
         return ipc_key(self.model, key, self.chunk, f"raw-{key}")
@@ -148,7 +142,7 @@ def bench_lmcache(page_bytes: int, num_pages: int, repeats: int) -> dict[str, An
             keys = [f"{i:064x}" for i in range(1, num_pages + 1)]
             raw_checked = False
             for rep in range(repeats):
-                backend.batch_delete(keys)
+                backend.delete(keys)
                 ours_round(backend, pool, keys, MAX_BATCH, samples, check=rep == 0)
                 # ---- raw, same bytes
                 raw.delete(keys)

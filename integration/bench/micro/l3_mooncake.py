@@ -45,7 +45,7 @@ from hicache.integration.bench.mooncake_service import apply_client_env, start_m
 from hicache.tiers.index.spans import SpanLayout, SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import native_io
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import ReadBatch, StorageConfig, WriteBatch
 from hicache.tiers.l3.integrity import HEADER_BYTES, checksums_at
 from hicache.tiers.l3.mooncake.backend import MooncakeBackend
 
@@ -62,15 +62,13 @@ def _span_round(backend: MooncakeBackend, pool: HostPagePool, keys: list[str],
     per = max(span_pages, batch_pages - batch_pages % span_pages)
     batches = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
     backend.clear()
-    secs, ok = timed(lambda: sum(sum(backend.batch_set_spans(
-        keys[lo:hi], list(range(lo, hi)), refs[lo:hi])) for lo, hi in batches))
+    secs, ok = timed(lambda: sum(sum(backend.write(WriteBatch(keys[lo:hi], list(range(lo, hi)), refs[lo:hi]))) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"MooncakeBackend stored {ok}/{n} pages in span objects")
     samples["ours_span_put"].append(n * nb / secs / 1e9)
     total = pool.geometry.num_slots // 2
     pool.buffer[total:].zero_()
-    secs, ok = timed(lambda: sum(sum(backend.batch_get_spans(
-        keys[lo:hi], [total + s for s in range(lo, hi)], refs[lo:hi])) for lo, hi in batches))
+    secs, ok = timed(lambda: sum(sum(backend.read(ReadBatch(keys[lo:hi], [total + s for s in range(lo, hi)], refs[lo:hi]))) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"MooncakeBackend loaded {ok}/{n} pages from span objects")
     samples["ours_span_get"].append(n * nb / secs / 1e9)
@@ -132,14 +130,14 @@ def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
                 pool.set_checksums(slots, sums)
                 backend.clear()
                 secs, ok = timed(lambda: sum(
-                    sum(backend.batch_set_v1(keys[lo:hi], slots[lo:hi])) for lo, hi in batches))
+                    sum(backend.write(WriteBatch(keys[lo:hi], slots[lo:hi]))) for lo, hi in batches))
                 if ok != num_pages:
                     raise RuntimeError(f"MooncakeBackend stored {ok}/{num_pages} pages")
                 samples["ours_put_pool_sums"].append(payload / secs / 1e9)
                 # ---- ours, every read through Mooncake's transfer (no reads in place)
                 here, backend._segment = backend._segment, None
                 secs, ok = timed(lambda: sum(
-                    sum(backend.batch_get_v1(keys[lo:hi], [num_pages + s for s in slots[lo:hi]]))
+                    sum(backend.read(ReadBatch(keys[lo:hi], [num_pages + s for s in slots[lo:hi]])))
                     for lo, hi in batches))
                 backend._segment = here
                 if ok != num_pages:

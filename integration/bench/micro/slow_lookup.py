@@ -1,10 +1,10 @@
 """What a slow L3 lookup costs a batch: one long decode plus fresh prompts, submitted
-together, with a file L3 whose ``batch_exists`` sleeps ``--delay`` seconds, looked up in
+together, with a file L3 whose ``exists_prefix`` sleeps ``--delay`` seconds, looked up in
 the background (probe threads) and inline on vLLM's scheduling thread, against the
 same engine with an instant lookup, in one run.
 
 The store is this module's ``SlowFileBackend`` (a file backend that sleeps in
-``batch_exists``), loaded as a ``dynamic`` backend. With lookups on vLLM's scheduling
+``exists_prefix``), loaded as a ``dynamic`` backend. With lookups on vLLM's scheduling
 thread, each fresh prompt's lookup delays every running request in turn; with
 background lookups the batch should pay about one lookup latency at most. Prints the wall times, the extra time in lookup
 latencies and whether the tokens matched the instant run's.
@@ -18,14 +18,15 @@ import argparse
 import dataclasses
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import ReadBatch, StorageConfig
 from hicache.tiers.l3.file.backend import FileBackend
 
 
 class SlowFileBackend(FileBackend):
-    """The file backend, with ``slow_exists_s`` of sleep in every ``batch_exists`` and
+    """The file backend, with ``slow_exists_s`` of sleep in every ``exists_prefix`` and
     ``slow_get_s`` in every read batch (arrival_prefetch.py)."""
 
     def __init__(self, config: StorageConfig) -> None:
@@ -33,16 +34,18 @@ class SlowFileBackend(FileBackend):
         self.delay = float(extra.pop("slow_exists_s", 0.0))
         self.get_delay = float(extra.pop("slow_get_s", 0.0))
         # False: the scheduler asks this store inline (tiers/controller/fetches.py)
-        self.concurrent_lookups = bool(extra.pop("concurrent_lookups", True))  # type: ignore[misc]
+        background = bool(extra.pop("concurrent_lookups", True))
         super().__init__(dataclasses.replace(config, extra_config=extra))
+        self.capabilities = dataclasses.replace(self.capabilities,
+                                                concurrent_lookups=background)
 
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: Sequence[str]) -> int:
         time.sleep(self.delay)
-        return super().batch_exists(keys)
+        return super().exists_prefix(keys)
 
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+    def read(self, batch: ReadBatch) -> list[bool]:
         time.sleep(self.get_delay)
-        return super().batch_get_v1(keys, host_slots)
+        return super().read(batch)
 
 
 def run_once(model: str, delay: float, background: bool, prompts: list[list[int]],
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     from hicache.integration.models.tiny_model import ensure_tiny_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--delay", type=float, default=1.0, help="seconds per batch_exists")
+    p.add_argument("--delay", type=float, default=1.0, help="seconds per exists_prefix")
     p.add_argument("--prompts", type=int, default=6, help="fresh prompts")
     p.add_argument("--prompt-tokens", type=int, default=1536)
     p.add_argument("--long-tokens", type=int, default=256, help="the long decode's tokens")

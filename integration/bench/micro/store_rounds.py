@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3.base import StorageBackend
+from hicache.tiers.l3.base import ReadBatch, StorageBackend, WriteBatch
 
 
 def source_pool(page_bytes: int, num_pages: int) -> HostPagePool:
@@ -49,13 +49,13 @@ def ours_round(backend: StorageBackend, pool: HostPagePool, keys: list[str], bat
     batches = [(lo, min(lo + batch_pages, n)) for lo in range(0, n, batch_pages)]
     name = type(backend).__name__
     secs, ok = timed(lambda: sum(
-        sum(backend.batch_set_v1(keys[lo:hi], list(range(lo, hi)))) for lo, hi in batches))
+        sum(backend.write(WriteBatch(keys[lo:hi], list(range(lo, hi))))) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"{name} stored {ok}/{n} pages")
     samples["ours_put"].append(payload / secs / 1e9)
     pool.buffer[n:].zero_()
     secs, ok = timed(lambda: sum(
-        sum(backend.batch_get_v1(keys[lo:hi], list(range(n + lo, n + hi)))) for lo, hi in batches))
+        sum(backend.read(ReadBatch(keys[lo:hi], list(range(n + lo, n + hi))))) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"{name} loaded {ok}/{n} pages")
     samples["ours_get"].append(payload / secs / 1e9)

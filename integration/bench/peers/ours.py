@@ -18,15 +18,18 @@ Contract:
   tree's pages, LRU). Names without a suffix take page keys computed before
   the clock starts; ``+hash`` names include ``page_keys`` over the request's
   token list, which is what SGLang's token-keyed tree is compared with.
-- File (b): ``FileBackend.batch_set`` / ``exists`` per key / ``batch_get``
-  into preallocated tensors, data verified (``torch.equal``) after each get.
+- File (b): SGLang's file-store calls over our file backend (``_PeerFileStore``):
+  ``batch_set`` of tensors (copied into host pool slots, then one ``write``),
+  ``exists`` per key, ``batch_get`` into preallocated tensors (one ``read`` into
+  slots, then copied out), data verified (``torch.equal``) after each get. The
+  two copies are ours to pay: SGLang's store reads and writes the tensors.
 - KV (c): a request's KV (L layers x T tokens) in vLLM-style per-layer block
   tensors. ``l2/store`` = page keys + tree match + slot alloc + copy into the
   host pool (our CPU copy path) + tree insert; ``l2/retrieve`` = page keys +
   match + key check + copy back into zeroed KV, verified. ``l3/store`` =
   ``l2/store`` then the new pages written to the file backend
-  (``batch_set_v1``); ``l3/retrieve`` starts from an empty L2: keys, exists,
-  ``batch_get_v1`` into fresh slots, tree insert, copy into zeroed KV, verified.
+  (``write``); ``l3/retrieve`` starts from an empty L2: keys, exists,
+  ``read`` into fresh slots, tree insert, copy into zeroed KV, verified.
   One untimed warm-up round precedes the timed ones (the peer does the same).
 - Metric: ``{"seconds": [..], "amount": float, "unit": "tok"|"B"|"op",
   "check": number|None, "verified": bool|None}``; rate = amount / median(seconds).
@@ -54,7 +57,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys
 from hicache.tiers.index.radix_tree import HiRadixTree
 from hicache.tiers.index.slot_allocator import SlotAllocator
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import ReadBatch, StorageConfig, WriteBatch
 from hicache.tiers.l3.file.backend import FileBackend
 
 PARTS = ("radix", "file", "kv")
@@ -153,6 +156,34 @@ def _file_backend(path: Path, page_bytes: int, pool: HostPagePool | None = None)
     return backend
 
 
+class _PeerFileStore:
+    """SGLang's file-store calls (``batch_set``, ``exists``, ``batch_get`` of tensors)
+    over our file backend, through a host pool of one slot per page."""
+
+    def __init__(self, path: Path, page_bytes: int, pages: int) -> None:
+        self.pool = HostPagePool(PoolGeometry(num_slots=pages, num_layers=1, blocks_per_page=1,
+                                              block_bytes=page_bytes),
+                                 layout="page_first_direct", pin_memory=False)
+        self.backend = _file_backend(path, page_bytes, self.pool)
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
+        for slot, value in enumerate(values):
+            self.pool.write_page(slot, value.reshape(-1))
+        return self.backend.write(WriteBatch(keys, list(range(len(keys)))))
+
+    def exists(self, key: str) -> bool:
+        return self.backend.exists_prefix([key]) == 1
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
+        ok = self.backend.read(ReadBatch(keys, list(range(len(keys)))))
+        for slot, target in enumerate(targets):
+            target.view(-1).copy_(self.pool.read_page(slot))
+        return ok
+
+    def close(self) -> None:
+        self.backend.close()
+
+
 def measure_file(doc: dict[str, Any], arrays: dict[str, np.ndarray],
                  workdir: Path) -> dict[str, Metric]:
     out: dict[str, Metric] = {}
@@ -163,7 +194,9 @@ def measure_file(doc: dict[str, Any], arrays: dict[str, np.ndarray],
 
 def _file_case(case: dict[str, Any], arrays: dict[str, np.ndarray], repeats: int,
                directory: Path) -> dict[str, Metric]:
-    return file_case(case, arrays, repeats, directory, _file_backend, set_ok=all, get_ok=all)
+    return file_case(case, arrays, repeats, directory,
+                     lambda path, page_bytes: _PeerFileStore(path, page_bytes, case["pages"]),
+                     set_ok=all, get_ok=all)
 
 
 # ---------------------------------------------------------------------- (c) KV paths
@@ -230,7 +263,7 @@ class _KVHarness:
 
     def store_l3(self) -> None:
         keys, slots = self.store_l2()
-        assert all(self.backend.batch_set_v1([k.hex() for k in keys], slots)), "L3 set failed"
+        assert all(self.backend.write(WriteBatch([k.hex() for k in keys], slots))), "L3 set failed"
 
     def retrieve_l2(self) -> int:
         keys = page_keys(self.seed, self.tokens, self.page)
@@ -249,10 +282,10 @@ class _KVHarness:
         keys = page_keys(self.seed, self.tokens, self.page)
         match = self.tree.match_prefix(keys)
         hex_keys = [k.hex() for k in keys[match.num_pages:]]
-        n = self.backend.batch_exists(hex_keys)
+        n = self.backend.exists_prefix(hex_keys)
         slots = self.alloc.alloc(n)
         assert slots is not None, "L2 pool full"
-        ok = self.backend.batch_get_v1(hex_keys[:n], slots)
+        ok = self.backend.read(ReadBatch(hex_keys[:n], slots))
         n_ok = ok.index(False) if False in ok else n
         for slot, key in zip(slots[:n_ok], keys[match.num_pages:], strict=False):
             self.pool.set_key(slot, key)

@@ -30,12 +30,12 @@ class CountingStore:
     def __init__(self, store) -> None:
         self.store, self.calls = store, 0
 
-    def batch_exists(self, keys):
+    def exists_prefix(self, keys):
         self.calls += 1
-        return self.store.batch_exists(keys)
+        return self.store.exists_prefix(keys)
 
-    def batch_delete(self, keys):
-        return self.store.batch_delete(keys)
+    def delete(self, keys):
+        return self.store.delete(keys)
 
     def clear(self):
         self.store.clear()
@@ -129,16 +129,16 @@ def test_flush_of_l3_by_prefix_finds_pages_only_l3_holds(tmp_path):
     a_keys = keys_of(NS.seed(), convo, PAGE)
     counts, op = sched.flush({"l3"}, convo[: 2 * PAGE])
     assert isinstance(op, DeletePages) and set(op.keys) == set(a_keys[1:])
-    assert sched.storage.batch_delete([k.hex() for k in op.keys]) == 2
+    assert sched.storage.delete([k.hex() for k in op.keys]) == 2
     # A prefix ending mid-page flushes the pages after its full ones: none left.
     counts, op = sched.flush({"l3"}, convo[: PAGE + 3])
     assert isinstance(op, DeletePages) and op.keys == ()
     # From the first page on; the other conversation's pages stay.
     counts, op = sched.flush({"l3"}, convo[:PAGE])
     assert isinstance(op, DeletePages) and set(op.keys) == set(a_keys[:1])
-    assert sched.storage.batch_delete([k.hex() for k in op.keys]) == 1
+    assert sched.storage.delete([k.hex() for k in op.keys]) == 1
     b_keys = keys_of(NS.seed(), other, PAGE)
-    assert sched.storage.store.batch_exists([k.hex() for k in b_keys]) == 2
+    assert sched.storage.store.exists_prefix([k.hex() for k in b_keys]) == 2
     assert sched.tree.l3_only_pages() == 2 and sched.tree.find(a_keys[:1]) is None
     # Flush all of L3: the index forgets every page, the store is cleared.
     counts, op = sched.flush({"l3"}, None)

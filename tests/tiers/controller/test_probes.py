@@ -15,6 +15,7 @@ from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.l2.geometry import PoolGeometry
+from hicache.tiers.l3.base import Capabilities
 
 BS, PAGE = 4, 8
 GEOM = PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=64)
@@ -122,7 +123,7 @@ def test_stores_that_forbid_concurrent_lookups_are_asked_inline(tmp_path):
     tokens = list(range(100, 133))
     write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
     store = GatedStore(file_store(tmp_path, NS, GEOM))
-    store.concurrent_lookups = False
+    store.capabilities = Capabilities(concurrent_lookups=False)
     store.gate.set()
     sched = HiCacheScheduler(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,

@@ -152,7 +152,7 @@ def test_best_effort_fetch_stops_at_the_workers_next_poll(tmp_path):
 class DownStore:
     """An L3 store that cannot be reached."""
 
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: list[str]) -> int:
         raise ConnectionError("store down")
 
 

@@ -15,6 +15,7 @@ from hicache.tiers.index.spans import MIB, SpanLayout
 from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import native_io
+from hicache.tiers.l3.base import WriteBatch
 
 BS, PAGE = 4, 8
 GEOM = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_bytes=64)
@@ -68,8 +69,8 @@ def test_a_lookup_finds_pages_in_span_objects_and_page_objects_and_fetches_name_
     refs = [LAYOUT.ref(KEYS, i) for i in range(4)]
     # Pages 0..3 in two span objects, 4 and 5 as page objects (a span stored page by
     # page), page 6 nowhere.
-    assert all(store.batch_set_spans([k.hex() for k in KEYS[:4]], [0, 1, 2, 3], refs))
-    assert all(store.batch_set_v1([k.hex() for k in KEYS[4:6]], [4, 5]))
+    assert all(store.write(WriteBatch([k.hex() for k in KEYS[:4]], [0, 1, 2, 3], refs)))
+    assert all(store.write(WriteBatch([k.hex() for k in KEYS[4:6]], [4, 5])))
     sched = scheduler(tmp_path)
     req = request("r", TOKENS)
     assert sched.get_num_new_matched_tokens(req, 0) == (6 * PAGE, True)
@@ -93,7 +94,7 @@ def test_an_admin_prefetch_counts_and_reads_pages_in_span_objects(tmp_path):
 
     store = writer(tmp_path)
     refs = [LAYOUT.ref(KEYS, i) for i in range(4)]
-    assert all(store.batch_set_spans([k.hex() for k in KEYS[:4]], [0, 1, 2, 3], refs))
+    assert all(store.write(WriteBatch([k.hex() for k in KEYS[:4]], [0, 1, 2, 3], refs)))
     sched = scheduler(tmp_path)
     woke: list[int] = []
     admin = SchedulerAdmin(sched, Config(), engine={}, build_storage=None, l1_pages=0,
@@ -165,9 +166,8 @@ def test_a_store_that_starts_inside_a_span_backs_the_whole_span_up_as_its_own_ob
     # What the worker writes: b's spans; a lookup of b's pages finds them.
     store = writer(tmp_path)
     for group in (meta.backups, [p for p in meta.stores if p.span is not None]):
-        assert all(store.batch_set_spans([p.key.hex() for p in group],
-                                         [p.slot for p in group], [p.span for p in group]))
-    assert LAYOUT.run_in_store(store.batch_exists, b_keys, 2, 6) == 4  # pages 2-5
+        assert all(store.write(WriteBatch([p.key.hex() for p in group], [p.slot for p in group], [p.span for p in group])))
+    assert LAYOUT.run_in_store(store.exists_prefix, b_keys, 2, 6) == 4  # pages 2-5
 
 
 def test_a_prefill_cut_into_steps_still_stores_whole_spans_as_objects(tmp_path):
@@ -206,10 +206,9 @@ def test_a_request_that_leaves_a_span_early_is_never_promised_pages_only_that_sp
     store.register_host_pool(pool)
     # The worker's backups of a's plan: whole spans as span objects, the tail as pages.
     spanned = [p for p in meta.stores if p.span is not None]
-    assert all(store.batch_set_spans([p.key.hex() for p in spanned],
-                                     [p.slot for p in spanned], [p.span for p in spanned]))
-    assert all(store.batch_set_v1([p.key.hex() for p in meta.stores if p.span is None],
-                                  [p.slot for p in meta.stores if p.span is None]))
+    assert all(store.write(WriteBatch([p.key.hex() for p in spanned], [p.slot for p in spanned], [p.span for p in spanned])))
+    assert all(store.write(WriteBatch([p.key.hex() for p in meta.stores if p.span is None],
+                                  [p.slot for p in meta.stores if p.span is None])))
     sched.on_worker_report(WorkerReport(l3_stored={0: [p.key for p in meta.stores]}))
     sched.flush({"l2"}, None)  # a's pages leave L2; the tree still knows L3 has them
     assert sched.tree.match_prefix(KEYS).l3_pages == 7

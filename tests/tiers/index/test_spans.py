@@ -49,7 +49,7 @@ class Store:
         self.keys = {k.hex() for k in keys}
         self.asked: list[int] = []
 
-    def batch_exists(self, hex_keys: list[str]) -> int:
+    def exists_prefix(self, hex_keys: list[str]) -> int:
         self.asked.append(len(hex_keys))
         n = 0
         while n < len(hex_keys) and hex_keys[n] in self.keys:
@@ -62,7 +62,7 @@ def test_a_run_of_span_objects_is_one_question(end: int) -> None:
     layout = SpanLayout(4)
     spans = layout.object_keys(KEYS)  # 5 spans: pages 0..19
     store = Store(set(spans) | set(KEYS[20:22]))
-    found = layout.run_in_store(store.batch_exists, KEYS, 0, end)
+    found = layout.run_in_store(store.exists_prefix, KEYS, 0, end)
     assert found == min(end, 22)
     assert store.asked[0] == min(5, -(-end // 4))
 
@@ -72,14 +72,14 @@ def test_a_run_goes_through_page_objects_where_a_span_was_stored_page_by_page() 
     spans = layout.object_keys(KEYS)
     # Spans 0, 1 as objects, span 2 page by page (a chunk boundary), 3 and 4 as objects.
     store = Store({spans[0], spans[1], *KEYS[8:12], spans[3], spans[4]})
-    assert layout.run_in_store(store.batch_exists, KEYS, 0, 23) == 20
-    assert layout.run_in_store(store.batch_exists, KEYS, 6, 23) == 14
+    assert layout.run_in_store(store.exists_prefix, KEYS, 0, 23) == 20
+    assert layout.run_in_store(store.exists_prefix, KEYS, 6, 23) == 14
     # A page object missing inside a span stored page by page ends the run there.
     store = Store({spans[0], *KEYS[4:6], *KEYS[7:8]})
-    assert layout.run_in_store(store.batch_exists, KEYS, 0, 23) == 6
+    assert layout.run_in_store(store.exists_prefix, KEYS, 0, 23) == 6
 
 
 def test_pages_only_layout_asks_page_objects_once() -> None:
     store = Store(set(KEYS[:10]))
-    assert SpanLayout(1).run_in_store(store.batch_exists, KEYS, 2, 23) == 8
+    assert SpanLayout(1).run_in_store(store.exists_prefix, KEYS, 2, 23) == 8
     assert store.asked == [21]

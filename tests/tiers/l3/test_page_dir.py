@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 
@@ -65,13 +64,7 @@ def test_temps_of_dead_writers_go_at_start(tmp_path):
     assert not dead.exists() and mine.exists()
 
 
-def test_flat_files_are_adopted_and_a_bad_root_names_its_key(tmp_path):
-    d = PageDirectory(tmp_path, ".nixl", SUFFIX, "path")
-    (tmp_path / f"{KEY}_{SUFFIX}").write_bytes(b"old")
-    (tmp_path / f"{KEY}_ffffffffffffffff").write_bytes(b"another fingerprint")
-    assert d.adopt_flat(re.compile(rf"([0-9a-f]{{64}})_{SUFFIX}")) == 1
-    assert open(d.path(d.name(KEY)), "rb").read() == b"old"
-    assert (tmp_path / f"{KEY}_ffffffffffffffff").exists()
+def test_a_bad_root_names_its_key(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(StorageConfigError, match="extra_config.path='"):
         PageDirectory(tmp_path / "file", ".page", SUFFIX, "extra_config.path")

@@ -10,7 +10,7 @@ import torch
 
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import ReadBatch, StorageConfig, WriteBatch
 from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.rank_shards import RankShards
@@ -32,23 +32,23 @@ def shard(path: Path, rank: int, is_mla: bool = False) -> FileBackend:
 
 def test_a_page_is_in_l3_only_where_every_rank_has_it(tmp_path):
     r0, r1 = shard(tmp_path, 0), shard(tmp_path, 1)
-    assert all(r0.batch_set_v1(KEYS[:5], [0, 1, 2, 3, 4]))
-    assert all(r1.batch_set_v1(KEYS[:3], [0, 1, 2]))
+    assert all(r0.write(WriteBatch(KEYS[:5], [0, 1, 2, 3, 4])))
+    assert all(r1.write(WriteBatch(KEYS[:3], [0, 1, 2])))
     view = RankShards([r0, r1])
-    assert r0.batch_exists(KEYS) == 5
-    assert view.batch_exists(KEYS) == 3  # rank 1 lacks pages 3 and 4
-    assert view.batch_exists(KEYS[3:]) == 0
-    assert view.batch_delete(KEYS[:1]) == 1
-    assert r1.batch_exists(KEYS) == 0 == view.batch_exists(KEYS)
+    assert r0.exists_prefix(KEYS) == 5
+    assert view.exists_prefix(KEYS) == 3  # rank 1 lacks pages 3 and 4
+    assert view.exists_prefix(KEYS[3:]) == 0
+    assert view.delete(KEYS[:1]) == 1
+    assert r1.exists_prefix(KEYS) == 0 == view.exists_prefix(KEYS)
     view.clear()
-    assert r0.batch_exists(KEYS[1:]) == 0
+    assert r0.exists_prefix(KEYS[1:]) == 0
 
 
 def test_mla_ranks_share_one_shard(tmp_path):
     r0, r1 = shard(tmp_path, 0, is_mla=True), shard(tmp_path, 1, is_mla=True)
     assert r0.config.fingerprint == r1.config.fingerprint
-    assert all(r0.batch_set_v1(KEYS[:2], [0, 1]))
-    assert r1.batch_exists(KEYS) == 2  # written once, by rank 0
-    assert r1.batch_get_v1(KEYS[:2], [5, 6]) == [True, True]
+    assert all(r0.write(WriteBatch(KEYS[:2], [0, 1])))
+    assert r1.exists_prefix(KEYS) == 2  # written once, by rank 0
+    assert r1.read(ReadBatch(KEYS[:2], [5, 6])) == [True, True]
     mha = dataclasses.replace(r0.config, is_mla=False)
     assert mha.fingerprint != r0.config.fingerprint

@@ -14,7 +14,7 @@ from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.index.spans import SpanLayout
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import StorageConfig, WriteBatch
 from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.worker.l3_io import StorageIO
@@ -39,7 +39,7 @@ def make(tmp_path, fetch_threads=1, backend_class=FaultyFileBackend, **faults):
 def seed_l3(tmp_path, n):
     io, pool, backend, _ = make(tmp_path)
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
-    assert all(backend.batch_set_v1([k.hex() for k in KEYS[:n]], list(range(n))))
+    assert all(backend.write(WriteBatch([k.hex() for k in KEYS[:n]], list(range(n)))))
     io.shutdown()
     return pool.buffer[:n].clone()
 
@@ -78,7 +78,7 @@ def test_fetch_loads_l2_then_l3_pages_in_order(tmp_path):
 def test_missing_page_ends_the_prefix_and_reports_the_rest(tmp_path):
     seed_l3(tmp_path, 40)
     io, pool, backend, _ = make(tmp_path)
-    (backend.pages_dir / backend._name(KEYS[5].hex())).unlink()
+    (backend.inner.pages_dir / backend.inner._name(KEYS[5].hex())).unlink()
     io.submit_fetch(RequestFetch("r", (), plan(40, 10), (), None))
     (result,) = wait_result(io)
     assert result.fetched_pages == 5
@@ -119,15 +119,15 @@ def test_deadline_and_best_effort_stop_a_slow_fetch(tmp_path, monkeypatch, timeo
     clock = FakeTime()
     monkeypatch.setattr("hicache.tiers.worker.l3_io.time", clock)
     io, _, backend, _ = make(tmp_path)
-    backend.get_gate = threading.Event()
+    backend.inner.get_gate = threading.Event()
     io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), timeout_s))
-    assert backend.get_entered.wait(60)  # the first batch is in flight
+    assert backend.inner.get_entered.wait(60)  # the first batch is in flight
     if timeout_s == 0.0:
         io.poll()  # best effort: stops at the second poll after submission
         io.poll()
     else:
         clock.now += timeout_s + 0.1  # past the deadline while the batch runs
-    backend.get_gate.set()
+    backend.inner.get_gate.set()
     (result,) = wait_result(io)
     # Stopped after the batch in flight: one batch of 32 pages.
     assert result.fetched_pages == 32 and len(result.error_block_ids) == 8
@@ -143,12 +143,12 @@ def test_a_cancelled_fetch_stops_after_the_batch_in_flight_and_others_go_on(tmp_
     and not named reads every page."""
     seed_l3(tmp_path, 40)
     io, _, backend, _ = make(tmp_path)
-    backend.get_gate = threading.Event()
+    backend.inner.get_gate = threading.Event()
     io.submit_fetch(RequestFetch("a", (), plan(40, 40), (), None))
-    assert backend.get_entered.wait(60)  # the first batch is in flight
+    assert backend.inner.get_entered.wait(60)  # the first batch is in flight
     io.submit_fetch(RequestFetch("b", (), plan(0, 4, first_key=0), (), None))
     assert io.cancel_fetches({"a", "nobody"}) == 1
-    backend.get_gate.set()
+    backend.inner.get_gate.set()
     results: dict[str, int] = {}
     deadline = time.monotonic() + 60  # a hang guard, not a speed check
     while len(results) < 2:
@@ -174,16 +174,16 @@ def test_backups_are_written_and_dropped_when_their_slot_is_reused(tmp_path):
     for i in range(8):
         pool.set_key(i, KEYS[i])
     # Hold the I/O thread in a fetch (a gate) so the backups stay queued.
-    backend.get_gate = threading.Event()
+    backend.inner.get_gate = threading.Event()
     io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=30), (), None))
-    assert backend.get_entered.wait(60)
+    assert backend.inner.get_entered.wait(60)
     io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(8)])
     io.release_slots([3, 4])  # the worker is about to overwrite slots 3 and 4
     pool.set_key(3, None)
     pool.set_key(4, None)
-    backend.get_gate.set()
+    backend.inner.get_gate.set()
     io.shutdown()
-    stored = [backend.exists(KEYS[i].hex()) for i in range(8)]
+    stored = [(backend.exists_prefix([KEYS[i].hex()]) == 1) for i in range(8)]
     assert stored == [True, True, True, False, False, True, True, True]
     assert io.stats.backups_dropped == 2 and io.stats.backup_pages == 6
 
@@ -193,16 +193,16 @@ def test_removal_drops_queued_backups_and_deletes_after_the_running_one(tmp_path
     io, pool, backend, _ = make(tmp_path)
     for i in range(8):
         pool.set_key(40 + i, KEYS[30 + i] if i < 4 else KEYS[i])
-    backend.get_gate = threading.Event()  # keep the thread in a fetch first
+    backend.inner.get_gate = threading.Event()  # keep the thread in a fetch first
     io.submit_fetch(RequestFetch("block", (), plan(70, 1, first_key=20), (), None))
-    assert backend.get_entered.wait(60)
+    assert backend.inner.get_entered.wait(60)
     io.submit_backup([(KEYS[30 + i], 40 + i, KEYS[30 + i]) for i in range(4)])
     io.submit_removal([KEYS[30], KEYS[31], KEYS[0]])
-    backend.get_gate.set()
+    backend.inner.get_gate.set()
     io.shutdown()
     # The queued backups of 30/31 were dropped (none can land after the flush)
     # and their stored copies deleted with 0's; 32/33 and 1 are untouched.
-    assert [backend.exists(KEYS[k].hex()) for k in (30, 31, 32, 33, 0, 1)] == [
+    assert [(backend.exists_prefix([KEYS[k].hex()]) == 1) for k in (30, 31, 32, 33, 0, 1)] == [
         False, False, True, True, False, True]
     assert io.stats.deleted_pages == 3 and io.stats.backups_dropped == 2
 
@@ -262,9 +262,9 @@ class BarrierBackend(FaultyFileBackend):
 
     barrier = threading.Barrier(2, timeout=30)
 
-    def batch_get_v1(self, keys, host_slots):
+    def read(self, batch):
         self.barrier.wait()
-        return super().batch_get_v1(keys, host_slots)
+        return super().read(batch)
 
 
 def test_fetches_run_side_by_side_with_a_concurrent_io_backend(tmp_path):
@@ -291,16 +291,16 @@ class GatedBackups(FaultyFileBackend):
     inside = threading.Event()
     read_during_backup: list[bool] = []
 
-    def batch_set_v1(self, keys, host_slots):
+    def write(self, batch):
         self.inside.set()
         assert self.gate.wait(30)
-        out = super().batch_set_v1(keys, host_slots)
+        out = super().write(batch)
         self.inside.clear()
         return out
 
-    def batch_get_v1(self, keys, host_slots):
+    def read(self, batch):
         self.read_during_backup.append(self.inside.is_set())
-        return super().batch_get_v1(keys, host_slots)
+        return super().read(batch)
 
 
 def test_a_helper_never_reads_into_a_slot_a_running_backup_reads(tmp_path):
@@ -332,7 +332,7 @@ def test_an_idle_wait_with_no_fetch_lets_the_running_backup_finish(tmp_path):
     assert GatedBackups.inside.wait(30)
     seen: list[tuple[bool, bool]] = []  # (waited for a fetch, the page was in L3 then)
     waiter = threading.Thread(target=lambda: seen.append(
-        (io.wait_results(60.0), backend.exists(KEYS[30].hex()))))
+        (io.wait_results(60.0), (backend.exists_prefix([KEYS[30].hex()]) == 1))))
     waiter.start()
     waiter.join(0.5)
     assert waiter.is_alive() and not seen  # still waiting: the backup is held
@@ -351,24 +351,24 @@ def test_backups_done_before_a_waiting_removal_are_not_reported_stored(tmp_path)
     GatedBackups.gate.clear()
     GatedBackups.inside.clear()
     io, pool, backend, _ = make(tmp_path, backend_class=GatedBackups)
-    backend.get_gate = threading.Event()
+    backend.inner.get_gate = threading.Event()
     pool.set_key(60, KEYS[30])
     io.submit_backup([(KEYS[30], 60, KEYS[30])])
     assert GatedBackups.inside.wait(30)  # the backup runs
     io.submit_fetch(RequestFetch("r", (), plan(70, 1), (), None))  # runs next, held
     io.submit_removal(None)  # L3 flushed: waits behind the fetch
     GatedBackups.gate.set()
-    assert backend.get_entered.wait(60)  # the backup is done, the removal waits
-    assert backend.exists(KEYS[30].hex())
+    assert backend.inner.get_entered.wait(60)  # the backup is done, the removal waits
+    assert (backend.exists_prefix([KEYS[30].hex()]) == 1)
     assert io.take_backed_up() == []
-    backend.get_gate.set()
+    backend.inner.get_gate.set()
     wait_result(io)
     assert io.wait_backups(60)
     pool.set_key(61, KEYS[31])
     io.submit_backup([(KEYS[31], 61, KEYS[31])])  # after the removal: reported
     assert io.wait_backups(60)
     assert io.take_backed_up() == [KEYS[31]]
-    assert not backend.exists(KEYS[30].hex())
+    assert not (backend.exists_prefix([KEYS[30].hex()]) == 1)
     io.shutdown()
 
 
@@ -383,10 +383,10 @@ def test_a_timed_backend_gets_byte_sized_batches_and_keeps_the_prefix_rule(tmp_p
     stored = seed_l3(tmp_path, 40)
     io, pool, backend, loaded = make(tmp_path, backend_class=FileBackend)
     timed = native_io.available()
-    assert backend.timed_batches == timed
+    assert backend.capabilities.timed == timed
     assert io._batch_pages() == (io_thread.TIMED_BATCH_BYTES // GEOM.page_bytes if timed
                                  else io_thread.BATCH_PAGES)
-    backend.page_path(KEYS[30].hex()).unlink()
+    backend.inner.page_path(KEYS[30].hex()).unlink()
     io.submit_fetch(RequestFetch("r", (), plan(40, 40), (), None))
     (result,) = wait_result(io)
     assert result.fetched_pages == 30
@@ -404,7 +404,7 @@ def test_retention_reaches_the_backend_in_order_with_removals(tmp_path):
     io.submit_retention([KEYS[1]], 0)  # ended
     io.shutdown()
     assert io.stats.retained_pages == 3
-    assert set(backend._retained) == {backend._name(KEYS[0].hex())}
+    assert set(backend.inner.index.retained) == {backend.inner._name(KEYS[0].hex())}
 
 
 @pytest.mark.skipif(not native_io.available(), reason="file span objects need the batch path")
@@ -419,8 +419,8 @@ def test_spans_are_backed_up_whole_and_fetched_with_page_objects_where_they_lack
     io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(10)], spans)
     io.shutdown()
     assert sorted(io.take_backed_up()) == sorted(KEYS[:10])
-    assert [backend.exists(KEYS[i].hex()) for i in (0, 7, 8, 9)] == [False, False, True, True]
-    assert backend.batch_exists([k.hex() for k in layout.object_keys(KEYS)]) == 2
+    assert [(backend.exists_prefix([KEYS[i].hex()]) == 1) for i in (0, 7, 8, 9)] == [False, False, True, True]
+    assert backend.exists_prefix([k.hex() for k in layout.object_keys(KEYS)]) == 2
     stored = pool.buffer[:10].clone()
 
     def fetch(req):
@@ -437,6 +437,6 @@ def test_spans_are_backed_up_whole_and_fetched_with_page_objects_where_they_lack
     assert result.fetched_pages == 10
     assert torch.equal(pool.buffer[40:50], stored)
     # The second span gone (an operator removed it): the fetch stops at its first page.
-    backend.page_path(layout.object_keys(KEYS)[1].hex()).unlink()
+    backend.inner.page_path(layout.object_keys(KEYS)[1].hex()).unlink()
     result, pool = fetch("r2")
     assert result.fetched_pages == 4 and torch.equal(pool.buffer[40:44], stored[:4])

@@ -3,7 +3,9 @@ real file backends under tmp_path and a real host pool."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -28,13 +30,17 @@ class ProbedFiles(FileBackend):
 
     up = True
 
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        self.capabilities = dataclasses.replace(self.capabilities, probe=True)
+
     def answers(self) -> bool:
         return self.up
 
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: Sequence[str]) -> int:
         if not self.up:
             raise ConnectionError("injected: the store went away")
-        return super().batch_exists(keys)
+        return super().exists_prefix(keys)
 
 
 def build(name: str, extra: dict) -> FileBackend:
@@ -92,8 +98,8 @@ def test_counters_survive_a_detach_and_a_new_attach(tmp_path: Path):
     assert isinstance(link.backend.inner, FileBackend)
     backup(link, p, KEY_B, 1)
     assert link.counters()[K.L3_BACKUP_PAGES] == 2  # never goes back
-    assert link.backend.batch_exists([KEY_B.hex()]) == 1
-    assert link.backend.batch_exists([KEY_A.hex()]) == 0  # another store
+    assert link.backend.exists_prefix([KEY_B.hex()]) == 1
+    assert link.backend.exists_prefix([KEY_A.hex()]) == 0  # another store
     link.shutdown()
 
 
@@ -101,12 +107,12 @@ def test_an_open_breaker_is_reported_and_the_calls_it_refuses_are_counted(tmp_pa
     link = L3Link(build, ("file", {"path": str(tmp_path), "probed": True}))
     assert link.start(pool(), no_load) and link.backend is not None
     assert link.gauges()[G.L3_BREAKER_OPEN] == 0
-    assert link.backend.batch_exists([KEY_A.hex()]) == 0
+    assert link.backend.exists_prefix([KEY_A.hex()]) == 0
     assert link.counters()[K.L3_REFUSED_CALLS] == 0
     link.backend.inner.up = False
-    assert link.backend.batch_exists([KEY_A.hex()]) == 0  # raised: the breaker opens
-    assert link.backend.batch_exists([KEY_A.hex()]) == 0  # refused without a call
-    assert link.backend.batch_exists([KEY_A.hex()]) == 0
+    assert link.backend.exists_prefix([KEY_A.hex()]) == 0  # raised: the breaker opens
+    assert link.backend.exists_prefix([KEY_A.hex()]) == 0  # refused without a call
+    assert link.backend.exists_prefix([KEY_A.hex()]) == 0
     counters = link.counters()
     assert counters[K.L3_REFUSED_CALLS] == 2 and counters[K.L3_ERRORS] == 1
     assert link.gauges()[G.L3_BREAKER_OPEN] == 1

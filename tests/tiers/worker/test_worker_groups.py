@@ -120,8 +120,8 @@ def test_a_page_without_its_window_stays_out_of_l3(tmp_path):
             time.sleep(0.05)
         w.storage_io.shutdown()  # drains the queue: nothing else was submitted
         assert w.storage_io.stats.backup_pages == 1
-        assert w.storage.batch_exists([KEY_A.hex()]) == 1
-        assert w.storage.batch_exists([KEY_B.hex()]) == 0
+        assert w.storage.exists_prefix([KEY_A.hex()]) == 1
+        assert w.storage.exists_prefix([KEY_B.hex()]) == 0
     finally:
         w.shutdown()
 

@@ -3,6 +3,7 @@ never read, written or reported; with MLA only the writer rank backs pages up.""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.plans import PagePlan, RequestLoad
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3 import integrity
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import ReadBatch, StorageConfig
 from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.worker.core import HiCacheWorker
 
@@ -27,7 +28,9 @@ class PoolSumsFileBackend(FileBackend):
     """The file backend declaring that it takes the pool's checksums, as Mooncake does
     (it still hashes as it writes: only the worker's side is under test)."""
 
-    uses_pool_checksums = True
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        self.capabilities = dataclasses.replace(self.capabilities, pool_checksums=True)
 
 
 def make_worker(tmp_path: Path | None = None, *, writer: bool = True,
@@ -79,7 +82,7 @@ def test_mla_pages_are_backed_up_by_the_writer_rank_only(tmp_path):
             w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4))]))
         assert _backups_settled(writer, 1) == 1
         assert reader.storage_io.stats.backup_pages == 0
-        assert reader.storage.batch_exists([KEY_A.hex()]) == 1  # the one shared shard
+        assert reader.storage.exists_prefix([KEY_A.hex()]) == 1  # the one shared shard
         assert len(list((tmp_path / "pages").rglob("*.page"))) == 1
     finally:
         reader.shutdown()
@@ -99,7 +102,7 @@ def test_stored_pages_carry_their_checksum_for_the_l3_writes(tmp_path):
         assert w.pool.checksums_of([0, 1, 2]) == [*want, None]
         assert _backups_settled(w, 2) == 2
         # The page written to L3 carries that checksum and reads back verified.
-        assert w.storage.batch_get_v1([KEY_A.hex()], [3]) == [True]
+        assert w.storage.read(ReadBatch([KEY_A.hex()], [3])) == [True]
         w.pool.set_key(0, None)  # the slot is being reused
         assert w.pool.checksums_of([0]) == [None]
     finally:
@@ -137,12 +140,12 @@ def test_a_page_the_l3_admission_rule_holds_back_stays_in_l2_until_its_backup_is
         w.finish_step(HiCacheStepMetadata(stores=[PagePlan(0, KEY_A, 0, (3, 4), l3_keys=()),
                                                   PagePlan(1, KEY_B, 0, (5, 6))]))
         assert _backups_settled(w, 1) == 1
-        assert w.storage.batch_exists([KEY_A.hex()]) == 0
-        assert w.storage.batch_exists([KEY_B.hex()]) == 1
+        assert w.storage.exists_prefix([KEY_A.hex()]) == 0
+        assert w.storage.exists_prefix([KEY_B.hex()]) == 1
         w.finish_step(HiCacheStepMetadata(backups=[PagePlan(0, KEY_A, 0, (),
                                                             l3_keys=(KEY_A,))]))
         assert _backups_settled(w, 2) == 2
-        assert w.storage.batch_exists([KEY_A.hex()]) == 1
+        assert w.storage.exists_prefix([KEY_A.hex()]) == 1
     finally:
         w.shutdown()
 
@@ -161,10 +164,9 @@ def test_backups_that_name_one_span_are_written_as_that_one_object(tmp_path):
             PagePlan(0, KEY_A, 0, (), l3_keys=(KEY_A,), span=SpanRef(span, 0, 2)),
             PagePlan(1, KEY_B, 0, (), l3_keys=(KEY_B,), span=SpanRef(span, 1, 2))]))
         assert _backups_settled(w, 2) == 2
-        assert w.storage.batch_exists([span.hex()]) == 1
-        assert w.storage.batch_exists([KEY_A.hex()]) == 0  # no page objects of their own
-        assert w.storage.batch_get_spans([KEY_A.hex(), KEY_B.hex()], [2, 3],
-                                         [SpanRef(span, 0, 2), SpanRef(span, 1, 2)]) == [
+        assert w.storage.exists_prefix([span.hex()]) == 1
+        assert w.storage.exists_prefix([KEY_A.hex()]) == 0  # no page objects of their own
+        assert w.storage.read(ReadBatch([KEY_A.hex(), KEY_B.hex()], [2, 3], [SpanRef(span, 0, 2), SpanRef(span, 1, 2)])) == [
             True, True]
         assert torch.equal(w.pool.read_page(2), w.pool.read_page(0))
     finally:

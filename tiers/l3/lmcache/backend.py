@@ -2,7 +2,8 @@
 
 Contract (on top of ``base.py``):
 - A pure client: never imports lmcache (its pins conflict with vLLM's; the
-  server runs from its own venv). The wire is ``wire.py``; the data
+  server runs from its own venv). The wire is ``wire.py``, the objects
+  ``objects.py``; the data
   moves through the server's shared-memory pool (``/dev/shm``): the server
   hands out slots, we copy, then commit. Its pickle transfer path (which
   unpickles client bytes) is never used.
@@ -33,7 +34,7 @@ Contract (on top of ``base.py``):
 - Writes: the server's ``prepare_store`` skips pages its DRAM tier holds
   (``set_skipped_existing``); a page only in its L2 is written again (an
   exists probe would load it from L2 first, costing more than the write).
-- Failures never raise from the page methods. A missing reply or a dropped
+- Store failures are reported (``report.failed``). A missing reply or a dropped
   connection is reported ``down`` and the guard's breaker opens
   (tiers/l3/guard.py): calls fail at once while a probe thread asks the server
   (``answers``) every half second; when it answers, the instance registers
@@ -43,7 +44,7 @@ Contract (on top of ``base.py``):
 - ``clear`` deletes the pages this instance wrote or found (up to
   ``KNOWN_KEYS``, most recent first); LMCache's fs and Redis adapters cannot
   list objects, so pages written by earlier processes stay until the server
-  evicts them. Prefix flushes (``batch_delete``) delete exactly the pages
+  evicts them. Prefix flushes (``delete``) delete exactly the pages
   named, from the DRAM tier and the L2; the count returned is what the DRAM
   tier held (L2 adapters report every key asked as deleted).
 """
@@ -53,148 +54,56 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import struct
 import threading
 from collections.abc import Callable, Sequence
-from multiprocessing import resource_tracker, shared_memory
-from typing import Any, Literal
+from typing import Any
 
-import blake3
 import httpx
 import numpy as np
 import torch
 from cachetools import LRUCache
-from pydantic import Field
 
 from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import (
+    Capabilities,
+    ReadBatch,
     StorageBackend,
     StorageConfig,
     StorageConfigError,
     StorageUnavailable,
+    WriteBatch,
     validate_extra,
 )
+from hicache.tiers.l3.lmcache.config import LMCacheExtraConfig
+from hicache.tiers.l3.lmcache.objects import (
+    TOKENS_PER_KEY,
+    ShmPool,
+    delete_body,
+    end_sessions,
+    first_of,
+    ipc_key,
+    registration,
+)
 from hicache.tiers.l3.lmcache.wire import Request, ServerGone, ServerTimeout, WireClient
-from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 HEADER = integrity.HEADER_BYTES
-TOKENS_PER_KEY = 8  # a 32-byte page key as uint32 tokens
-# LMCache's kv_rank bitmap for world size 1, rank 0: every shard is its own model name.
-KV_RANK = 0x01000100
 MAX_BATCH = 64  # pages per pipelined batch (bounds the slots held at once)
 KNOWN_KEYS = 1 << 18
 DELETE_BATCH = 5000  # the server refuses deletes of more than 10,000 keys
-# blake3(prefix) as LMCache seeds its chain: the hash of (0, (0,)).
-_NONE_HASH = blake3.blake3(struct.pack(">q", 0) + struct.pack(">I", 0)).digest()
 _PROBE_KEY = "00" * 31 + "01"
-
-
-class LMCacheExtraConfig(Settings):
-    """The lmcache backend's ``hicache_storage_backend_extra_config``."""
-
-    server_url: str = Field(
-        "tcp://127.0.0.1:5555", pattern=r"^tcp://[^\s:/]+:\d{1,5}$",
-        description="ZMQ address of the LMCache server: 'tcp://<--host>:<--port>'")
-    http_url: str | None = Field(
-        None, pattern=r"^https?://[^\s/]+(:\d{1,5})?/?$",
-        description="the server's HTTP API, 'http://<--http-host>:<--http-port>'; "
-        "deleting pages (prefix flushes, corrupt pages) needs it")
-    transfer_mode: Literal["shm"] = Field(
-        "shm", description="data path: the server's shared-memory pool (its pickle "
-        "path unpickles client bytes and is never used)")
-    request_timeout_s: float = Field(
-        5.0, gt=0, le=600, description="bound on every round trip to the server, in s")
-    heartbeat_interval_s: float = Field(
-        30.0, gt=0, le=110, description="seconds between heartbeats; the server forgets "
-        "a client silent for 120 s")
-
-
-def page_tokens(key: str, chunk_size: int) -> list[int]:
-    """The chunk of tokens that stands for page ``key`` (64 hex chars) in LMCache."""
-    return list(struct.unpack("<8I", bytes.fromhex(key))) + [0] * (chunk_size - TOKENS_PER_KEY)
-
-
-def chunk_hash(key: str, chunk_size: int) -> bytes:
-    """LMCache's object hash of page ``key`` (its blake3 chain over one chunk)."""
-    tokens = page_tokens(key, chunk_size)
-    return blake3.blake3(_NONE_HASH + struct.pack(f">{len(tokens)}I", *tokens)).digest()
-
-
-def registration(instance_id: int, model_name: str, chunk_size: int,
-                 object_bytes: int) -> dict[str, Any]:
-    """The ``register_kv_cache_engine_driven_context`` payload for objects of
-    ``object_bytes`` bytes, one per chunk (a uint8 "MLA" layout ``[1, 1, object_bytes]``)."""
-    return {"instance_id": instance_id, "model_name": model_name, "world_size": 1,
-            "block_size": chunk_size, "num_layers": 1, "hidden_dim_size": object_bytes,
-            "dtype_str": "uint8", "use_mla": True, "num_physical_slots": 1}
-
-
-def ipc_key(model_name: str, key: str, chunk_size: int, request_id: str) -> dict[str, Any]:
-    """LMCache's ``IPCCacheServerKey`` for page ``key``: one chunk, in session ``request_id``."""
-    return {"model_name": model_name, "world_size": 1, "worker_id": 0,
-            "token_ids": page_tokens(key, chunk_size), "start": 0, "end": chunk_size,
-            "request_id": request_id, "num_kv_readers": 1}
-
-
-def delete_body(keys: Sequence[str], model_name: str, chunk_size: int,
-                tier: str) -> dict[str, Any]:
-    """The ``DELETE /cache/objects`` body removing these pages from ``tier``."""
-    return {"tier": tier, "force": True, "keys": [
-        {"chunk_hash_hex": chunk_hash(k, chunk_size).hex(), "model_name": model_name,
-         "kv_rank": KV_RANK} for k in keys]}
-
-
-def _end_sessions(ipc: Sequence[dict[str, Any]]) -> list[Request]:
-    """Requests ending the sessions of these IPC keys."""
-    return [("end_session", (k["request_id"],)) for k in ipc]
-
-
-def _first_of(keys: Sequence[str]) -> list[int]:
-    """For each position, the position of the first occurrence of its key."""
-    seen: dict[str, int] = {}
-    return [seen.setdefault(k, i) for i, k in enumerate(keys)]
-
-
-class _Shm:
-    """The server's shared-memory pool, mapped into this process."""
-
-    def __init__(self, name: str, size: int) -> None:
-        self.name, self.size = name, size
-        self._shm = shared_memory.SharedMemory(name=name, create=False)
-        # The server owns the segment: this process must never unlink it.
-        with contextlib.suppress(Exception):
-            resource_tracker.unregister(f"/{self._shm.name}", "shared_memory")
-        self.bytes: np.ndarray | None = np.ndarray((size,), np.uint8, self._shm.buf)
-
-    def slot(self, desc: Any, length: int) -> np.ndarray | None:
-        """The slot a server descriptor names, if it is exactly ``length`` bytes in the pool."""
-        try:
-            offset, size = int(desc["offset"]), int(desc["length"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if self.bytes is None or size != length or offset < 0 or offset + size > self.size:
-            return None
-        return self.bytes[offset:offset + size]
-
-    def close(self) -> None:
-        self.bytes = None
-        with contextlib.suppress(Exception):
-            self._shm.close()
 
 
 class LMCacheBackend(StorageBackend):
     """HiCache L3 pages as LMCache MP-server chunks (header || payload)."""
 
-    # The wire client serialises calls on its lock; lookups may come from the
-    # scheduler's probe threads, off vLLM's scheduling thread.
-    concurrent_lookups = True
-    concurrent_io = False
-
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         self.settings = validate_extra(config.extra_config, LMCacheExtraConfig, "lmcache")
+        # The wire client serialises calls on its lock; lookups may come from the
+        # scheduler's probe threads, off vLLM's scheduling thread.
+        self.capabilities = Capabilities(concurrent_lookups=True, probe=True)
         s = self.settings
         self.model_name = f"hicache-{config.fingerprint.hex()}"
         self.object_bytes = HEADER + config.page_bytes
@@ -204,7 +113,7 @@ class LMCacheBackend(StorageBackend):
         self._lock = threading.Lock()  # registration, known keys, close
         self._closed = False
         self._stop = threading.Event()  # the heartbeat's
-        self._shm: _Shm | None = None
+        self._shm: ShmPool | None = None
         self._known: LRUCache[str, bool] = LRUCache(KNOWN_KEYS)
         self._deletes_ok: bool | None = None  # None: not checked yet
         self._no_l2 = False  # the server said it has no L2 adapter
@@ -251,7 +160,7 @@ class LMCacheBackend(StorageBackend):
             old = self._shm
             if not remap and old is not None and (old.name, old.size) == (name, size):
                 return
-            self._shm = _Shm(name, size)
+            self._shm = ShmPool(name, size)
         if old is not None:
             old.close()
 
@@ -298,11 +207,6 @@ class LMCacheBackend(StorageBackend):
             return False
         return True
 
-    @property
-    def server_reachable(self) -> bool:
-        """False while the guard's breaker is open."""
-        return not self.report.down
-
     def _calls(self, requests: Sequence[Request]) -> list[Any] | None:
         """One pipelined round trip; None when the breaker is open or it failed (opening it)."""
         if self.report.down:
@@ -332,7 +236,7 @@ class LMCacheBackend(StorageBackend):
     def _distinct_batches(keys: list[str], pages: list[np.ndarray],
                           run: Callable[[list[str], list[np.ndarray]], list[bool]],
                           first: list[int]) -> list[bool]:
-        """``run`` over batches of ``MAX_BATCH`` distinct keys (``first``: ``_first_of(keys)``);
+        """``run`` over batches of ``MAX_BATCH`` distinct keys (``first``: ``first_of(keys)``);
         a repeated key gets its first occurrence's result."""
         todo = sorted(set(first))
         done: dict[int, bool] = {}
@@ -345,7 +249,7 @@ class LMCacheBackend(StorageBackend):
     def _write(self, keys: list[str], payloads: list[np.ndarray]) -> list[bool]:
         """Store pages (a key twice in ``keys`` is written once: the repeats are
         reported skipped)."""
-        first = _first_of(keys)
+        first = first_of(keys)
         results = self._distinct_batches(keys, payloads, self._write_batch, first)
         self.report.skipped(sum(1 for i, j in enumerate(first) if i != j and results[i]))
         return results
@@ -380,7 +284,7 @@ class LMCacheBackend(StorageBackend):
             commit.append(i)
             results[i] = True
         done = self._calls([("commit_store", (ipc[i], self.instance_id, b"")) for i in commit]
-                           + _end_sessions(ipc))
+                           + end_sessions(ipc))
         for j, i in enumerate(commit):
             results[i] = results[i] and done is not None and done[j] is True
         self._remember([k for k, ok in zip(keys, results, strict=True) if ok])
@@ -401,7 +305,7 @@ class LMCacheBackend(StorageBackend):
 
     def _read(self, keys: list[str], targets: list[np.ndarray]) -> list[bool]:
         """Read pages into ``targets`` (a key twice in ``keys`` is read once, then copied)."""
-        first = _first_of(keys)
+        first = first_of(keys)
         results = self._distinct_batches(keys, targets, self._read_batch, first)
         for i, j in enumerate(first):
             if i != j and results[i]:
@@ -436,31 +340,16 @@ class LMCacheBackend(StorageBackend):
                 corrupt.append(keys[i])
         if hits is not None:
             self._calls([("commit_retrieve", (ipc[i], self.instance_id)) for i in held]
-                        + _end_sessions(ipc))
+                        + end_sessions(ipc))
         self._remember([k for k, ok in zip(keys, results, strict=True) if ok])
         if corrupt:
             self.report.corrupt(len(corrupt))
             self._delete(corrupt)
         return results
 
-    # ---- single pages (through a staging copy) ---------------------------------------------
+    # ---- the verbs ---------------------------------------------------------------------------
 
-    def get(self, key: str, target: torch.Tensor) -> bool:
-        staging = np.empty(self.config.page_bytes, dtype=np.uint8)
-        if not self._read([key], [staging])[0]:
-            return False
-        target.view(-1).copy_(torch.from_numpy(staging))
-        return True
-
-    def set(self, key: str, value: torch.Tensor) -> bool:
-        return self._write([key], [value.reshape(-1).view(torch.uint8).numpy()])[0]
-
-    def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
-
-    # ---- batches ---------------------------------------------------------------------------
-
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: Sequence[str]) -> int:
         found = 0
         for lo in range(0, len(keys), MAX_BATCH):
             batch = keys[lo:lo + MAX_BATCH]
@@ -470,7 +359,7 @@ class LMCacheBackend(StorageBackend):
                 return found
             # Release what the lookups pinned in the server's DRAM, and the sessions.
             self._calls([("free_lookup_locks", (k, 1)) for k, hit in zip(ipc, hits, strict=True)
-                         if hit] + _end_sessions(ipc))
+                         if hit] + end_sessions(ipc))
             run = hits.index(0) if 0 in hits else len(batch)
             self._remember(batch[:run])
             found += run
@@ -478,37 +367,32 @@ class LMCacheBackend(StorageBackend):
                 break
         return found
 
-    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[bool]:
-        staging = [np.empty(self.config.page_bytes, dtype=np.uint8) for _ in keys]
-        results = self._read(keys, staging)
-        for ok, target, data in zip(results, targets, staging, strict=True):
+    def read(self, batch: ReadBatch) -> list[bool]:
+        pool = self._require_pool()
+        views = self._slot_views(batch.slots)
+        if views is not None:
+            return self._read(list(batch.keys), views)
+        # layer_first: through staging pages
+        staging = [np.empty(self.config.page_bytes, dtype=np.uint8) for _ in batch.keys]
+        results = self._read(list(batch.keys), staging)
+        for ok, slot, data in zip(results, batch.slots, staging, strict=True):
             if ok:
-                target.view(-1).copy_(torch.from_numpy(data))
+                pool.write_page(slot, torch.from_numpy(data))
         return results
 
-    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
-        return self._write(keys, [v.reshape(-1).view(torch.uint8).numpy() for v in values])
+    def _slot_views(self, slots: Sequence[int]) -> list[np.ndarray] | None:
+        """Byte views of the pool slots, or None where slots are not contiguous."""
+        views = [self._require_pool().page_view(s) for s in slots]
+        return None if any(v is None for v in views) else [v.numpy() for v in views if v is not None]
 
-    def _slot_views(self, keys: list[str], host_slots: list[int]) -> list[np.ndarray] | None:
-        """Byte views of the pool slots, or None where slots are not contiguous
-        (layer_first: the base class stages those)."""
+    def write(self, batch: WriteBatch) -> list[bool]:
         pool = self._require_pool()
-        if len(keys) != len(host_slots):
-            raise ValueError("keys and host_slots differ in length")
-        views = [pool.page_view(s) for s in host_slots]
-        return [v.numpy() for v in views if v is not None] if None not in views else None
-
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
-        views = self._slot_views(keys, host_slots)
-        if views is None:
-            return super().batch_get_v1(keys, host_slots)
-        return self._read(keys, views)
-
-    def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
-        views = self._slot_views(keys, host_slots)
-        if views is None:
-            return super().batch_set_v1(keys, host_slots)
-        return self._write(keys, views)
+        views = self._slot_views(batch.slots)
+        if views is not None:
+            return self._write(list(batch.keys), views)
+        return self._write(list(batch.keys),
+                           [pool.read_page(s).reshape(-1).contiguous().numpy()
+                            for s in batch.slots])
 
     # ---- deletes, through the server's HTTP API ---------------------------------------------
 
@@ -565,18 +449,15 @@ class LMCacheBackend(StorageBackend):
                 self._known.pop(key, None)
         return min(found, len(keys))
 
-    def delete(self, key: str) -> bool:
-        return self.batch_delete([key]) == 1
-
     def _require_http(self) -> None:
         if self.settings.http_url is None:
             raise NotImplementedError(
                 "the lmcache backend deletes pages through the server's HTTP API: set "
                 "hicache_storage_backend_extra_config.http_url")
 
-    def batch_delete(self, keys: list[str]) -> int:
+    def delete(self, keys: Sequence[str]) -> int:
         self._require_http()
-        return self._delete(keys)
+        return self._delete(list(keys))
 
     def clear(self) -> None:
         self._require_http()

@@ -18,20 +18,17 @@ Contract (on top of ``base.py``):
     ``max_batch_pages`` pages per NIXL transfer request (default 256).
 - One file per page and rank in the page directory the file backend uses
   (tiers/l3/page_dir.py): ``<path>/pages/<xx>/<object_key>.nixl``, the
-  128-byte integrity header followed by the payload. Page files of the
-  earlier flat layout (``<path>/<object_key>``) are moved there at start.
+  128-byte integrity header followed by the payload.
   Writes go to ``<path>/tmp/`` and are renamed into place, so readers see
   whole pages or nothing. Every read checks the file size and
   ``integrity.verify``; a mismatch is a miss reported corrupt and the file is
   moved to ``<path>/quarantine/`` unless a fresh copy replaced it meanwhile.
 - Zero copy: the registered pool buffer is the DRAM side of the transfer for
   layouts whose slots are contiguous (page_first, page_first_direct); a
-  small registered header buffer holds the headers. ``get`` / ``set`` on
-  any other tensor (layer_first through the base class) go through a
-  registered one-page staging buffer. O_DIRECT is not offered: the 128-byte
+  small registered header buffer holds the headers. Other layouts
+  (layer_first) go through a registered one-page staging buffer. O_DIRECT is not offered: the 128-byte
   header puts the payload at an unaligned file offset.
-- No I/O problem raises from get / set / exists / batch_*: they return False
-  (or a shorter count) and report the failure (``report.failed``; the guard
+- An I/O problem is a miss (False, or a shorter count), reported (``report.failed``; the guard
   counts it in ``errors``).
 """
 
@@ -40,11 +37,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,9 +49,12 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import (
+    Capabilities,
+    ReadBatch,
     StorageBackend,
     StorageConfig,
     StorageConfigError,
+    WriteBatch,
     validate_extra,
 )
 from hicache.tiers.l3.page_dir import PageDirectory
@@ -107,13 +106,6 @@ class _Page:
 class NixlBackend(StorageBackend):
     """Page files written and read by a NIXL agent (POSIX plugin by default)."""
 
-    # Lookups stat() the page files, never the agent: safe on probe threads.
-    # Transfers take the backend's lock: safe from several threads, one at a time.
-    concurrent_lookups = True
-    concurrent_io = True
-    # Headers are packed per page in Python: a checksum the pool has saves its pass.
-    uses_pool_checksums = True
-
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         extra = validate_extra(config.extra_config, NixlExtraConfig, "nixl")
@@ -124,8 +116,11 @@ class NixlBackend(StorageBackend):
         params = extra.plugin_params
         self.dir = PageDirectory(self.path, ".nixl", config.key_suffix,
                                  "hicache_storage_backend_extra_config.path")
-        # page files of the flat layout (<path>/<object_key>) move into the fan-out
-        self.dir.adopt_flat(re.compile(rf"([0-9a-f]{{64}})_{config.key_suffix}"))
+        # Lookups stat() the page files, never the agent: safe on probe threads.
+        # Transfers take the backend's lock: safe from several threads, one at a time.
+        # Headers are packed per page in Python: a checksum the pool has saves its pass.
+        self.capabilities = Capabilities(concurrent_lookups=True, concurrent_io=True,
+                                         pool_checksums=True)
 
         self._lock = threading.Lock()
         self._name = f"hicache-nixl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -193,14 +188,6 @@ class NixlBackend(StorageBackend):
             self._pool_reg = self._register_dram(pool.buffer)
             self._pool_span = (pool.buffer.data_ptr(), pool.buffer.data_ptr() + pool.nbytes)
 
-    def _dram_of(self, tensor: torch.Tensor) -> int | None:
-        """Address of ``tensor`` if it lies in the registered pool buffer."""
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            return None
-        lo, hi = self._pool_span
-        addr = tensor.data_ptr()
-        return addr if lo <= addr and addr + self.config.page_bytes <= hi else None
-
     def _staging_page(self) -> torch.Tensor:
         if self._staging is None:
             self._staging = torch.empty(self.config.page_bytes, dtype=torch.uint8)
@@ -212,68 +199,45 @@ class NixlBackend(StorageBackend):
     def _file(self, key: str) -> str:
         return self.dir.path(self.dir.name(key))
 
-    # ---- single pages -----------------------------------------------------------
+    # ---- the verbs ------------------------------------------------------------------
 
-    def exists(self, key: str) -> bool:
-        return os.path.exists(self._file(key))
-
-    def get(self, key: str, target: torch.Tensor) -> bool:
-        with self._lock:
-            if self._closed:
-                return False
-            addr = self._dram_of(target)
-            if addr is not None:
-                return self._read([_Page(key, self._file(key), addr, target)])[0]
-            staging = self._staging_page()
-            ok = self._read([_Page(key, self._file(key), staging.data_ptr(), staging)])[0]
-            if ok:
-                target.view(-1).copy_(staging)
-            return ok
-
-    def set(self, key: str, value: torch.Tensor) -> bool:
-        with self._lock:
-            if self._closed:
-                return False
-            if self._skip_existing(key):
-                return True
-            addr = self._dram_of(value)
-            if addr is None:
-                view = self._staging_page()
-                view.copy_(value.reshape(-1))
-                addr = view.data_ptr()
-            else:
-                view = value
-            return self._write([_Page(key, self._file(key), addr, view)])[0]
-
-    # ---- batches ----------------------------------------------------------------
-
-    def batch_exists(self, keys: list[str]) -> int:
+    def exists_prefix(self, keys: Sequence[str]) -> int:
         for i, key in enumerate(keys):
             if not os.path.exists(self._file(key)):
                 return i
         return len(keys)
 
-    def batch_get_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+    def read(self, batch: ReadBatch) -> list[bool]:
         pool = self._require_pool()
-        if pool.page_view(0) is None:
-            return super().batch_get_v1(keys, host_slots)
-        pages = self._slot_pages(pool, keys, host_slots)
+        keys, slots = list(batch.keys), list(batch.slots)
         with self._lock:
-            return self._chunked(self._read, pages)
+            if self._closed:
+                return [False] * len(keys)
+            if pool.page_view(0) is not None:
+                return self._chunked(self._read, self._slot_pages(pool, keys, slots))
+            staging = self._staging_page()  # layer_first: through the registered staging page
+            return self._read_staged(keys, slots, staging, lambda key: self._read(
+                [_Page(key, self._file(key), staging.data_ptr(), staging)])[0])
 
-    def batch_set_v1(self, keys: list[str], host_slots: list[int]) -> list[bool]:
+    def write(self, batch: WriteBatch) -> list[bool]:
         pool = self._require_pool()
-        if pool.page_view(0) is None:
-            return super().batch_set_v1(keys, host_slots)
+        keys, slots = list(batch.keys), list(batch.slots)
         results = [True] * len(keys)
-        todo: list[tuple[int, _Page]] = []
         with self._lock:
-            all_pages = self._slot_pages(pool, keys, host_slots)
-            for i, page in enumerate(all_pages):
-                if not self._skip_existing(page.key):
-                    todo.append((i, page))
-            done = self._chunked(self._write, [p for _, p in todo])
-        for (i, _), ok in zip(todo, done, strict=True):
+            if self._closed:
+                return [False] * len(keys)
+            todo = [i for i, key in enumerate(keys) if not self._skip_existing(key)]
+            if pool.page_view(0) is not None:
+                pages = self._slot_pages(pool, [keys[i] for i in todo], [slots[i] for i in todo])
+                done = self._chunked(self._write, pages)
+            else:  # layer_first: through the registered staging page
+                staging = self._staging_page()
+                done = []
+                for i in todo:
+                    staging.copy_(pool.read_page(slots[i]).reshape(-1))
+                    done += self._write([_Page(keys[i], self._file(keys[i]),
+                                               staging.data_ptr(), staging)])
+        for i, ok in zip(todo, done, strict=True):
             results[i] = ok
         return results
 
@@ -468,12 +432,13 @@ class NixlBackend(StorageBackend):
 
     # ---- maintenance ------------------------------------------------------------
 
-    def delete(self, key: str) -> bool:
-        try:
-            os.unlink(self._file(key))
-        except OSError:
-            return False
-        return True
+    def delete(self, keys: Sequence[str]) -> int:
+        deleted = 0
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._file(key))
+                deleted += 1
+        return deleted
 
     def clear(self) -> None:
         """Remove every page file and quarantined file in the directory."""

@@ -21,7 +21,7 @@ from hicache.tiers.l2 import host_pool as host_pool_module
 from hicache.tiers.l2.host_memory import allocate
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import integrity, native_io, verify
-from hicache.tiers.l3.base import StorageConfig, StorageConfigError
+from hicache.tiers.l3.base import ReadBatch, StorageConfig, StorageConfigError, WriteBatch
 from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.file.backend import FILE_HEADER_BYTES, FILE_LAYOUT, FileBackend
 from hicache.tiers.l3.guard import GuardedBackend, guarded
@@ -69,11 +69,11 @@ def test_round_trip_through_host_slots(tmp_path, layout, io_path):
     a.register_host_pool(src)
     b.register_host_pool(dst)
     # Contiguous slots take the batch path where it runs; layer_first stages a page.
-    assert (b._pool_np is not None) == (io_path == "native" and layout != "layer_first")
+    assert (b.inner._pool_np is not None) == (io_path == "native" and layout != "layer_first")
     ks = keys(4)
-    assert a.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
-    assert b.batch_exists(ks) == 4
-    assert b.batch_get_v1(ks, [7, 6, 5, 4]) == [True] * 4
+    assert a.write(WriteBatch(ks, [0, 1, 2, 3])) == [True] * 4
+    assert b.exists_prefix(ks) == 4
+    assert b.read(ReadBatch(ks, [7, 6, 5, 4])) == [True] * 4
     for s, d in zip([0, 1, 2, 3], [7, 6, 5, 4], strict=True):
         assert torch.equal(src.canonical[s], dst.canonical[d])
     assert b.stats().get_hits == 4 and b.stats().bytes_read == 4 * GEOM.page_bytes
@@ -83,9 +83,9 @@ def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(tmp_path):
     backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 3))
     ks = keys(5)
-    backend.batch_set_v1([ks[0], ks[1], ks[3]], [0, 1, 3])
-    assert backend.batch_exists(ks) == 2
-    assert backend.batch_set_v1([ks[0]], [5]) == [True]
+    backend.write(WriteBatch([ks[0], ks[1], ks[3]], [0, 1, 3]))
+    assert backend.exists_prefix(ks) == 2
+    assert backend.write(WriteBatch([ks[0]], [5])) == [True]
     assert backend.stats().set_skipped_existing == 1
 
 
@@ -93,11 +93,11 @@ def test_other_rank_or_layout_misses(tmp_path):
     a = guarded(FileBackend(config(tmp_path, rank=0)))
     a.register_host_pool(filled_pool("page_first", 4))
     ks = keys(2)
-    a.batch_set_v1(ks, [0, 1])
-    assert guarded(FileBackend(config(tmp_path, rank=1))).batch_exists(ks) == 0
-    assert guarded(FileBackend(config(tmp_path, layout="page_first_direct"))).batch_exists(ks) == 0
+    a.write(WriteBatch(ks, [0, 1]))
+    assert guarded(FileBackend(config(tmp_path, rank=1))).exists_prefix(ks) == 0
+    assert guarded(FileBackend(config(tmp_path, layout="page_first_direct"))).exists_prefix(ks) == 0
     # layer_first and page_first_direct slots hold the same byte order: shared.
-    assert guarded(FileBackend(config(tmp_path, layout="page_first"))).batch_exists(ks) == 2
+    assert guarded(FileBackend(config(tmp_path, layout="page_first"))).exists_prefix(ks) == 2
 
 
 @pytest.mark.parametrize("damage", ["flip_payload", "flip_header_key", "truncate", "append",
@@ -106,8 +106,8 @@ def test_corruption_is_a_counted_quarantined_miss(tmp_path, damage):
     writer = guarded(FileBackend(config(tmp_path)))
     writer.register_host_pool(filled_pool("page_first", 5))
     ks = keys(2)
-    writer.batch_set_v1(ks, [0, 1])
-    victim = writer.page_path(ks[0])
+    writer.write(WriteBatch(ks, [0, 1]))
+    victim = writer.inner.page_path(ks[0])
     data = bytearray(victim.read_bytes())
     if damage == "flip_payload":
         data[-100] ^= 0x40
@@ -118,18 +118,18 @@ def test_corruption_is_a_counted_quarantined_miss(tmp_path, damage):
     elif damage == "append":
         data += b"x"
     else:  # another page's file renamed onto this key
-        other = writer.page_path(ks[1])
+        other = writer.inner.page_path(ks[1])
         data = bytearray(other.read_bytes())
     victim.write_bytes(bytes(data))
     reader = guarded(FileBackend(config(tmp_path)))
     dst = filled_pool("page_first", 6)
     before = dst.buffer[3].clone()
     reader.register_host_pool(dst)
-    assert reader.batch_get_v1([ks[0]], [3]) == [False]
+    assert reader.read(ReadBatch([ks[0]], [3])) == [False]
     assert reader.stats().corrupt_pages == 1
-    assert not victim.exists() and len(list(reader.quarantine_dir.iterdir())) == 1
-    assert reader.batch_exists(ks) == 0
-    assert reader.batch_get_v1([ks[1]], [2]) == [True]
+    assert not victim.exists() and len(list(reader.inner.quarantine_dir.iterdir())) == 1
+    assert reader.exists_prefix(ks) == 0
+    assert reader.read(ReadBatch([ks[1]], [2])) == [True]
     del before  # the slot's bytes after a failed get are unspecified; the caller drops it
 
 
@@ -137,10 +137,10 @@ def test_deleted_between_exists_and_get_is_a_plain_miss(tmp_path):
     backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 7))
     ks = keys(1)
-    backend.batch_set_v1(ks, [0])
-    assert backend.exists(ks[0])
-    backend.page_path(ks[0]).unlink()
-    assert backend.batch_get_v1(ks, [1]) == [False]
+    backend.write(WriteBatch(ks, [0]))
+    assert (backend.exists_prefix([ks[0]]) == 1)
+    backend.inner.page_path(ks[0]).unlink()
+    assert backend.read(ReadBatch(ks, [1])) == [False]
     assert backend.stats().corrupt_pages == 0 and backend.stats().get_misses == 1
 
 
@@ -149,13 +149,13 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     backend = guarded(FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9)))
     backend.register_host_pool(filled_pool("page_first", 8))
     ks = keys(4)
-    backend.batch_set_v1(ks[:3], [0, 1, 2])
-    assert backend.get(ks[0], torch.empty(GEOM.page_bytes, dtype=torch.uint8))  # 0 is now recent
-    backend.batch_set_v1([ks[3]], [3])
-    assert [backend.exists(k) for k in ks] == [True, False, True, True]
-    assert backend.used_bytes <= 3 * page_file and backend.stats().evicted_pages == 1
+    backend.write(WriteBatch(ks[:3], [0, 1, 2]))
+    assert backend.read(ReadBatch(ks[:1], [4])) == [True]  # 0 is now recent
+    backend.write(WriteBatch([ks[3]], [3]))
+    assert [(backend.exists_prefix([k]) == 1) for k in ks] == [True, False, True, True]
+    assert backend.inner.used_bytes <= 3 * page_file and backend.stats().evicted_pages == 1
     # The index is rebuilt from the directory at start.
-    assert guarded(FileBackend(config(tmp_path, capacity_gb=1))).used_bytes == 3 * page_file
+    assert FileBackend(config(tmp_path, capacity_gb=1)).used_bytes == 3 * page_file
 
 
 def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypatch):
@@ -164,7 +164,7 @@ def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypat
     only retained pages are left the capacity wins, oldest first. (One page per write:
     a batch may pass the capacity while it is written.)"""
     now = [1000.0]
-    monkeypatch.setattr("hicache.tiers.l3.file.backend.time.time", lambda: now[0])
+    monkeypatch.setattr("hicache.tiers.l3.file.capacity.time.time", lambda: now[0])
     page_file = FILE_HEADER_BYTES + GEOM.page_bytes
     backend = guarded(FileBackend(config(tmp_path, capacity_gb=3 * page_file / 1e9)))
     backend.register_host_pool(filled_pool("page_first", 8))
@@ -172,10 +172,10 @@ def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypat
 
     def write(*pages: int) -> None:
         for i in pages:
-            assert backend.batch_set_v1([ks[i]], [i]) == [True]
+            assert backend.write(WriteBatch([ks[i]], [i])) == [True]
 
     def held(*pages: int) -> list[bool]:
-        return [backend.exists(ks[i]) for i in pages]
+        return [(backend.exists_prefix([ks[i]]) == 1) for i in pages]
 
     assert backend.retain([ks[0]], 1060.0) == 1
     write(0, 1, 2, 3, 4)  # two evictions: 1 and 2, not 0
@@ -192,7 +192,7 @@ def test_retained_pages_are_passed_over_until_their_deadline(tmp_path, monkeypat
     # Everything retained: the capacity still holds, the oldest retained page goes.
     assert backend.retain([ks[6], ks[7], ks[1]], 2000.0) == 3
     write(1)
-    assert backend.used_bytes <= 3 * page_file
+    assert backend.inner.used_bytes <= 3 * page_file
     assert held(4, 6, 7, 1) == [False, True, True, True]
 
 
@@ -209,7 +209,7 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path):
 def _write_pages(path: str, n: int) -> None:
     backend = guarded(FileBackend(config(Path(path))))
     backend.register_host_pool(filled_pool("page_first", 9))
-    assert backend.batch_set_v1(keys(n), list(range(n))) == [True] * n
+    assert backend.write(WriteBatch(keys(n), list(range(n)))) == [True] * n
 
 
 def test_two_processes_share_one_directory(tmp_path):
@@ -219,8 +219,8 @@ def test_two_processes_share_one_directory(tmp_path):
     assert proc.exitcode == 0
     reader = guarded(FileBackend(config(tmp_path)))
     reader.register_host_pool(filled_pool("page_first", 10))
-    assert reader.batch_exists(keys(4)) == 4
-    assert reader.batch_get_v1(keys(4), [4, 5, 6, 7]) == [True] * 4
+    assert reader.exists_prefix(keys(4)) == 4
+    assert reader.read(ReadBatch(keys(4), [4, 5, 6, 7])) == [True] * 4
     assert torch.equal(reader.pool.buffer[4:8], filled_pool("page_first", 9).buffer[0:4])
 
 
@@ -278,7 +278,7 @@ def test_dynamic_loader_keys_are_checked_and_the_rest_passes_through(tmp_path):
     backend = create_backend("dynamic", config(
         tmp_path, module_path="hicache.tiers.l3.file.backend", class_name="FileBackend",
         backend_name="mine", interface_v1=1, fsync=True))
-    assert isinstance(backend.inner, FileBackend) and backend.fsync and backend.root == tmp_path
+    assert isinstance(backend.inner, FileBackend) and backend.inner.fsync and backend.inner.root == tmp_path
     assert backend.config.extra_config == {"path": str(tmp_path), "fsync": True}
 
 
@@ -287,10 +287,10 @@ def test_dynamic_backend_loads_a_third_party_class(tmp_path):
         "backend_name": "mine", "module_path": "hicache.tiers.l3.file.backend",
         "class_name": "FileBackend", "path": str(tmp_path)})
     backend = create_backend("dynamic", cfg)
-    assert isinstance(backend.inner, FileBackend) and backend.root == tmp_path
+    assert isinstance(backend.inner, FileBackend) and backend.inner.root == tmp_path
     cfg2 = StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes, extra_config={
         "module_path": "hicache.tiers.l3.base", "class_name": "StorageConfig"})
-    with pytest.raises(StorageConfigError, match="not a StorageBackend"):
+    with pytest.raises(StorageConfigError, match="neither a StorageBackend"):
         create_backend("dynamic", cfg2)
 
 
@@ -298,9 +298,9 @@ def test_delete_removes_one_page(tmp_path):
     backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 11))
     ks = keys(3)
-    backend.batch_set_v1(ks, [0, 1, 2])
-    assert backend.batch_delete([ks[1], ks[1]]) == 1
-    assert [backend.exists(k) for k in ks] == [True, False, True]
+    backend.write(WriteBatch(ks, [0, 1, 2]))
+    assert backend.delete([ks[1], ks[1]]) == 1
+    assert [(backend.exists_prefix([k]) == 1) for k in ks] == [True, False, True]
 
 
 @pytest.mark.parametrize(("mode", "pinned", "cpus", "helper"), [
@@ -317,14 +317,14 @@ def test_verify_picks_where_read_checksums_run(tmp_path, monkeypatch, io_path, m
     b = guarded(FileBackend(config(tmp_path, verify=mode)))
     b.register_host_pool(pool)
     pool.memory.pinned = False
-    assert (b._verify_helper is not None) == (helper and io_path == "native")
+    assert (b.inner._verify_helper is not None) == (helper and io_path == "native")
     ks = keys(3)
-    assert b.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
-    assert b.batch_get_v1(ks, [5, 6, 7]) == [True] * 3
+    assert b.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
+    assert b.read(ReadBatch(ks, [5, 6, 7])) == [True] * 3
     assert torch.equal(pool.buffer[5:8], pool.buffer[0:3])
     b.close()  # the helper stops; reads after it checksum on their own thread
-    assert b._verify_helper is None
-    assert b.batch_get_v1(ks, [5, 6, 7]) == [True] * 3
+    assert b.inner._verify_helper is None
+    assert b.read(ReadBatch(ks, [5, 6, 7])) == [True] * 3
 
 
 # ---- layout: fan-out, aligned payload, format version ------------------------------------
@@ -332,17 +332,17 @@ def test_verify_picks_where_read_checksums_run(tmp_path, monkeypatch, io_path, m
 
 def test_pages_fan_out_into_subdirectories_made_on_first_write(tmp_path):
     backend = guarded(FileBackend(config(tmp_path)))
-    assert list(backend.pages_dir.iterdir()) == []  # nothing made before a page is written
+    assert list(backend.inner.pages_dir.iterdir()) == []  # nothing made before a page is written
     backend.register_host_pool(filled_pool("page_first", 12))
     ks = keys(6)
-    assert backend.batch_set_v1(ks, list(range(6))) == [True] * 6
+    assert backend.write(WriteBatch(ks, list(range(6)))) == [True] * 6
     for k in ks:
-        path = backend.page_path(k)
-        assert path == backend.pages_dir / k[:2] / f"{backend.object_key(k)}.page"
+        path = backend.inner.page_path(k)
+        assert path == backend.inner.pages_dir / k[:2] / f"{backend.object_key(k)}.page"
         assert path.is_file()
-    assert sorted(p.name for p in backend.pages_dir.iterdir()) == sorted({k[:2] for k in ks})
-    assert not list(backend.pages_dir.glob("*.page"))  # nothing flat
-    assert not list(backend.tmp_dir.iterdir())  # every temp file renamed in
+    assert sorted(p.name for p in backend.inner.pages_dir.iterdir()) == sorted({k[:2] for k in ks})
+    assert not list(backend.inner.pages_dir.glob("*.page"))  # nothing flat
+    assert not list(backend.inner.tmp_dir.iterdir())  # every temp file renamed in
 
 
 def test_payload_starts_4k_aligned_after_a_zero_padded_header(tmp_path):
@@ -350,8 +350,8 @@ def test_payload_starts_4k_aligned_after_a_zero_padded_header(tmp_path):
     pool = filled_pool("page_first_direct", 13)
     backend.register_host_pool(pool)
     k = keys(1)[0]
-    backend.batch_set_v1([k], [2])
-    data = backend.page_path(k).read_bytes()
+    backend.write(WriteBatch([k], [2]))
+    data = backend.inner.page_path(k).read_bytes()
     assert FILE_HEADER_BYTES % 4096 == 0
     assert len(data) == FILE_HEADER_BYTES + GEOM.page_bytes
     payload = data[FILE_HEADER_BYTES:]
@@ -373,24 +373,24 @@ def test_old_format_or_damaged_padding_is_a_quarantined_miss(tmp_path, old):
     k = keys(1)[0]
     payload = bytes(pool.read_page(0).numpy())
     v2_header = integrity.pack_header(bytes.fromhex(k), backend.config.fingerprint, payload)
-    path = backend.page_path(k)
+    path = backend.inner.page_path(k)
     path.parent.mkdir(parents=True, exist_ok=True)
     if old == "v2_file":  # the previous format: 128-byte header, payload right after it
         path.write_bytes(v2_header + payload)
     elif old == "v2_header_padded":  # the new layout with the previous version number
         path.write_bytes(v2_header.ljust(FILE_HEADER_BYTES, b"\0") + payload)
     else:
-        backend.batch_set_v1([k], [0])
+        backend.write(WriteBatch([k], [0]))
         data = bytearray(path.read_bytes())
         data[FILE_HEADER_BYTES - 1] ^= 0x01
         path.write_bytes(bytes(data))
-    assert backend.exists(k)  # existence is a hint; the read decides
-    assert backend.batch_get_v1([k], [5]) == [False]
+    assert (backend.exists_prefix([k]) == 1)  # existence is a hint; the read decides
+    assert backend.read(ReadBatch([k], [5])) == [False]
     assert backend.stats().corrupt_pages == 1 and backend.stats().get_hits == 0
-    assert not path.exists() and len(list(backend.quarantine_dir.iterdir())) == 1
+    assert not path.exists() and len(list(backend.inner.quarantine_dir.iterdir())) == 1
     # Stored again, it is served.
-    assert backend.batch_set_v1([k], [0]) == [True]
-    assert backend.batch_get_v1([k], [5]) == [True]
+    assert backend.write(WriteBatch([k], [0])) == [True]
+    assert backend.read(ReadBatch([k], [5])) == [True]
     assert torch.equal(pool.buffer[5], pool.buffer[0])
 
 
@@ -398,16 +398,16 @@ def test_flat_files_of_the_earlier_layout_are_never_read_but_counted_and_cleared
     backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 15))
     k = keys(1)[0]
-    legacy = backend.pages_dir / f"{backend.object_key(k)}.page"
+    legacy = backend.inner.pages_dir / f"{backend.object_key(k)}.page"
     legacy.write_bytes(b"\0" * (integrity.HEADER_BYTES + GEOM.page_bytes))
     restarted = guarded(FileBackend(config(tmp_path)))
-    assert restarted.used_bytes == integrity.HEADER_BYTES + GEOM.page_bytes
-    assert not restarted.exists(k)
+    assert restarted.inner.used_bytes == integrity.HEADER_BYTES + GEOM.page_bytes
+    assert not (restarted.exists_prefix([k]) == 1)
     restarted.register_host_pool(filled_pool("page_first", 16))
-    assert restarted.batch_get_v1([k], [0]) == [False]
+    assert restarted.read(ReadBatch([k], [0])) == [False]
     assert restarted.stats().corrupt_pages == 0  # never opened
     restarted.clear()
-    assert not legacy.exists() and restarted.used_bytes == 0
+    assert not legacy.exists() and restarted.inner.used_bytes == 0
 
 
 def test_capacity_index_is_rebuilt_from_the_fan_out_oldest_first(tmp_path):
@@ -415,31 +415,31 @@ def test_capacity_index_is_rebuilt_from_the_fan_out_oldest_first(tmp_path):
     writer = guarded(FileBackend(config(tmp_path)))
     writer.register_host_pool(filled_pool("page_first", 17))
     ks = keys(5)
-    writer.batch_set_v1(ks[:4], [0, 1, 2, 3])
+    writer.write(WriteBatch(ks[:4], [0, 1, 2, 3]))
     assert len({k[:2] for k in ks[:4]}) > 1  # spread over several sub-directories
-    legacy = writer.pages_dir / "legacy_0123.page"  # earlier flat layout, oldest of all
+    legacy = writer.inner.pages_dir / "legacy_0123.page"  # earlier flat layout, oldest of all
     legacy.write_bytes(b"\0" * 100)
-    for age, path in enumerate([legacy] + [writer.page_path(k) for k in [ks[2], ks[0], ks[3],
+    for age, path in enumerate([legacy] + [writer.inner.page_path(k) for k in [ks[2], ks[0], ks[3],
                                                                          ks[1]]]):
         os.utime(path, (1_000_000 + age, 1_000_000 + age))
     restarted = guarded(FileBackend(config(tmp_path, capacity_gb=4 * page_file / 1e9)))
-    assert restarted.used_bytes == 4 * page_file + 100
+    assert restarted.inner.used_bytes == 4 * page_file + 100
     restarted.register_host_pool(filled_pool("page_first", 17))
-    restarted.batch_set_v1([ks[4]], [4])  # needs room for one page: the legacy file, then ks[2]
+    restarted.write(WriteBatch([ks[4]], [4]))  # needs room for one page: the legacy file, then ks[2]
     assert not legacy.exists()
-    assert [restarted.exists(k) for k in ks] == [True, True, False, True, True]
-    assert restarted.used_bytes == 4 * page_file and restarted.stats().evicted_pages == 2
+    assert [(restarted.exists_prefix([k]) == 1) for k in ks] == [True, True, False, True, True]
+    assert restarted.inner.used_bytes == 4 * page_file and restarted.stats().evicted_pages == 2
 
 
 def test_clear_removes_pages_of_every_subdirectory(tmp_path):
     backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 18))
     ks = keys(6)
-    backend.batch_set_v1(ks, list(range(6)))
+    backend.write(WriteBatch(ks, list(range(6))))
     backend.clear()
-    assert backend.batch_exists(ks) == 0 and backend.used_bytes == 0
-    assert not list(backend.pages_dir.glob("*/*.page"))
-    assert backend.batch_set_v1(ks[:1], [0]) == [True]  # sub-directories kept or remade
+    assert backend.exists_prefix(ks) == 0 and backend.inner.used_bytes == 0
+    assert not list(backend.inner.pages_dir.glob("*/*.page"))
+    assert backend.write(WriteBatch(ks[:1], [0])) == [True]  # sub-directories kept or remade
 
 
 # ---- O_DIRECT ------------------------------------------------------------------------------
@@ -476,7 +476,7 @@ def aligned_pool(monkeypatch, seed: int) -> HostPagePool:
 def direct_backend(cfg: StorageConfig) -> FileBackend:
     backend = guarded(FileBackend(dataclasses.replace(cfg, extra_config={**cfg.extra_config,
                                                                  "direct_io": "auto"})))
-    if not backend.direct_io:
+    if not backend.inner.direct_io:
         pytest.skip(f"{cfg.extra_config['path']} does not accept O_DIRECT")
     return backend
 
@@ -499,11 +499,11 @@ def test_direct_io_moves_aligned_pages_straight_between_file_and_slot(tmp_path, 
     writer = direct_backend(config_4k(tmp_path))
     writer.register_host_pool(src)
     ks = keys(4)
-    assert writer.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
+    assert writer.write(WriteBatch(ks, [0, 1, 2, 3])) == [True] * 4
     reader = direct_backend(config_4k(tmp_path))
     reader.register_host_pool(dst)
     calls = iovec_counts(monkeypatch)
-    assert reader.batch_get_v1(ks, [4, 5, 6, 7]) == [True] * 4
+    assert reader.read(ReadBatch(ks, [4, 5, 6, 7])) == [True] * 4
     assert calls == [3] * 4  # header, the slot itself, one block past the end
     assert torch.equal(dst.buffer[4:8], src.buffer[0:4])
     assert reader.stats().get_hits == 4 and reader.stats().corrupt_pages == 0
@@ -516,19 +516,19 @@ def test_direct_io_bounces_unaligned_slots_and_odd_page_sizes(tmp_path, monkeypa
     writer = direct_backend(config(tmp_path))
     writer.register_host_pool(src)
     ks = keys(4)
-    assert writer.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
+    assert writer.write(WriteBatch(ks, [0, 1, 2, 3])) == [True] * 4
     reader = direct_backend(config(tmp_path))
     reader.register_host_pool(dst)
     calls = iovec_counts(monkeypatch)
-    assert reader.batch_get_v1(ks, [4, 5, 6, 7]) == [True] * 4
+    assert reader.read(ReadBatch(ks, [4, 5, 6, 7])) == [True] * 4
     assert calls == [1] * 4
     assert torch.equal(dst.buffer[4:8], src.buffer[0:4])
     # A damaged page read through the bounce buffer is still a quarantined miss.
-    path = reader.page_path(ks[0])
+    path = reader.inner.page_path(ks[0])
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
     path.write_bytes(bytes(data))
-    assert reader.batch_get_v1(ks[:1], [4]) == [False] and reader.stats().corrupt_pages == 1
+    assert reader.read(ReadBatch(ks[:1], [4])) == [False] and reader.stats().corrupt_pages == 1
 
 
 def refuse_o_direct(monkeypatch) -> list[int]:
@@ -549,11 +549,11 @@ def refuse_o_direct(monkeypatch) -> list[int]:
 def test_direct_io_auto_falls_back_to_buffered_where_o_direct_is_refused(tmp_path, monkeypatch):
     refused = refuse_o_direct(monkeypatch)
     backend = guarded(FileBackend(config(tmp_path, direct_io="auto")))
-    assert refused and not backend.direct_io  # the probe at start
+    assert refused and not backend.inner.direct_io  # the probe at start
     backend.register_host_pool(filled_pool("page_first", 24))
     ks = keys(3)
-    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
-    assert backend.batch_get_v1(ks, [4, 5, 6]) == [True] * 3
+    assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
+    assert backend.read(ReadBatch(ks, [4, 5, 6])) == [True] * 3
     assert torch.equal(backend.pool.buffer[4:7], backend.pool.buffer[0:3])
 
 
@@ -571,9 +571,9 @@ def test_pages_fall_back_to_buffered_when_o_direct_is_refused_later(tmp_path, mo
     backend.register_host_pool(src)
     refused = refuse_o_direct(monkeypatch)  # then, say, pages/ is another mount
     ks = keys(3)
-    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
     backend.register_host_pool(dst)
-    assert backend.batch_get_v1(ks, [3, 4, 5]) == [True] * 3
+    assert backend.read(ReadBatch(ks, [3, 4, 5])) == [True] * 3
     assert len(refused) == 6  # each write and each read tried O_DIRECT first
     assert torch.equal(dst.buffer[3:6], src.buffer[0:3])
     assert backend.stats().corrupt_pages == 0
@@ -587,22 +587,15 @@ def test_timed_batches_start_no_page_after_the_deadline(tmp_path, io_path):
     a.register_host_pool(src)
     b.register_host_pool(dst)
     ks = keys(3)
-    assert a.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
-    assert b.timed_batches == (io_path == "native")
+    assert a.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
+    assert b.capabilities.timed == (io_path == "native")
     if io_path != "native":
         return  # the per-page Python path has no deadline inside a batch
     before = b.stats()
-    assert b.batch_get_until(ks, [5, 6, 7], time.monotonic() - 1) == [False] * 3
+    assert b.read(ReadBatch(ks, [5, 6, 7], deadline=time.monotonic() - 1)) == [False] * 3
     after = b.stats()
     # Not started is neither a hit nor a miss: nothing counted, nothing quarantined.
     assert (after.get_misses, after.corrupt_pages) == (before.get_misses, before.corrupt_pages)
     assert not list((tmp_path / "quarantine").iterdir())
-    assert b.batch_get_until(ks, [5, 6, 7], time.monotonic() + 3600) == [True] * 3
+    assert b.read(ReadBatch(ks, [5, 6, 7], deadline=time.monotonic() + 3600)) == [True] * 3
     assert torch.equal(src.canonical[0], dst.canonical[5])
-    # A subclass with its own batch_get_v1 (fault injection, say) is asked that way.
-    class Wrapped(FileBackend):
-        def batch_get_v1(self, keys, host_slots):
-            return super().batch_get_v1(keys, host_slots)
-    w = Wrapped(config(tmp_path))
-    w.register_host_pool(dst)
-    assert not w.timed_batches

@@ -19,7 +19,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys
 from hicache.tiers.index.spans import SpanLayout, SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
 from hicache.tiers.l3 import native_io
-from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.base import ReadBatch, StorageConfig, WriteBatch
 from hicache.tiers.l3.file.backend import FILE_HEADER_BYTES, FileBackend
 from hicache.tiers.l3.guard import guarded
 
@@ -56,13 +56,13 @@ def backends(tmp_path: Path, rank: int = 0) -> tuple[FileBackend, FileBackend, H
     a, b = guarded(FileBackend(config(tmp_path, rank))), guarded(FileBackend(config(tmp_path, rank)))
     a.register_host_pool(src)
     b.register_host_pool(dst)
-    assert a.supports_spans and b.supports_spans
-    assert a.batch_set_spans(HEX, list(range(8)), SPANS) == [True] * 8
+    assert a.capabilities.spans and b.capabilities.spans
+    assert a.write(WriteBatch(HEX, list(range(8)), SPANS)) == [True] * 8
     return a, b, src, dst
 
 
 def span_file(backend: FileBackend, span: SpanRef) -> Path:
-    return backend.page_path(span.key.hex())
+    return backend.inner.page_path(span.key.hex())
 
 
 @needs_native
@@ -70,16 +70,16 @@ def test_a_span_is_one_file_of_its_records_and_reads_back(tmp_path):
     a, b, src, dst = backends(tmp_path)
     files = sorted(p for p in (tmp_path / "pages").rglob("*.page"))
     assert len(files) == 2 and all(p.stat().st_size == 4 * RECORD for p in files)
-    assert not any(b.exists(k) for k in HEX)  # no page objects
-    assert b.batch_exists([s.key.hex() for s in (SPANS[0], SPANS[4])]) == 2
+    assert not any((b.exists_prefix([k]) == 1) for k in HEX)  # no page objects
+    assert b.exists_prefix([s.key.hex() for s in (SPANS[0], SPANS[4])]) == 2
     # Any subset, any slots: the middle of the second span, then the first span.
-    got = b.batch_get_spans(HEX[5:7] + HEX[:4], [9, 8, 15, 14, 13, 12], SPANS[5:7] + SPANS[:4])
+    got = b.read(ReadBatch(HEX[5:7] + HEX[:4], [9, 8, 15, 14, 13, 12], SPANS[5:7] + SPANS[:4]))
     assert got == [True] * 6
     for s, d in zip([5, 6, 0, 1, 2, 3], [9, 8, 15, 14, 13, 12], strict=True):
         assert torch.equal(src.buffer[s], dst.buffer[d])
     assert b.stats().get_hits == 6 and b.stats().bytes_read == 6 * GEOM.page_bytes
     # Stored again: the file is kept (a second writer skips it).
-    assert a.batch_set_spans(HEX, list(range(8)), SPANS) == [True] * 8
+    assert a.write(WriteBatch(HEX, list(range(8)), SPANS)) == [True] * 8
     assert a.stats().set_skipped_existing == 8
 
 
@@ -92,15 +92,15 @@ def test_a_flipped_byte_inside_a_span_is_a_miss_for_that_page_only(tmp_path):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    got = b.batch_get_spans(HEX[:4], [12, 13, 14, 15], SPANS[:4])
+    got = b.read(ReadBatch(HEX[:4], [12, 13, 14, 15], SPANS[:4]))
     assert got == [True, True, False, True]
     for s, d in zip([0, 1, 3], [12, 13, 15], strict=True):
         assert torch.equal(src.buffer[s], dst.buffer[d])
     assert b.stats().corrupt_pages == 1
     # Quarantined after its good records were served: the next store writes it anew.
     assert not path.exists() and len(list((tmp_path / "quarantine").iterdir())) == 1
-    assert a.batch_set_spans(HEX[:4], [0, 1, 2, 3], SPANS[:4]) == [True] * 4
-    assert b.batch_get_spans(HEX[:4], [12, 13, 14, 15], SPANS[:4]) == [True] * 4
+    assert a.write(WriteBatch(HEX[:4], [0, 1, 2, 3], SPANS[:4])) == [True] * 4
+    assert b.read(ReadBatch(HEX[:4], [12, 13, 14, 15], SPANS[:4])) == [True] * 4
 
 
 @needs_native
@@ -111,7 +111,7 @@ def test_a_truncated_span_file_serves_the_records_before_the_cut(tmp_path, cut):
     size = path.stat().st_size
     os.truncate(path, size - cut)
     whole = (size - cut) // RECORD  # records still complete
-    got = b.batch_get_spans(HEX[4:], [8, 9, 10, 11], SPANS[4:])
+    got = b.read(ReadBatch(HEX[4:], [8, 9, 10, 11], SPANS[4:]))
     assert got == [i < whole for i in range(4)]
     for i in range(whole):
         assert torch.equal(src.buffer[4 + i], dst.buffer[8 + i])
@@ -122,7 +122,7 @@ def test_a_longer_span_file_is_refused(tmp_path):
     _, b, _, _ = backends(tmp_path)
     with open(span_file(b, SPANS[0]), "ab") as f:
         f.write(b"\0")
-    assert b.batch_get_spans(HEX[:4], [8, 9, 10, 11], SPANS[:4]) == [False] * 4
+    assert b.read(ReadBatch(HEX[:4], [8, 9, 10, 11], SPANS[:4])) == [False] * 4
 
 
 @needs_native
@@ -135,11 +135,11 @@ def test_another_ranks_span_file_under_this_name_is_a_miss(tmp_path):
     b0.register_host_pool(dst)
     before = dst.buffer.clone()
     for span in (SPANS[0], SPANS[4]):
-        target = b0.page_path(span.key.hex())
+        target = b0.inner.page_path(span.key.hex())
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(a1.page_path(span.key.hex()), target)
-    assert b0.batch_exists([SPANS[0].key.hex()]) == 1  # exists is a hint; reads decide
-    assert b0.batch_get_spans(HEX, list(range(8, 16)), SPANS) == [False] * 8
+        shutil.copy(a1.inner.page_path(span.key.hex()), target)
+    assert b0.exists_prefix([SPANS[0].key.hex()]) == 1  # exists is a hint; reads decide
+    assert b0.read(ReadBatch(HEX, list(range(8, 16)), SPANS)) == [False] * 8
     assert b0.stats().corrupt_pages == 8
     assert torch.equal(dst.buffer[:8], before[:8])
 
@@ -149,11 +149,11 @@ def test_missing_spans_are_plain_misses_and_a_past_deadline_reads_nothing(tmp_pa
     _, b, _, _ = backends(tmp_path)
     other = page_keys(NS.seed(), list(range(7, 7 + 64 * 4)), 64)
     refs = [LAYOUT.ref(other, i) for i in range(4)]
-    assert b.batch_get_spans([k.hex() for k in other], [8, 9, 10, 11], refs) == [False] * 4  # type: ignore[arg-type]
+    assert b.read(ReadBatch([k.hex() for k in other], [8, 9, 10, 11], refs)) == [False] * 4  # type: ignore[arg-type]
     assert b.stats().get_misses == 4 and b.stats().corrupt_pages == 0
     before = b.stats().get_pages
     late = time.monotonic() - 1
-    assert b.batch_get_spans(HEX[:4], [8, 9, 10, 11], SPANS[:4], late) == [False] * 4
+    assert b.read(ReadBatch(HEX[:4], [8, 9, 10, 11], SPANS[:4], late)) == [False] * 4
     assert b.stats().get_pages == before  # not read: neither hit nor miss
 
 
@@ -164,13 +164,13 @@ def test_incomplete_spans_are_not_stored_and_delete_and_retain_take_span_keys(tm
     a.register_host_pool(src)
     # The first span lacks its page 2: not stored (the caller stores page objects).
     rows = [0, 1, 3, 4, 5, 6, 7]
-    got = a.batch_set_spans([HEX[i] for i in rows], rows, [SPANS[i] for i in rows])
+    got = a.write(WriteBatch([HEX[i] for i in rows], rows, [SPANS[i] for i in rows]))
     assert got == [False, False, False, True, True, True, True]
     assert not span_file(a, SPANS[0]).exists() and span_file(a, SPANS[4]).exists()
     assert a.retain([SPANS[4].key.hex()], time.time() + 60) == 1
-    assert a.delete(SPANS[4].key.hex()) and not span_file(a, SPANS[4]).exists()
+    assert a.delete([SPANS[4].key.hex()]) == 1 and not span_file(a, SPANS[4]).exists()
 
 
 def test_without_the_batch_path_the_backend_keeps_page_objects(tmp_path, monkeypatch):
     monkeypatch.setattr(native_io, "available", lambda: False)
-    assert not guarded(FileBackend(config(tmp_path))).supports_spans
+    assert not guarded(FileBackend(config(tmp_path))).capabilities.spans

@@ -34,10 +34,11 @@ from hicache.integration.bench.lmcache_service import (
     LMCacheService,
     start_lmcache,
 )
-from hicache.tiers.l3.base import StorageConfigError, StorageUnavailable
+from hicache.tiers.l3.base import ReadBatch, StorageConfigError, StorageUnavailable, WriteBatch
 from hicache.tiers.l3.factory import create_backend
 from hicache.tiers.l3.guard import guarded
-from hicache.tiers.l3.lmcache.backend import LMCacheBackend, chunk_hash
+from hicache.tiers.l3.lmcache.backend import LMCacheBackend
+from hicache.tiers.l3.lmcache.objects import chunk_hash
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +83,12 @@ def make(service):
 
 def l2_file(service: LMCacheService, backend: LMCacheBackend, key: str) -> Path:
     """The fs adapter's file of page ``key``, once the server has written it."""
-    name = chunk_hash(key, backend.chunk_size).hex()
+    name = chunk_hash(key, backend.inner.chunk_size).hex()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         assert service.l2_dir is not None
         found = [p for p in service.l2_dir.iterdir()
-                 if p.name.startswith(backend.model_name) and p.name.endswith(f"{name}.data")]
+                 if p.name.startswith(backend.inner.model_name) and p.name.endswith(f"{name}.data")]
         if found:
             return found[0]
         time.sleep(0.1)
@@ -98,16 +99,16 @@ def wait_serving(backend: LMCacheBackend, key: str, timeout_s: float = 60.0) -> 
     """Until ``key`` is found again after a server restart (the first call may see the
     connection still down and open the breaker; the probe then closes it)."""
     deadline = time.monotonic() + timeout_s
-    while backend.batch_exists([key]) != 1 and time.monotonic() < deadline:
+    while backend.exists_prefix([key]) != 1 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert backend.server_reachable, backend.last_error
+    assert backend.reachable, backend.last_error
 
 
 def wait_reachable(backend: LMCacheBackend, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not backend.server_reachable and time.monotonic() < deadline:
+    while not backend.reachable and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert backend.server_reachable, backend.last_error
+    assert backend.reachable, backend.last_error
 
 
 @pytest.mark.parametrize(("writer_layout", "reader_layout"), ROUND_TRIP_LAYOUTS)
@@ -121,14 +122,14 @@ def test_single_pages_and_a_key_twice_in_a_batch(shared):
     backend = shared("a")
     ks = keys(2, seed=2000)
     page = torch.arange(GEOM.page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
-    assert backend.set(ks[0], page)
-    out = torch.zeros_like(page)
-    assert backend.exists(ks[0]) and backend.get(ks[0], out) and torch.equal(out, page)
-    assert not backend.exists(ks[1]) and not backend.get(ks[1], out)
+    backend.pool.write_page(0, page)
+    assert backend.write(WriteBatch(ks[:1], [0])) == [True]
+    assert backend.exists_prefix(ks) == 1 and backend.read(ReadBatch(ks, [1, 3])) == [True, False]
+    assert torch.equal(backend.pool.read_page(1), page)
     before = backend.stats()
-    assert backend.batch_set_v1([ks[1], ks[1]], [2, 2]) == [True, True]
+    assert backend.write(WriteBatch([ks[1], ks[1]], [2, 2])) == [True, True]
     assert delta(backend, before).set_pages == 1
-    assert backend.batch_get_v1([ks[1], ks[1]], [5, 6]) == [True, True]
+    assert backend.read(ReadBatch([ks[1], ks[1]], [5, 6])) == [True, True]
     assert torch.equal(backend.pool.canonical[5], backend.pool.canonical[2])
     assert torch.equal(backend.pool.canonical[6], backend.pool.canonical[2])
 
@@ -141,11 +142,11 @@ def test_other_tp_rank_and_other_layout_do_not_see_the_page(shared):
     rank0, rank1 = shared("a"), shared("a", rank=1)
     layer_first = shared("a", layout="layer_first")  # other L3 byte order than page_first
     ks = keys(2, seed=5000)
-    assert rank0.batch_set_v1(ks, [0, 1]) == [True, True]
-    assert rank0.batch_exists(ks) == 2
-    assert rank1.batch_exists(ks) == 0 and rank1.batch_get_v1(ks, [0, 1]) == [False, False]
-    assert layer_first.batch_exists(ks) == 0
-    assert len({rank0.model_name, rank1.model_name, layer_first.model_name}) == 3
+    assert rank0.write(WriteBatch(ks, [0, 1])) == [True, True]
+    assert rank0.exists_prefix(ks) == 2
+    assert rank1.exists_prefix(ks) == 0 and rank1.read(ReadBatch(ks, [0, 1])) == [False, False]
+    assert layer_first.exists_prefix(ks) == 0
+    assert len({rank0.inner.model_name, rank1.inner.model_name, layer_first.inner.model_name}) == 3
 
 
 def test_second_process_reads_what_the_first_wrote(shared, service):
@@ -156,20 +157,20 @@ def test_second_process_reads_what_the_first_wrote(shared, service):
 def test_delete_is_exact_and_clear_keeps_other_models_pages(make):
     a, b = make(), make(rank=1)
     ks = keys(6, seed=6000)
-    assert a.batch_set_v1(ks, list(range(6))) == [True] * 6
-    assert b.batch_set_v1(ks[:3], [0, 1, 2]) == [True] * 3
-    assert a.batch_delete(ks[4:] + keys(1, seed=77_777)) == 2  # the absent key is not counted
-    assert a.batch_exists(ks) == 4 and a.batch_exists(ks[4:]) == 0
-    assert a.delete(ks[3]) and not a.delete(ks[3])
+    assert a.write(WriteBatch(ks, list(range(6)))) == [True] * 6
+    assert b.write(WriteBatch(ks[:3], [0, 1, 2])) == [True] * 3
+    assert a.delete(ks[4:] + keys(1, seed=77_777)) == 2  # the absent key is not counted
+    assert a.exists_prefix(ks) == 4 and a.exists_prefix(ks[4:]) == 0
+    assert a.delete([ks[3]]) == 1 and a.delete([ks[3]]) == 0
     a.clear()
-    assert a.batch_exists(ks) == 0
-    assert b.batch_exists(ks[:3]) == 3  # rank 1 is another model name: untouched
+    assert a.exists_prefix(ks) == 0
+    assert b.exists_prefix(ks[:3]) == 3  # rank 1 is another model name: untouched
 
 
 def test_deletes_need_the_http_url(make):
     backend = make(http_url=None)
     with pytest.raises(NotImplementedError, match="http_url"):
-        backend.batch_delete(keys(1, seed=6500))
+        backend.delete(keys(1, seed=6500))
     with pytest.raises(NotImplementedError, match="http_url"):
         backend.clear()
 
@@ -207,7 +208,7 @@ def test_restart_is_served_from_the_fs_l2_and_a_corrupt_file_is_a_counted_miss(m
     a page whose file was damaged is a corrupt miss, deleted, never loaded."""
     backend = make(layout="page_first")
     ks = keys(4, seed=7000)
-    assert backend.batch_set_v1(ks, [0, 1, 2, 3]) == [True] * 4
+    assert backend.write(WriteBatch(ks, [0, 1, 2, 3])) == [True] * 4
     damaged = l2_file(service, backend, ks[2])
     for k in ks:
         l2_file(service, backend, k)
@@ -218,53 +219,53 @@ def test_restart_is_served_from_the_fs_l2_and_a_corrupt_file_is_a_counted_miss(m
     service.restart()
     wait_serving(backend, ks[0])  # from the L2; the others stay there until read
     before = backend.stats()
-    assert backend.batch_get_v1(ks, [7, 6, 5, 4]) == [True, True, False, True]
+    assert backend.read(ReadBatch(ks, [7, 6, 5, 4])) == [True, True, False, True]
     for s, d in ((0, 7), (1, 6), (3, 4)):
         assert torch.equal(backend.pool.canonical[s], backend.pool.canonical[d])
     st = delta(backend, before)
     assert (st.get_hits, st.get_misses, st.corrupt_pages) == (3, 1, 1)
     assert not damaged.exists()  # deleted through the HTTP API
-    assert backend.batch_exists(ks[2:3]) == 0
+    assert backend.exists_prefix(ks[2:3]) == 0
 
 
 def test_killed_server_fails_fast_without_raising_and_recovers(make, service):
     # A timeout this long would hang the test: the drop must be seen, not waited out.
     backend = make(request_timeout_s=600.0)
     ks = keys(3, seed=8000)
-    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
     for k in ks:
         l2_file(service, backend, k)
     service.kill()
     try:
         before = backend.stats()
-        assert backend.batch_exists(ks) == 0
-        assert not backend.server_reachable
+        assert backend.exists_prefix(ks) == 0
+        assert not backend.reachable
         assert "Gone" in backend.last_error, backend.last_error  # a drop, not a timeout
         # with the breaker open nothing reaches the wire, nothing raises
-        assert backend.batch_get_v1(ks, [3, 4, 5]) == [False] * 3
-        assert backend.batch_set_v1(keys(1, seed=8100), [6]) == [False]
+        assert backend.read(ReadBatch(ks, [3, 4, 5])) == [False] * 3
+        assert backend.write(WriteBatch(keys(1, seed=8100), [6])) == [False]
         assert delta(backend, before).errors == 1
     finally:
         service.restart()
     wait_reachable(backend)
-    assert backend.batch_get_v1(ks, [3, 4, 5]) == [True] * 3
+    assert backend.read(ReadBatch(ks, [3, 4, 5])) == [True] * 3
     assert torch.equal(backend.pool.canonical[0], backend.pool.canonical[3])
-    assert backend.batch_set_v1(keys(1, seed=8100), [6]) == [True]
+    assert backend.write(WriteBatch(keys(1, seed=8100), [6])) == [True]
 
 
 def test_hung_server_is_bounded_by_the_request_timeout_and_recovers(make, service):
     backend = make(request_timeout_s=1.0)
     ks = keys(2, seed=9000)
-    assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
+    assert backend.write(WriteBatch(ks, [0, 1])) == [True, True]
     os.kill(service.proc.pid, signal.SIGSTOP)
     try:
         before = backend.stats()
-        assert backend.batch_exists(ks) == 0
+        assert backend.exists_prefix(ks) == 0
         assert "Timeout" in backend.last_error, backend.last_error
-        assert backend.batch_exists(ks) == 0  # the breaker: no second wait
+        assert backend.exists_prefix(ks) == 0  # the breaker: no second wait
         assert delta(backend, before).errors == 1
     finally:
         os.kill(service.proc.pid, signal.SIGCONT)
     wait_reachable(backend)
-    assert backend.batch_exists(ks) == 2
-    assert backend.batch_get_v1(ks, [2, 3]) == [True, True]
+    assert backend.exists_prefix(ks) == 2
+    assert backend.read(ReadBatch(ks, [2, 3])) == [True, True]

@@ -41,9 +41,11 @@ from hicache.integration.bench.mooncake_service import (  # noqa: E402
 )
 from hicache.tiers.l3 import integrity  # noqa: E402
 from hicache.tiers.l3.base import (  # noqa: E402
+    ReadBatch,
     StorageConfig,
     StorageConfigError,
     StorageUnavailable,
+    WriteBatch,
 )
 from hicache.tiers.l3.factory import create_backend  # noqa: E402
 from hicache.tiers.l3.guard import guarded  # noqa: E402
@@ -145,7 +147,7 @@ def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(shared):
     ks = check_exists_and_dedup(shared("a"), other, seed=3000)
     # a key twice in one batch is written once
     before = other.stats()
-    assert other.batch_set_v1([ks[4], ks[4]], [4, 4]) == [True, True]
+    assert other.write(WriteBatch([ks[4], ks[4]], [4, 4])) == [True, True]
     assert delta(other, before).set_pages == 1 and delta(other, before).set_failures == 0
 
 
@@ -159,7 +161,7 @@ def test_corrupt_object_is_a_counted_miss_and_removed(shared, service):
     backend = shared("a")
     pool = backend.pool
     ks = keys(3, seed=5000)
-    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+    assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
     before = backend.stats()
     raw = raw_client(service)
     try:
@@ -174,21 +176,20 @@ def test_corrupt_object_is_a_counted_miss_and_removed(shared, service):
         # 3: a truncated object
         assert raw.upsert(backend.object_key(ks[2]), other[:-100]) == 0
 
-        assert backend.batch_get_v1(ks, [5, 6, 7]) == [False, False, False]
+        assert backend.read(ReadBatch(ks, [5, 6, 7])) == [False, False, False]
         st = delta(backend, before)
         assert st.corrupt_pages == 3 and st.get_hits == 0 and st.get_misses == 3
         assert list(raw.batch_is_exist([backend.object_key(k) for k in ks])) == [0, 0, 0]
-        # single-page get verifies too
-        assert backend.batch_set_v1(ks[:1], [0]) == [True]
+        # a page read alone is verified too
+        assert backend.write(WriteBatch(ks[:1], [0])) == [True]
         obj = bytearray(raw.get(backend.object_key(ks[0])))
         obj[-1] ^= 0x01
         assert raw.upsert(backend.object_key(ks[0]), bytes(obj)) == 0
-        target = torch.zeros(GEOM.page_bytes, dtype=torch.uint8)
-        assert backend.get(ks[0], target) is False and not target.any()
+        assert backend.read(ReadBatch(ks[:1], [5])) == [False]
         assert delta(backend, before).corrupt_pages == 4
         # the page can be written again and then reads fine
-        assert backend.batch_set_v1(ks[:1], [0]) == [True]
-        assert backend.batch_get_v1(ks[:1], [5]) == [True]
+        assert backend.write(WriteBatch(ks[:1], [0])) == [True]
+        assert backend.read(ReadBatch(ks[:1], [5])) == [True]
         assert torch.equal(pool.canonical[0], pool.canonical[5])
     finally:
         raw.close()
@@ -205,8 +206,8 @@ def test_writes_take_the_pools_checksums_and_reads_still_check_them(shared):
     pool.set_checksums([0, 1], [integrity.checksum(pool.read_page(0)),
                                 integrity.checksum(pool.read_page(1)) ^ 1])  # slot 1: wrong
     before = backend.stats()
-    assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
-    assert backend.batch_get_v1(ks, [5, 6]) == [True, False]
+    assert backend.write(WriteBatch(ks, [0, 1])) == [True, True]
+    assert backend.read(ReadBatch(ks, [5, 6])) == [True, False]
     assert torch.equal(pool.canonical[0], pool.canonical[5])
     assert delta(backend, before).corrupt_pages == 1
 
@@ -214,32 +215,26 @@ def test_writes_take_the_pools_checksums_and_reads_still_check_them(shared):
 def test_other_tp_rank_does_not_see_the_page(shared):
     r0, r1 = shared("a", rank=0), shared("a", rank=1)
     ks = keys(2, seed=6000)
-    assert r0.batch_set_v1(ks, [0, 1]) == [True, True]
+    assert r0.write(WriteBatch(ks, [0, 1])) == [True, True]
     assert r0.object_key(ks[0]) != r1.object_key(ks[0])
     before = r1.stats()
-    assert r1.batch_exists(ks) == 0
-    assert r1.batch_get_v1(ks, [0, 1]) == [False, False]
+    assert r1.exists_prefix(ks) == 0
+    assert r1.read(ReadBatch(ks, [0, 1])) == [False, False]
     assert delta(r1, before).corrupt_pages == 0 and delta(r1, before).get_misses == 2
 
 
-def test_scheduler_instance_single_pages_and_clear(make, shared):
+def test_scheduler_instance_looks_up_and_clears(make, shared):
     scheduler = make()  # no host pool, as the scheduler's instance
     ks = keys(3, seed=7000)
-    assert scheduler.batch_exists(ks) == 0
-    assert not scheduler._mounted  # only asked exists: it gave no memory to the store
+    assert scheduler.exists_prefix(ks) == 0
+    assert not scheduler.inner._mounted  # only asked exists: it gave no memory to the store
     worker = shared("a")
-    assert worker.batch_set_v1(ks[:2], [0, 1]) == [True, True]
-    assert scheduler.batch_exists(ks) == 2
-    # get / set on plain tensors go through the staging buffer; a write mounts the segment
-    page = torch.randint(0, 256, (GEOM.page_bytes,), dtype=torch.uint8)
-    assert not scheduler.exists(ks[2])
-    assert scheduler.set(ks[2], page) and scheduler._mounted
-    assert scheduler.exists(ks[2])
-    out = torch.zeros_like(page)
-    assert worker.get(ks[2], out) and torch.equal(out, page)
-    assert scheduler.get(ks[0], out) and torch.equal(out, worker.pool.read_page(0))
+    assert worker.write(WriteBatch(ks[:2], [0, 1])) == [True, True]
+    assert scheduler.exists_prefix(ks) == 2
+    assert worker.write(WriteBatch(ks[2:], [2])) == [True]
+    assert scheduler.exists_prefix(ks) == 3 and not scheduler.inner._mounted
     scheduler.clear()
-    assert scheduler.batch_exists(ks) == 0
+    assert scheduler.exists_prefix(ks) == 0
 
 
 def test_killed_master_fails_fast_without_raising_and_recovers(make):
@@ -248,36 +243,36 @@ def test_killed_master_fails_fast_without_raising_and_recovers(make):
         pool = filled_pool("page_first", 10)
         backend.register_host_pool(pool)
         ks = keys(3, seed=8000)
-        assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
+        assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
         svc.kill_master()
-        first = backend.batch_get_v1(ks, [3, 4, 5])
+        first = backend.read(ReadBatch(ks, [3, 4, 5]))
         assert first == [False] * 3
-        assert not backend.master_reachable  # the first RPC failure tripped the breaker
-        counter = backend._store = CallCounter(backend._store)
+        assert not backend.reachable  # the first RPC failure tripped the breaker
+        counter = backend.inner._store = CallCounter(backend.inner._store)
         for _ in range(3):
-            assert backend.batch_exists(ks) == 0
-            assert backend.batch_get_v1(ks, [3, 4, 5]) == [False] * 3
-            assert backend.batch_set_v1(keys(2, seed=8100), [6, 7]) == [False, False]
-            assert backend.exists(ks[0]) is False
-            assert backend.get(ks[0], torch.empty(GEOM.page_bytes, dtype=torch.uint8)) is False
-            assert backend.set(ks[0], pool.read_page(0)) is False
+            assert backend.exists_prefix(ks) == 0
+            assert backend.read(ReadBatch(ks, [3, 4, 5])) == [False] * 3
+            assert backend.write(WriteBatch(keys(2, seed=8100), [6, 7])) == [False, False]
+            assert (backend.exists_prefix([ks[0]]) == 1) is False
+            assert backend.read(ReadBatch(ks[:1], [3])) == [False]
+            assert backend.write(WriteBatch(ks[:1], [0])) == [False]
             backend.clear()
         assert counter.calls == []  # breaker open: no call reaches (and waits on) the dead master
-        assert not backend.master_reachable
+        assert not backend.reachable
         st = backend.stats()
         # 21 calls refused by the breaker, none of them a failure of their own
         assert st.refused_calls == 21 and st.get_hits == 0 and st.set_failures >= 6
         # an empty master comes back on the same port: the prober notices, writes work again
         svc.restart_master()
         deadline = time.monotonic() + 15
-        while not backend.master_reachable and time.monotonic() < deadline:
+        while not backend.reachable and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert backend.master_reachable
+        assert backend.reachable
         ks2 = keys(2, seed=8200)
         deadline = time.monotonic() + 10
-        while backend.batch_set_v1(ks2, [6, 7]) != [True, True] and time.monotonic() < deadline:
+        while backend.write(WriteBatch(ks2, [6, 7])) != [True, True] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert backend.batch_get_v1(ks2, [3, 4]) == [True, True]
+        assert backend.read(ReadBatch(ks2, [3, 4])) == [True, True]
         assert torch.equal(pool.canonical[3], pool.canonical[6])
         backend.close()
 
@@ -302,42 +297,45 @@ def test_hung_master_is_bounded_by_the_rpc_timeout(make, monkeypatch):
         backend = make(svc=svc)
         backend.register_host_pool(filled_pool("page_first", 11))
         ks = keys(2, seed=9000)
-        assert backend.batch_set_v1(ks, [0, 1]) == [True, True]
+        assert backend.write(WriteBatch(ks, [0, 1])) == [True, True]
         os.kill(svc.master.pid, signal.SIGSTOP)
         wait_stopped(svc.master.pid)
         try:
-            assert backend.batch_exists(ks) == 0  # the RPC timed out: a miss, breaker open
-            assert not backend.master_reachable
-            real, counter = backend._store, CallCounter(backend._store)
-            backend._store = counter
-            assert backend.batch_get_v1(ks, [2, 3]) == [False, False]
-            assert backend.batch_set_v1(keys(1, seed=9100), [4]) == [False]
+            assert backend.exists_prefix(ks) == 0  # the RPC timed out: a miss, breaker open
+            assert not backend.reachable
+            real, counter = backend.inner._store, CallCounter(backend.inner._store)
+            backend.inner._store = counter
+            assert backend.read(ReadBatch(ks, [2, 3])) == [False, False]
+            assert backend.write(WriteBatch(keys(1, seed=9100), [4])) == [False]
             assert counter.calls == []  # no call waits on the hung master
-            backend._store = real
+            backend.inner._store = real
         finally:
             os.kill(svc.master.pid, signal.SIGCONT)
         deadline = time.monotonic() + 15
-        while not backend.master_reachable and time.monotonic() < deadline:
+        while not backend.reachable and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert backend.batch_get_v1(ks, [2, 3]) == [True, True]
+        assert backend.read(ReadBatch(ks, [2, 3])) == [True, True]
         backend.close()
 
 
 _CLOSE_AFTER_MASTER_DIED = textwrap.dedent("""
     import json, os, sys, time
     from hicache.integration.bench.mooncake_service import start_mooncake
-    from hicache.tiers.l3.base import StorageConfig
+    from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+    from hicache.tiers.l3.base import StorageConfig, WriteBatch
     from hicache.tiers.l3.guard import guarded
     from hicache.tiers.l3.mooncake.backend import MooncakeBackend
     with start_mooncake() as svc:
         b = guarded(MooncakeBackend(StorageConfig(0, 1, "ns", "page_first", 4096,
                                           extra_config=svc.extra_config(16 << 20))))
-        ok = b.set("ab" * 32, __import__("torch").zeros(4096, dtype=__import__("torch").uint8))
+        b.register_host_pool(HostPagePool(PoolGeometry(1, 1, 1, 4096), layout="page_first",
+                                          pin_memory=False))
+        ok = b.write(WriteBatch(["ab" * 32], [0]))[0]
     from hicache.tiers.l3.mooncake import backend as mooncake_backend
     # master stopped; the breaker never tripped: close() must see the closed port
     # and abandon the client rather than call Mooncake's close, which blocks 10-20 s
     b.close()
-    abandoned = any(store is b._store for store, _ in mooncake_backend._ABANDONED)
+    abandoned = any(store is b.inner._store for store, _ in mooncake_backend._ABANDONED)
     print(json.dumps({"set": ok, "abandoned": abandoned}), flush=True)
     # Mooncake's exit handler would join the client's heartbeat thread, stuck
     # pinging the dead master (~10 s); this test only checks close().
@@ -401,9 +399,9 @@ def test_missing_master_and_env_fallbacks(service, monkeypatch):
     backend = create_backend("mooncake", config({}))
     try:
         assert isinstance(backend.inner, MooncakeBackend)
-        assert backend.settings.global_segment_size == (32 << 20) // 2  # per TP rank
-        assert backend.settings.master_server_address == service.master_address
-        assert backend.settings.metadata_server == "P2PHANDSHAKE"
+        assert backend.inner.settings.global_segment_size == (32 << 20) // 2  # per TP rank
+        assert backend.inner.settings.master_server_address == service.master_address
+        assert backend.inner.settings.metadata_server == "P2PHANDSHAKE"
     finally:
         backend.close()
 
@@ -446,6 +444,6 @@ def test_parse_size():
 def test_delete_removes_one_page(shared):
     backend = shared("a")
     ks = keys(3, seed=9100)
-    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
-    assert backend.batch_delete([ks[1], ks[1]]) == 1
-    assert [backend.exists(k) for k in ks] == [True, False, True]
+    assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
+    assert backend.delete([ks[1], ks[1]]) == 1
+    assert [(backend.exists_prefix([k]) == 1) for k in ks] == [True, False, True]

@@ -24,7 +24,7 @@ from hicache.tiers.index.page_keys import KeyNamespace, page_keys  # noqa: E402
 from hicache.tiers.index.spans import SpanLayout, SpanRef  # noqa: E402
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity, native_io  # noqa: E402
-from hicache.tiers.l3.base import StorageConfig, StorageStats  # noqa: E402
+from hicache.tiers.l3.base import ReadBatch, StorageConfig, StorageStats, WriteBatch  # noqa: E402
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.mooncake.backend import MooncakeBackend  # noqa: E402
 
@@ -74,7 +74,7 @@ def store():
         reader = guarded(MooncakeBackend(config({**svc.extra_config(SEGMENT),
                                          "global_segment_size": 0})))
         reader.register_host_pool(pool(2))
-        raw = writer._store  # the same client, for damage done from outside the backend
+        raw = writer.inner._store  # the same client, for damage done from outside the backend
         yield writer, reader, raw, svc
         reader.close()
         writer.close()
@@ -83,8 +83,8 @@ def store():
 @needs_native
 def test_the_writer_finds_its_own_segment(store):
     writer, reader, *_ = store
-    assert writer._segment is not None and writer._segment.end > writer._segment.start
-    assert reader._segment is None  # no segment of its own: every read is a transfer
+    assert writer.inner._segment is not None and writer.inner._segment.end > writer.inner._segment.start
+    assert reader.inner._segment is None  # no segment of its own: every read is a transfer
 
 
 @pytest.mark.parametrize("who", ["writer", "reader"])
@@ -93,16 +93,16 @@ def test_a_span_is_one_object_and_any_subset_reads_back(store, who):
     backend = writer if who == "writer" else reader
     hexes, spans = spans_of(1000 if who == "writer" else 2000)
     before = writer.stats()
-    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    assert writer.write(WriteBatch(hexes, list(range(8)), spans)) == [True] * 8
     assert delta(writer, before).set_pages == 8
-    assert not any(backend.exists(k) for k in hexes)  # no page objects
-    assert backend.batch_exists([spans[0].key.hex(), spans[4].key.hex()]) == 2
-    size = writer._store.get_size(writer.object_key(spans[0].key.hex()))
+    assert not any((backend.exists_prefix([k]) == 1) for k in hexes)  # no page objects
+    assert backend.exists_prefix([spans[0].key.hex(), spans[4].key.hex()]) == 2
+    size = writer.inner._store.get_size(writer.object_key(spans[0].key.hex()))
     assert size == 4 * RECORD
     # Any subset, any slots: the middle of the second span, then the whole first one.
     before = backend.stats()
     slots = [9, 8, 15, 14, 13, 12]
-    got = backend.batch_get_spans(hexes[5:7] + hexes[:4], slots, spans[5:7] + spans[:4])
+    got = backend.read(ReadBatch(hexes[5:7] + hexes[:4], slots, spans[5:7] + spans[:4]))
     assert got == [True] * 6
     src, dst = writer.pool, backend.pool
     assert src is not None and dst is not None
@@ -114,7 +114,7 @@ def test_a_span_is_one_object_and_any_subset_reads_back(store, who):
     assert st.pages_in_place == (6 if who == "writer" and native_io.available() else 0)
     # Stored again: the objects are kept (skipped), nothing written.
     before = writer.stats()
-    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    assert writer.write(WriteBatch(hexes, list(range(8)), spans)) == [True] * 8
     assert delta(writer, before).set_skipped_existing == 8
     assert delta(writer, before).set_pages == 0
 
@@ -123,9 +123,9 @@ def test_only_whole_spans_are_stored(store):
     writer, *_ = store
     hexes, spans = spans_of(3000)
     # the first span whole, the second cut after two pages: those are not stored
-    assert writer.batch_set_spans(hexes[:6], list(range(6)), spans[:6]) == [True] * 4 + \
+    assert writer.write(WriteBatch(hexes[:6], list(range(6)), spans[:6])) == [True] * 4 + \
         [False] * 2
-    assert writer.batch_exists([spans[0].key.hex(), spans[4].key.hex()]) == 1
+    assert writer.exists_prefix([spans[0].key.hex(), spans[4].key.hex()]) == 1
 
 
 def flip(raw, okey: str, at: int) -> None:
@@ -138,7 +138,7 @@ def written(store, who: str, seed: int):
     """Two spans the writer stored; the backend that reads them (``who``)."""
     writer, reader, raw, _ = store
     hexes, spans = spans_of(seed)
-    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    assert writer.write(WriteBatch(hexes, list(range(8)), spans)) == [True] * 8
     return writer, writer if who == "writer" else reader, raw, hexes, spans
 
 
@@ -148,7 +148,7 @@ def test_a_damaged_record_is_a_miss_for_its_page_only(store, who):
     okey = writer.object_key(spans[0].key.hex())
     flip(raw, okey, 2 * RECORD + integrity.HEADER_BYTES + 5)  # record 2's payload
     before = backend.stats()
-    got = backend.batch_get_spans(hexes[:4], [8, 9, 10, 11], spans[:4])
+    got = backend.read(ReadBatch(hexes[:4], [8, 9, 10, 11], spans[:4]))
     assert got == [True, True, False, True]
     src, dst = writer.pool, backend.pool
     assert src is not None and dst is not None
@@ -157,9 +157,9 @@ def test_a_damaged_record_is_a_miss_for_its_page_only(store, who):
     st = delta(backend, before)
     assert st.corrupt_pages == 1 and st.get_hits == 3 and st.get_misses == 1
     # The object is removed once its good records were served: the next store rewrites it.
-    assert backend.batch_exists([spans[0].key.hex()]) == 0
-    assert writer.batch_set_spans(hexes[:4], list(range(4)), spans[:4]) == [True] * 4
-    assert backend.batch_get_spans(hexes[:4], [8, 9, 10, 11], spans[:4]) == [True] * 4
+    assert backend.exists_prefix([spans[0].key.hex()]) == 0
+    assert writer.write(WriteBatch(hexes[:4], list(range(4)), spans[:4])) == [True] * 4
+    assert backend.read(ReadBatch(hexes[:4], [8, 9, 10, 11], spans[:4])) == [True] * 4
 
 
 @pytest.mark.parametrize("who", ["writer", "reader"])
@@ -170,11 +170,11 @@ def test_a_truncated_or_foreign_object_is_a_miss_for_all_its_pages(store, who):
     assert raw.upsert(first, data[:-100]) == 0  # truncated
     assert raw.upsert(second, data) == 0  # another span's records: right size, wrong keys
     before = backend.stats()
-    assert backend.batch_get_spans(hexes, list(range(8, 16)), spans) == [False] * 8
+    assert backend.read(ReadBatch(hexes, list(range(8, 16)), spans)) == [False] * 8
     st = delta(backend, before)
     assert st.corrupt_pages == 8 and st.get_hits == 0
-    assert backend.batch_exists([spans[0].key.hex()]) == 0
-    assert backend.batch_exists([spans[4].key.hex()]) == 0
+    assert backend.exists_prefix([spans[0].key.hex()]) == 0
+    assert backend.exists_prefix([spans[4].key.hex()]) == 0
 
 
 @needs_native
@@ -183,14 +183,14 @@ def test_bytes_flipped_in_the_segment_itself_are_caught_in_place(store):
     memory (not through Mooncake) is a miss for that page, the rest is served."""
     writer, _, raw, _ = store
     hexes, spans = spans_of(8000)
-    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    assert writer.write(WriteBatch(hexes, list(range(8)), spans)) == [True] * 8
     okey = writer.object_key(spans[4].key.hex())
     desc = raw.get_replica_desc(okey)[0].get_memory_descriptor().buffer_descriptor
     at = int(desc.buffer_address) + RECORD + integrity.HEADER_BYTES + 100  # record 1
     byte = ctypes.c_uint8.from_address(at)
     byte.value ^= 0x10
     before = writer.stats()
-    got = writer.batch_get_spans(hexes[4:], [8, 9, 10, 11], spans[4:])
+    got = writer.read(ReadBatch(hexes[4:], [8, 9, 10, 11], spans[4:]))
     assert got == [True, False, True, True]
     st = delta(writer, before)
     assert st.corrupt_pages == 1 and st.pages_in_place >= 4
@@ -199,10 +199,10 @@ def test_bytes_flipped_in_the_segment_itself_are_caught_in_place(store):
 def test_page_objects_still_read_in_place_and_through_mooncake(store):
     writer, reader, *_ = store
     hexes, _ = spans_of(9000)
-    assert writer.batch_set_v1(hexes[:3], [0, 1, 2]) == [True] * 3
+    assert writer.write(WriteBatch(hexes[:3], [0, 1, 2])) == [True] * 3
     for backend in (writer, reader):
         before = backend.stats()
-        assert backend.batch_get_v1(hexes[:3], [12, 13, 14]) == [True] * 3
+        assert backend.read(ReadBatch(hexes[:3], [12, 13, 14])) == [True] * 3
         assert delta(backend, before).get_hits == 3
         src, dst = writer.pool, backend.pool
         assert src is not None and dst is not None
@@ -216,7 +216,7 @@ def test_layer_first_pools_keep_page_objects(store):
     backend = guarded(MooncakeBackend(config({**svc.extra_config(SEGMENT), "global_segment_size": 0},
                                      layout="layer_first")))
     try:
-        assert not backend.supports_spans
+        assert not backend.capabilities.spans
     finally:
         backend.close()
 
@@ -229,13 +229,13 @@ def test_reads_in_place_hash_on_a_helper_thread_when_asked():
         backend = guarded(MooncakeBackend(config({**svc.extra_config(SEGMENT), "verify": "helper"})))
         try:
             backend.register_host_pool(pool(3))
-            assert backend._verify_helper is not None and backend._segment is not None
+            assert backend.inner._verify_helper is not None and backend.inner._segment is not None
             hexes, spans = spans_of(10_000)
-            assert backend.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
-            flip(backend._store, backend.object_key(spans[0].key.hex()),
+            assert backend.write(WriteBatch(hexes, list(range(8)), spans)) == [True] * 8
+            flip(backend.inner._store, backend.object_key(spans[0].key.hex()),
                  3 * RECORD + integrity.HEADER_BYTES)  # record 3's first payload byte
             before = backend.stats()
-            got = backend.batch_get_spans(hexes, list(range(8, 16)), spans)
+            got = backend.read(ReadBatch(hexes, list(range(8, 16)), spans))
             assert got == [True] * 3 + [False] + [True] * 4
             src = backend.pool
             assert src is not None
@@ -248,7 +248,8 @@ def test_reads_in_place_hash_on_a_helper_thread_when_asked():
 
 
 def test_batches_are_cut_into_calls_without_splitting_an_object():
-    from hicache.tiers.l3.mooncake.backend import ARENA_PAGES, _chunks
+    from hicache.tiers.l3.mooncake.records import ARENA_PAGES
+    from hicache.tiers.l3.mooncake.records import chunks as _chunks
 
     span = [("s", r, 4) for r in range(4)]
     pages = [(f"p{i}", 0, 1) for i in range(ARENA_PAGES)]
@@ -273,18 +274,18 @@ def test_only_replicas_inside_the_segment_found_at_mount_are_read_in_place(store
     from hicache.tiers.l3.mooncake.local import ELSEWHERE
 
     writer, *_ = store
-    segment = writer._segment
+    segment = writer.inner._segment
     assert segment is not None
     hexes, spans = spans_of(13_000)
-    assert writer.batch_set_spans(hexes, list(range(8)), spans) == [True] * 8
+    assert writer.write(WriteBatch(hexes, list(range(8)), spans)) == [True] * 8
     okeys = [writer.object_key(spans[i].key.hex()) for i in (0, 4)] + ["no-such-object"]
     sizes = [4 * RECORD, 4 * RECORD, 4 * RECORD]
-    here = segment.addresses(writer._store, okeys, sizes)
+    here = segment.addresses(writer.inner._store, okeys, sizes)
     assert all(segment.start <= a < segment.end for a in here[:2]) and here[2] == ELSEWHERE
-    assert segment.addresses(writer._store, okeys[:2], [RECORD, 4 * RECORD])[0] == ELSEWHERE
+    assert segment.addresses(writer.inner._store, okeys[:2], [RECORD, 4 * RECORD])[0] == ELSEWHERE
     for other in (replace(segment, endpoint="127.0.0.1:1"),
                   replace(segment, end=min(here[:2])),
                   replace(segment, start=max(here[:2]) + 1)):
-        assert other.addresses(writer._store, okeys[:2], sizes[:2]).count(ELSEWHERE) >= 1
+        assert other.addresses(writer.inner._store, okeys[:2], sizes[:2]).count(ELSEWHERE) >= 1
     assert replace(segment, endpoint="127.0.0.1:1").addresses(
-        writer._store, okeys[:2], sizes[:2]) == [ELSEWHERE, ELSEWHERE]
+        writer.inner._store, okeys[:2], sizes[:2]) == [ELSEWHERE, ELSEWHERE]

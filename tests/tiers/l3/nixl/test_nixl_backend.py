@@ -15,7 +15,12 @@ pytest.importorskip("nixl._api")
 
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry  # noqa: E402
 from hicache.tiers.l3 import integrity  # noqa: E402
-from hicache.tiers.l3.base import StorageConfig, StorageConfigError  # noqa: E402
+from hicache.tiers.l3.base import (  # noqa: E402
+    ReadBatch,
+    StorageConfig,
+    StorageConfigError,
+    WriteBatch,
+)
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.nixl.backend import NixlBackend  # noqa: E402
 from hicache.tiers.l3.page_dir import QUARANTINE_DIR  # noqa: E402
@@ -55,7 +60,7 @@ def test_round_trip_bit_exact(tmp_path, layout):
     fill(pool, 1)
     keys = keys_for(6)
     expect = [pool.read_page(s).clone() for s in range(6)]
-    assert backend.batch_set_v1(keys, list(range(6))) == [True] * 6
+    assert backend.write(WriteBatch(keys, list(range(6)))) == [True] * 6
     # one file per page in the shared page directory: header + payload; no temp files
     names = sorted(p.relative_to(tmp_path / "pages").as_posix()
                    for p in (tmp_path / "pages").rglob("*") if p.is_file())
@@ -66,36 +71,25 @@ def test_round_trip_bit_exact(tmp_path, layout):
             integrity.HEADER_BYTES + GEOMETRY.page_bytes)
 
     pool.buffer.zero_()
-    assert backend.batch_exists(keys) == 6
-    assert backend.batch_exists([*keys[:3], keys_for(1, salt=9)[0], keys[3]]) == 3
-    assert backend.batch_get_v1(keys, list(range(10, 16))) == [True] * 6
+    assert backend.exists_prefix(keys) == 6
+    assert backend.exists_prefix([*keys[:3], keys_for(1, salt=9)[0], keys[3]]) == 3
+    assert backend.read(ReadBatch(keys, list(range(10, 16)))) == [True] * 6
     for i, slot in enumerate(range(10, 16)):
         assert torch.equal(pool.read_page(slot), expect[i])
 
     # writing again skips the existing pages
-    assert backend.batch_set_v1(keys[:2], [0, 1]) == [True, True]
+    assert backend.write(WriteBatch(keys[:2], [0, 1])) == [True, True]
     st = backend.stats()
     assert st.set_skipped_existing == 2 and st.get_hits == 6 and st.corrupt_pages == 0
     assert st.bytes_written == st.bytes_read == 6 * GEOMETRY.page_bytes
     assert st.read_seconds > 0 and st.write_seconds > 0
 
     # a key never stored is a clean miss
-    assert backend.batch_get_v1(keys_for(1, salt=7), [0]) == [False]
+    assert backend.read(ReadBatch(keys_for(1, salt=7), [0])) == [False]
     assert backend.stats().get_misses == 1
     backend.clear()
-    assert backend.batch_exists(keys) == 0
+    assert backend.exists_prefix(keys) == 0
     backend.close()
-
-
-def test_single_page_get_set_with_foreign_tensors(store):
-    backend, _, _ = store
-    value = torch.arange(GEOMETRY.page_bytes, dtype=torch.int64).to(torch.uint8)
-    key = keys_for(1, salt=3)[0]
-    assert backend.set(key, value)
-    assert backend.exists(key)
-    out = torch.zeros_like(value)
-    assert backend.get(key, out)
-    assert torch.equal(out, value)
 
 
 _WRITER = textwrap.dedent("""
@@ -103,9 +97,10 @@ _WRITER = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, {test_dir!r})
     from test_nixl_backend import fill, keys_for, make
+    from hicache.tiers.l3.base import WriteBatch
     backend, pool = make(Path({path!r}), {layout!r})
     fill(pool, 42)
-    ok = backend.batch_set_v1(keys_for(5), list(range(5)))
+    ok = backend.write(WriteBatch(keys_for(5), list(range(5))))
     backend.close()
     sys.exit(0 if all(ok) else 3)
 """)
@@ -126,8 +121,8 @@ def test_other_process_reads_what_one_wrote(tmp_path):
     ref.close()
 
     reader, pool = make(tmp_path, "layer_first")  # same L3 byte order, other host layout
-    assert reader.batch_exists(keys_for(5)) == 5
-    assert reader.batch_get_v1(keys_for(5), [11, 12, 13, 14, 15]) == [True] * 5
+    assert reader.exists_prefix(keys_for(5)) == 5
+    assert reader.read(ReadBatch(keys_for(5), [11, 12, 13, 14, 15])) == [True] * 5
     for i in range(5):
         assert torch.equal(pool.read_page(11 + i), expect[i])
     reader.close()
@@ -160,28 +155,28 @@ def test_corrupt_page_is_a_counted_quarantined_miss(store, damage):
     backend, pool, root = store
     fill(pool, 5)
     keys = keys_for(3)
-    assert backend.batch_set_v1(keys, [0, 1, 2]) == [True] * 3
+    assert backend.write(WriteBatch(keys, [0, 1, 2])) == [True] * 3
     victim = page_file(backend, keys[1])
     damage(victim)
 
-    assert backend.batch_exists(keys) == 3  # existence is only a hint
-    assert backend.batch_get_v1(keys, [5, 6, 7]) == [True, False, True]
+    assert backend.exists_prefix(keys) == 3  # existence is only a hint
+    assert backend.read(ReadBatch(keys, [5, 6, 7])) == [True, False, True]
     st = backend.stats()
     assert st.corrupt_pages == 1 and st.get_misses == 1 and st.get_hits == 2
     assert not victim.exists()
     assert [p.name.rpartition(".")[0] for p in (root / QUARANTINE_DIR).iterdir()] == [victim.name]
-    assert backend.batch_exists(keys) == 1
-    assert backend.get(keys[1], torch.empty(GEOMETRY.page_bytes, dtype=torch.uint8)) is False
+    assert backend.exists_prefix(keys) == 1
+    assert backend.read(ReadBatch(keys[1:2], [4])) == [False]
 
 
 def test_page_deleted_between_exists_and_get_is_clean_miss(store):
     backend, pool, root = store
     fill(pool, 6)
     key = keys_for(1)[0]
-    assert backend.batch_set_v1([key], [0]) == [True]
-    assert backend.exists(key)
+    assert backend.write(WriteBatch([key], [0])) == [True]
+    assert (backend.exists_prefix([key]) == 1)
     page_file(backend, key).unlink()
-    assert backend.batch_get_v1([key], [3]) == [False]
+    assert backend.read(ReadBatch([key], [3])) == [False]
     st = backend.stats()
     assert st.get_misses == 1 and st.corrupt_pages == 0 and st.errors == 0
 
@@ -191,15 +186,15 @@ def test_other_tp_rank_misses(tmp_path):
     rank1, _ = make(tmp_path, tp_rank=1)
     fill(pool0, 8)
     keys = keys_for(2)
-    assert rank0.batch_set_v1(keys, [0, 1]) == [True, True]
-    assert rank1.batch_exists(keys) == 0
-    assert rank1.batch_get_v1(keys, [4, 5]) == [False, False]
+    assert rank0.write(WriteBatch(keys, [0, 1])) == [True, True]
+    assert rank1.exists_prefix(keys) == 0
+    assert rank1.read(ReadBatch(keys, [4, 5])) == [False, False]
     # even under rank 1's file name, rank 0's bytes fail the fingerprint check
     page_file(rank1, keys[0]).parent.mkdir(exist_ok=True)
     os.link(page_file(rank0, keys[0]), page_file(rank1, keys[0]))
-    assert rank1.batch_get_v1(keys[:1], [4]) == [False]
+    assert rank1.read(ReadBatch(keys[:1], [4])) == [False]
     assert rank1.stats().corrupt_pages == 1
-    assert rank0.batch_get_v1(keys, [6, 7]) == [True, True]
+    assert rank0.read(ReadBatch(keys, [6, 7])) == [True, True]
     rank0.close()
     rank1.close()
 
@@ -209,38 +204,21 @@ def test_transfer_timeout_is_a_miss(tmp_path):
     fill(pool, 9)
     keys = keys_for(8)
     # a transfer not finished by its deadline stores nothing and leaves no temp file
-    assert backend.batch_set_v1(keys, list(range(8))) == [False] * 8
+    assert backend.write(WriteBatch(keys, list(range(8)))) == [False] * 8
     st = backend.stats()
     assert st.set_failures == 8 and st.errors >= 1 and st.bytes_written == 0
-    assert backend.batch_exists(keys) == 0
+    assert backend.exists_prefix(keys) == 0
     # with a sane deadline the parked request is drained and I/O goes on
-    backend.timeout_s = 5.0
-    assert backend.batch_set_v1(keys, list(range(8))) == [True] * 8
-    assert backend.batch_get_v1(keys, list(range(8, 16))) == [True] * 8
+    backend.inner.timeout_s = 5.0
+    assert backend.write(WriteBatch(keys, list(range(8)))) == [True] * 8
+    assert backend.read(ReadBatch(keys, list(range(8, 16)))) == [True] * 8
     assert torch.equal(pool.buffer[8:16], pool.buffer[:8])
     assert not list((tmp_path / "tmp").iterdir())
     backend.close()
 
 
 def page_file(backend, key: str) -> Path:
-    return Path(backend.dir.path(backend.dir.name(key)))
-
-
-def test_page_files_of_the_flat_layout_are_adopted(tmp_path):
-    backend, pool = make(tmp_path)
-    fill(pool, 3)
-    keys = keys_for(3)
-    assert backend.batch_set_v1(keys, [0, 1, 2]) == [True] * 3
-    backend.close()
-    # what an earlier version left: <path>/<object_key>, no fan-out, no extension
-    for k in keys:
-        page_file(backend, k).rename(tmp_path / backend.object_key(k))
-    (tmp_path / "notes.txt").write_text("not a page")
-    again, pool2 = make(tmp_path)
-    assert again.batch_get_v1(keys, [5, 6, 7]) == [True] * 3
-    assert torch.equal(pool2.buffer[5:8], pool.buffer[0:3])
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["notes.txt"]
-    again.close()
+    return Path(backend.inner.dir.path(backend.inner.dir.name(key)))
 
 
 @pytest.mark.parametrize("plugin", ["NO_SUCH_PLUGIN", "GDS"])
@@ -274,8 +252,8 @@ def test_bad_extra_config(tmp_path, extra):
 def test_plugin_params_pass_through(tmp_path):
     backend, pool = make(tmp_path, plugin_params={"use_posix_aio": "false"})
     fill(pool, 11)
-    assert backend.batch_set_v1(keys_for(2), [0, 1]) == [True, True]
-    assert backend.batch_get_v1(keys_for(2), [2, 3]) == [True, True]
+    assert backend.write(WriteBatch(keys_for(2), [0, 1])) == [True, True]
+    assert backend.read(ReadBatch(keys_for(2), [2, 3])) == [True, True]
     assert torch.equal(pool.read_page(2), pool.read_page(0))
     backend.close()
 
@@ -283,9 +261,9 @@ def test_plugin_params_pass_through(tmp_path):
 def test_delete_removes_one_page(store):
     backend, pool, _ = store
     ks = keys_for(3, salt=77)
-    assert backend.batch_set_v1(ks, [0, 1, 2]) == [True] * 3
-    assert backend.batch_delete([ks[1], ks[1]]) == 1
-    assert [backend.exists(k) for k in ks] == [True, False, True]
+    assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
+    assert backend.delete([ks[1], ks[1]]) == 1
+    assert [(backend.exists_prefix([k]) == 1) for k in ks] == [True, False, True]
 
 
 def test_lookups_run_on_probe_threads_beside_transfers(store):
@@ -294,13 +272,13 @@ def test_lookups_run_on_probe_threads_beside_transfers(store):
     from concurrent.futures import ThreadPoolExecutor
 
     backend, pool, _ = store
-    assert NixlBackend.concurrent_lookups
+    assert backend.capabilities.concurrent_lookups
     fill(pool, 4)
     keys = keys_for(6)
-    assert backend.batch_set_v1(keys[:4], [0, 1, 2, 3]) == [True] * 4
+    assert backend.write(WriteBatch(keys[:4], [0, 1, 2, 3])) == [True] * 4
     with ThreadPoolExecutor(8) as probes:
-        found = [probes.submit(backend.batch_exists, keys) for _ in range(32)]
-        assert backend.batch_get_v1(keys[:4], [4, 5, 6, 7]) == [True] * 4
+        found = [probes.submit(backend.exists_prefix, keys) for _ in range(32)]
+        assert backend.read(ReadBatch(keys[:4], [4, 5, 6, 7])) == [True] * 4
         assert {f.result() for f in found} == {4}
     assert all(torch.equal(pool.read_page(4 + i), pool.read_page(i)) for i in range(4))
 
@@ -315,7 +293,7 @@ def test_writes_take_the_pools_checksums_and_reads_still_check_them(store):
     pool.set_key(1, b"b")
     pool.set_checksums([0, 1], [integrity.checksum(pool.read_page(0)),
                                 integrity.checksum(pool.read_page(1)) ^ 1])  # slot 1: wrong
-    assert backend.batch_set_v1(keys, [0, 1]) == [True, True]
-    assert backend.batch_get_v1(keys, [5, 6]) == [True, False]
+    assert backend.write(WriteBatch(keys, [0, 1])) == [True, True]
+    assert backend.read(ReadBatch(keys, [5, 6])) == [True, False]
     assert torch.equal(pool.read_page(0), pool.read_page(5))
     assert backend.stats().corrupt_pages == 1

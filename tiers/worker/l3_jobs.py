@@ -1,0 +1,59 @@
+"""What the worker's L3 I/O thread (l3_io.py) is handed and hands back.
+
+Contract: ``FetchResult`` (a finished fetch: the L3 pages that arrived, a
+prefix, and the blocks vLLM must recompute), ``StorageIOStats`` (the
+thread's counters), and the queue entries ``Backup``, ``Retention`` and
+``Job`` (a submitted fetch with its cancel flag and result). Plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hicache.tiers.index.plans import RequestFetch
+from hicache.tiers.index.spans import SpanRef
+
+
+@dataclass
+class FetchResult:
+    req_id: str
+    fetched_pages: int
+    error_block_ids: set[int]
+    seconds: float
+    # A prefetch at arrival: L3 -> L2 only, nothing for vLLM.
+    prefetch: bool = False
+
+
+@dataclass
+class StorageIOStats:
+    fetches: int = 0
+    fetched_pages: int = 0
+    # Pages a read did not return, and pages never read (deadline passed, cancelled).
+    fetch_failed_pages: int = 0
+    fetch_late_pages: int = 0
+    fetch_deadline_misses: int = 0
+    backup_pages: int = 0
+    backup_failed_pages: int = 0
+    backups_dropped: int = 0
+    deleted_pages: int = 0
+    retained_pages: int = 0
+
+
+# A queued backup: (page key, slot, L3 key, its span object or None).
+Backup = tuple[bytes, int, bytes, SpanRef | None]
+
+
+@dataclass(frozen=True)
+class Retention:
+    keys: list[bytes]
+    until: float
+
+
+@dataclass
+class Job:
+    fetch: RequestFetch
+    submitted: float
+    polls: int = 0
+    cancel: bool = False
+    result: FetchResult | None = None
+    slots: set[int] = field(default_factory=set)
