@@ -206,6 +206,51 @@ def test_l3_backends_never_import_each_other():
     assert bad == []
 
 
+# Where a backend's verbs are called inside a broad ``except`` outside the guard: the
+# scheduler half's lookups, which count a failing store as a lookup error (its stores
+# are guarded too; these catch what a lookup path itself raises).
+CATCHES_BESIDE_THE_GUARD = {
+    ("tiers/controller/admin.py", "lookup"),
+    ("tiers/controller/admin.py", "prefetch"),
+    ("tiers/controller/fetches.py", "_ask"),
+}
+VERBS = {"read", "write", "exists_prefix", "delete", "clear", "retain"}
+
+
+def _broad(handler: ast.ExceptHandler) -> bool:
+    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return handler.type is None or any(
+        isinstance(k, ast.Name) and k.id in ("Exception", "BaseException") for k in kinds)
+
+
+def _catches_of_backend_calls() -> set[tuple[str, str]]:
+    """(file, function) of every broad ``try`` whose body touches a backend verb."""
+    found = set()
+    for path in [*(ROOT / "tiers").rglob("*.py"), *(ROOT / "connector").glob("*.py")]:
+        rel = str(path.relative_to(ROOT))
+        if rel == "tiers/l3/guard.py":
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not (isinstance(node, ast.Try) and any(_broad(h) for h in node.handlers)):
+                    continue
+                touched = [a for sub in node.body for a in ast.walk(sub)
+                           if isinstance(a, ast.Attribute) and a.attr in VERBS
+                           and any(w in ast.unparse(a.value)
+                                   for w in ("storage", "store", "backend", "shard"))]
+                if touched:
+                    found.add((rel, fn.name))
+    return found
+
+
+def test_only_the_guard_turns_a_backends_exception_into_a_miss():
+    """The worker's L3 path (l3_io.py, l3_link.py, the store queue), the shards and the
+    backends call their stores bare: a failing store is the guard's to count."""
+    assert _catches_of_backend_calls() == CATCHES_BESIDE_THE_GUARD
+
+
 def test_exceptions_are_still_needed():
     used = {(i.path, i.module) for i in IMPORTS}
     assert EXCEPTIONS <= used, EXCEPTIONS - used
