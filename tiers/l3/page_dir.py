@@ -1,4 +1,4 @@
-"""One directory of page files, shared by the file and NIXL backends: names, temps, quarantine.
+"""One directory of page files and their record format, shared by the file and NIXL backends.
 
 Contract:
 - ``PageDirectory(root, ext, key_suffix, config_key)`` makes ``<root>/pages/``,
@@ -8,9 +8,15 @@ Contract:
 - A page lives at ``pages/<xx>/<page key>_<key_suffix><ext>``, ``xx`` the first two
   hex digits of its page key (256 sub-directories, each made on first use by
   ``make_dir``): no directory holds more than about 1/256 of the pages. ``ext``
-  names the file format (``.page``: the file backend's 4 KiB-header records;
-  ``.nixl``: the NIXL backend's 128-byte header), so two backends pointed at one
-  directory never read each other's files. ``name(key)`` is the path relative to
+  names the file format: ``PAGE_EXT`` for the one record both backends write,
+  so a file and a NIXL backend pointed at one directory with the same
+  fingerprint read each other's pages.
+- The record (``PAGE_EXT``): the ``integrity`` header zero-padded to
+  ``FILE_HEADER_BYTES`` (4 KiB), then the payload, so the payload starts 4 KiB
+  aligned in the file (page-cache copies are whole pages; O_DIRECT can move it
+  straight into an aligned slot). Its header carries container layout
+  ``FILE_LAYOUT`` (integrity.py ``version_of``); ``PADDING`` is the zeros a
+  reader checks. ``name(key)`` is the path relative to
   ``pages/``; ``path(name)`` the full path.
 - Writes go to ``temp_path(name)`` (``tmp/``, unique to this process and thread)
   and are renamed into place: readers see a whole page or none.
@@ -34,10 +40,17 @@ import threading
 import time
 from pathlib import Path
 
+from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import StorageConfigError
 
 logger = logging.getLogger(__name__)
 FANOUT_CHARS = 2
+PAGE_EXT = ".page"
+# The integrity header, zero-padded: payloads start 4 KiB aligned in the file.
+FILE_HEADER_BYTES = 4096
+# integrity.py container layout of these records (1: header padded to FILE_HEADER_BYTES).
+FILE_LAYOUT = 1
+PADDING = bytes(FILE_HEADER_BYTES - integrity.HEADER_BYTES)
 QUARANTINE_DIR = "quarantine"
 
 

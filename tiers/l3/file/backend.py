@@ -87,7 +87,7 @@ from hicache.tiers.l3.file.page_io import (
     MISSING,
     Buffers,
 )
-from hicache.tiers.l3.page_dir import PageDirectory
+from hicache.tiers.l3.page_dir import PAGE_EXT, PageDirectory
 from hicache.tiers.l3.verify import Verify
 from hicache.tiers.l3.verify import helpers as verify_helpers
 
@@ -103,7 +103,7 @@ class FileBackend(StorageBackend):
         super().__init__(config)
         extra = validate_extra(config.extra_config, FileExtraConfig, "file")
         path = extra.path or os.environ.get(DIR_ENV) or DEFAULT_DIR
-        self.dir = PageDirectory(path, ".page", config.key_suffix,
+        self.dir = PageDirectory(path, PAGE_EXT, config.key_suffix,
                                  "hicache_storage_backend_extra_config.path")
         self.root, self.pages_dir = self.dir.root, self.dir.pages_dir
         self.tmp_dir, self.quarantine_dir = self.dir.tmp_dir, self.dir.quarantine_dir

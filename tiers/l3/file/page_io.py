@@ -1,11 +1,9 @@
 """The file backend's page record and its Python I/O of one page: buffered, or O_DIRECT.
 
 Contract:
-- A page file is the ``integrity`` header zero-padded to ``FILE_HEADER_BYTES``
-  (4 KiB), then the payload: the payload starts 4 KiB aligned in the file,
-  so page-cache copies are whole pages and O_DIRECT can move it straight
-  into an aligned slot. ``FILE_LAYOUT`` is this container's number in the
-  header (integrity.py ``version_of``).
+- A page file is the record of tiers/l3/page_dir.py (shared with the NIXL
+  backend): the ``integrity`` header zero-padded to ``FILE_HEADER_BYTES``
+  (4 KiB), then the payload.
 - ``Buffers``: one thread's scratch (header, one byte past the end, the
   page-aligned bounce buffer made on first O_DIRECT use).
 - ``probe(dir, mode)``: whether ``dir`` takes O_DIRECT (``mode`` ``auto``:
@@ -37,14 +35,10 @@ from typing import Any, Literal
 
 from hicache.tiers.l3 import integrity
 from hicache.tiers.l3.base import StorageConfigError
+from hicache.tiers.l3.page_dir import FILE_HEADER_BYTES, FILE_LAYOUT, PADDING
 
 logger = logging.getLogger(__name__)
 
-# The integrity header, zero-padded: payloads start 4 KiB aligned in the file.
-FILE_HEADER_BYTES = 4096
-# integrity.py container layout of these files (1: header padded to FILE_HEADER_BYTES).
-FILE_LAYOUT = 1
-PADDING = bytes(FILE_HEADER_BYTES - integrity.HEADER_BYTES)
 # Address and length alignment of O_DIRECT transfers (covers 512 B and 4 KiB sectors).
 DIRECT_ALIGN = 4096
 # Not on every platform (macOS): the probe then finds no O_DIRECT.

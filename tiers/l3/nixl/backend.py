@@ -16,9 +16,10 @@ Contract (on top of ``base.py``):
     ``xfer_timeout_s`` deadline of one batch transfer (default 5 s); a
                        transfer past it or failing makes its pages misses.
     ``max_batch_pages`` pages per NIXL transfer request (default 256).
-- One file per page and rank in the page directory the file backend uses
-  (tiers/l3/page_dir.py): ``<path>/pages/<xx>/<object_key>.nixl``, the
-  128-byte integrity header followed by the payload.
+- One file per page and rank in the page directory and record format the
+  file backend uses (tiers/l3/page_dir.py): ``<path>/pages/<xx>/<object_key>.page``,
+  the integrity header zero-padded to 4 KiB, then the payload; a file and a
+  NIXL backend on one directory share pages.
   Writes go to ``<path>/tmp/`` and are renamed into place, so readers see
   whole pages or nothing. Every read checks the file size and
   ``integrity.verify``; a mismatch is a miss reported corrupt and the file is
@@ -26,8 +27,7 @@ Contract (on top of ``base.py``):
 - Zero copy: the registered pool buffer is the DRAM side of the transfer for
   layouts whose slots are contiguous (page_first, page_first_direct); a
   small registered header buffer holds the headers. Other layouts
-  (layer_first) go through a registered one-page staging buffer. O_DIRECT is not offered: the 128-byte
-  header puts the payload at an unaligned file offset.
+  (layer_first) go through a registered one-page staging buffer.
 - An I/O problem is a miss (False, or a shorter count), reported (``report.failed``; the guard
   counts it in ``errors``).
 """
@@ -57,7 +57,7 @@ from hicache.tiers.l3.base import (
     WriteBatch,
     validate_extra,
 )
-from hicache.tiers.l3.page_dir import PageDirectory
+from hicache.tiers.l3.page_dir import FILE_HEADER_BYTES, FILE_LAYOUT, PAGE_EXT, PageDirectory
 from hicache.tiers.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ DEFAULT_DIR = "/tmp/hicache_nixl"
 DIR_ENV = "HICACHE_NIXL_STORAGE_DIR"
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BATCH = 256
-HDR = integrity.HEADER_BYTES
+HDR = FILE_HEADER_BYTES  # the record's header region (tiers/l3/page_dir.py)
 
 
 class NixlExtraConfig(Settings):
@@ -114,7 +114,7 @@ class NixlBackend(StorageBackend):
         self.timeout_s = extra.xfer_timeout_s
         self.max_batch = extra.max_batch_pages
         params = extra.plugin_params
-        self.dir = PageDirectory(self.path, ".nixl", config.key_suffix,
+        self.dir = PageDirectory(self.path, PAGE_EXT, config.key_suffix,
                                  "hicache_storage_backend_extra_config.path")
         # Lookups stat() the page files, never the agent: safe on probe threads.
         # Transfers take the backend's lock: safe from several threads, one at a time.
@@ -283,7 +283,11 @@ class NixlBackend(StorageBackend):
                 fp = self.config.fingerprint
                 for i, page in enumerate(live):
                     header = self._headers[i * HDR:(i + 1) * HDR]
-                    reason = integrity.verify(header, page_key(page.key), fp, page.view)
+                    reason = integrity.verify(header[:integrity.HEADER_BYTES],
+                                              page_key(page.key), fp, page.view,
+                                              layout=FILE_LAYOUT)
+                    if reason is None and bool(header[integrity.HEADER_BYTES:].any()):
+                        reason = "header padding is not zero"
                     if reason is None:
                         page.ok = True
                     else:
@@ -304,9 +308,11 @@ class NixlBackend(StorageBackend):
             for i, page in enumerate(pages):
                 try:
                     head = integrity.pack_header(self.page_key_bytes(page.key), fp, page.view,
-                                                 digest=page.digest)
-                    self._headers[i * HDR:(i + 1) * HDR].copy_(
+                                                 digest=page.digest, layout=FILE_LAYOUT)
+                    row = self._headers[i * HDR:(i + 1) * HDR]
+                    row[:integrity.HEADER_BYTES].copy_(
                         torch.frombuffer(bytearray(head), dtype=torch.uint8))
+                    row[integrity.HEADER_BYTES:].zero_()
                     name = self.dir.name(page.key)
                     self.dir.make_dir(name)
                     page.tmp = self.dir.temp_path(name)

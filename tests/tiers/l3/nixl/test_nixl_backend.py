@@ -23,7 +23,7 @@ from hicache.tiers.l3.base import (  # noqa: E402
 )
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.l3.nixl.backend import NixlBackend  # noqa: E402
-from hicache.tiers.l3.page_dir import QUARANTINE_DIR  # noqa: E402
+from hicache.tiers.l3.page_dir import FILE_HEADER_BYTES, QUARANTINE_DIR  # noqa: E402
 
 GEOMETRY = PoolGeometry(num_slots=16, num_layers=3, blocks_per_page=2, block_bytes=1024)
 LAYOUTS = ["page_first", "page_first_direct", "layer_first"]
@@ -61,14 +61,14 @@ def test_round_trip_bit_exact(tmp_path, layout):
     keys = keys_for(6)
     expect = [pool.read_page(s).clone() for s in range(6)]
     assert backend.write(WriteBatch(keys, list(range(6)))) == [True] * 6
-    # one file per page in the shared page directory: header + payload; no temp files
+    # one file per page in the shared page directory, the file backend's record (the
+    # header padded to 4 KiB, then the payload); no temp files
     names = sorted(p.relative_to(tmp_path / "pages").as_posix()
                    for p in (tmp_path / "pages").rglob("*") if p.is_file())
-    assert names == sorted(f"{k[:2]}/{backend.object_key(k)}.nixl" for k in keys)
+    assert names == sorted(f"{k[:2]}/{backend.object_key(k)}.page" for k in keys)
     assert not list((tmp_path / "tmp").iterdir())
     for k in keys:
-        assert page_file(backend, k).stat().st_size == (
-            integrity.HEADER_BYTES + GEOMETRY.page_bytes)
+        assert page_file(backend, k).stat().st_size == FILE_HEADER_BYTES + GEOMETRY.page_bytes
 
     pool.buffer.zero_()
     assert backend.exists_prefix(keys) == 6
@@ -130,7 +130,7 @@ def test_other_process_reads_what_one_wrote(tmp_path):
 
 def _flip_payload(path: Path) -> None:
     data = bytearray(path.read_bytes())
-    data[integrity.HEADER_BYTES + 777] ^= 0x01
+    data[FILE_HEADER_BYTES + 777] ^= 0x01
     path.write_bytes(bytes(data))
 
 
@@ -297,3 +297,30 @@ def test_writes_take_the_pools_checksums_and_reads_still_check_them(store):
     assert backend.read(ReadBatch(keys, [5, 6])) == [True, False]
     assert torch.equal(pool.read_page(0), pool.read_page(5))
     assert backend.stats().corrupt_pages == 1
+
+
+@pytest.mark.parametrize("writer_is_nixl", [True, False])
+def test_file_and_nixl_backends_share_one_page_format(tmp_path, writer_is_nixl):
+    """One directory, one fingerprint: what either backend writes the other reads,
+    verified, and finds stored already."""
+    from hicache.tiers.l3.file.backend import FileBackend
+
+    cfg = StorageConfig(tp_rank=0, tp_size=2, namespace="test-ns",
+                        mem_layout="page_first_direct", page_bytes=GEOMETRY.page_bytes,
+                        extra_config={"path": str(tmp_path)})
+    nixl, nixl_pool = make(tmp_path)
+    files = guarded(FileBackend(cfg))
+    files_pool = HostPagePool(GEOMETRY, layout="page_first_direct", pin_memory=False)
+    files.register_host_pool(files_pool)
+    writer, writer_pool = (nixl, nixl_pool) if writer_is_nixl else (files, files_pool)
+    reader, reader_pool = (files, files_pool) if writer_is_nixl else (nixl, nixl_pool)
+    fill(writer_pool, 5)
+    keys = keys_for(4, salt=11)
+    assert writer.write(WriteBatch(keys, [0, 1, 2, 3])) == [True] * 4
+    assert reader.exists_prefix(keys) == 4
+    assert reader.read(ReadBatch(keys, [8, 9, 10, 11])) == [True] * 4
+    for i in range(4):
+        assert torch.equal(reader_pool.read_page(8 + i), writer_pool.read_page(i))
+    assert reader.write(WriteBatch(keys, [8, 9, 10, 11])) == [True] * 4
+    assert reader.stats().set_skipped_existing == 4 and reader.stats().corrupt_pages == 0
+    nixl.close()
