@@ -521,4 +521,5 @@ def test_lmcache_restart_and_a_killed_server(tiny_model, baseline, lmcache):
     assert stored.outputs == want0.outputs[3:6]
     assert down.outputs == want1.outputs[3:6]
     assert back.outputs == want1.outputs[6:7]
-    # Call by call (breaker, recovery, re-registration): tests/tiers/l3/lmcache/test_lmcache_backend.py.
+    # Call by call (breaker, recovery, re-registration):
+    # tests/tiers/l3/lmcache/test_lmcache_backend.py.

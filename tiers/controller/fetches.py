@@ -218,7 +218,8 @@ class L3Fetches:
             if count is not None:
                 return count()
             wanted = [body_key(k) if checkpoints else k for k in run]
-            found = self.storage.exists_prefix([k.hex() for k in wanted])  # type: ignore[union-attr]
+            assert self.storage is not None
+            found = self.storage.exists_prefix([k.hex() for k in wanted])
             if checkpoints:
                 found = self._last_checkpoint(run, min(found, self._room()))
             return int(found)

@@ -80,7 +80,8 @@ class L3Probes:
             self.forget(req_id)
             if ask is None:
                 hex_keys = [k.hex() for k in keys]
-                future = self._pool.submit(store.exists_prefix, hex_keys)  # type: ignore[attr-defined]
+                future = self._pool.submit(
+                    store.exists_prefix, hex_keys)  # type: ignore[attr-defined]
             else:
                 future = self._pool.submit(ask)
             probe = self._probes[req_id] = _Probe(list(keys), store, future)

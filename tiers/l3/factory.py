@@ -3,8 +3,9 @@
 Contract: ``create_backend(name, config)`` imports the backend lazily (so a
 missing optional dependency only matters to whoever selects it) and returns
 it behind its guard (a ``GuardedBackend``, tiers/l3/guard.py: counters,
-breaker, never raising), whichever backend it is. ``StorageBackendName`` is the one list of names (the
-connector config's ``hicache_storage_backend`` accepts exactly these).
+breaker, never raising), whichever backend it is. ``StorageBackendName`` is
+the one list of names (the connector config's ``hicache_storage_backend``
+accepts exactly these).
 ``dynamic`` loads a third-party class as SGLang does: ``extra_config``
 names ``module_path`` and ``class_name`` (``backend_name`` and
 ``interface_v1`` optional; see ``DynamicLoaderConfig``), with the loader

@@ -1,7 +1,7 @@
 """L3 benchmark: our storage backends against raw I/O of the same bytes, in one run.
 
-- ``file`` and ``nixl``: write (``batch_set_v1`` from host pool slots) and
-  read (``batch_get_v1`` into slots, header and checksum verified) of N
+- ``file`` and ``nixl``: write (``write`` from host pool slots) and
+  read (``read`` into slots, header and checksum verified) of N
   pages, against a raw sequential write / read of the same bytes in the
   same run: one file written with ``os.write`` and read with ``readinto``
   (``raw-1file``) and one file per page (``raw-per-page``, what any
@@ -209,7 +209,7 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
                extra: dict[str, Any], cold: bool, name: str = "ours",
                pool_sums: bool = False, span_pages: int = 1) -> _Case:
     """``span_pages`` > 1: pages in span objects of that many pages (tiers/index/
-    spans.py), through ``batch_set_spans`` / ``batch_get_spans``."""
+    spans.py), through batches with ``spans``."""
     page_bytes = pool.geometry.page_bytes
     ns = KeyNamespace("bench", "uint8", "bench", 64, 1)
     page_ids = page_keys(ns.seed(), list(range(64 * pages)), 64)
@@ -243,7 +243,9 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
         slots = list(range(pages))
         if layout.enabled:  # whole spans as objects, a tail shorter than one as pages
             whole = [i for i, span in enumerate(spans) if span is not None]
-            assert all(state["b"].write(WriteBatch([keys[i] for i in whole], whole, [spans[i] for i in whole])))  # type: ignore[misc]
+            batch = WriteBatch([keys[i] for i in whole], whole,
+                               [spans[i] for i in whole])  # type: ignore[misc]
+            assert all(state["b"].write(batch))
             rest = [i for i, span in enumerate(spans) if span is None]
             assert all(state["b"].write(WriteBatch([keys[i] for i in rest], rest)))
             return
@@ -252,7 +254,9 @@ def _ours_case(backend_name: str, directory: Path, pool: HostPagePool, pages: in
     def read() -> None:
         if layout.enabled:
             whole = [i for i, span in enumerate(spans) if span is not None]
-            assert all(state["b"].read(ReadBatch([keys[i] for i in whole], [pages + i for i in whole], [spans[i] for i in whole])))  # type: ignore[misc]
+            batch = ReadBatch([keys[i] for i in whole], [pages + i for i in whole],
+                              [spans[i] for i in whole])  # type: ignore[misc]
+            assert all(state["b"].read(batch))
             rest = [i for i, span in enumerate(spans) if span is None]
             assert all(state["b"].read(ReadBatch([keys[i] for i in rest],
                                                [pages + i for i in rest])))

@@ -3,7 +3,7 @@
 Contract: ``bench_lmcache(page_bytes, num_pages, repeats)`` starts its own
 ``lmcache server`` on 127.0.0.1 (``lmcache_service``; DRAM tier only, sized
 for both sides' pages) and in this one process measures:
-- ours: ``LMCacheBackend.batch_set_v1`` / ``batch_get_v1`` on a
+- ours: ``LMCacheBackend.write`` / ``read`` on a
   ``HostPagePool`` (page_first_direct, one layer, one block per page):
   integrity header and xxh3 checksum, one session per page; get with
   header check and checksum verification;

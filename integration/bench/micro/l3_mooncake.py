@@ -3,7 +3,7 @@
 Contract: ``bench_mooncake(page_bytes, num_pages, repeats)`` starts its own
 mooncake_master on 127.0.0.1 (``mooncake_service``), and in this one process
 measures:
-- ours: ``MooncakeBackend.batch_set_v1`` / ``batch_get_v1`` on a registered
+- ours: ``MooncakeBackend.write`` / ``read`` on a registered
   ``HostPagePool`` (page_first_direct, one layer, one block per page):
   existence check, xxh3 checksum, 128-byte header, multi-buffer put; get with
   header check and checksum verification;
@@ -19,7 +19,7 @@ measures:
   same pool slots through the backend's own client (same segment, same
   registration), no header, no checks;
 - with ``span_pages`` > 1, span objects (tiers/index/spans.py): ours through
-  ``batch_set_spans`` (pool checksums) / ``batch_get_spans``, against the raw
+  batches with ``spans`` (pool checksums), against the raw
   client putting and getting objects of the same ``span_pages`` consecutive
   slots (``raw_span_put`` / ``raw_span_get``).
 Every object of ours lies in the backend's own segment (the only one mounted), so
@@ -62,13 +62,15 @@ def _span_round(backend: MooncakeBackend, pool: HostPagePool, keys: list[str],
     per = max(span_pages, batch_pages - batch_pages % span_pages)
     batches = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
     backend.clear()
-    secs, ok = timed(lambda: sum(sum(backend.write(WriteBatch(keys[lo:hi], list(range(lo, hi)), refs[lo:hi]))) for lo, hi in batches))
+    secs, ok = timed(lambda: sum(sum(backend.write(WriteBatch(keys[lo:hi], list(range(lo, hi)),
+                                                              refs[lo:hi]))) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"MooncakeBackend stored {ok}/{n} pages in span objects")
     samples["ours_span_put"].append(n * nb / secs / 1e9)
     total = pool.geometry.num_slots // 2
     pool.buffer[total:].zero_()
-    secs, ok = timed(lambda: sum(sum(backend.read(ReadBatch(keys[lo:hi], [total + s for s in range(lo, hi)], refs[lo:hi]))) for lo, hi in batches))
+    secs, ok = timed(lambda: sum(sum(backend.read(ReadBatch(
+        keys[lo:hi], [total + s for s in range(lo, hi)], refs[lo:hi]))) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"MooncakeBackend loaded {ok}/{n} pages from span objects")
     samples["ours_span_get"].append(n * nb / secs / 1e9)
@@ -130,7 +132,8 @@ def bench_mooncake(page_bytes: int, num_pages: int, repeats: int, *,
                 pool.set_checksums(slots, sums)
                 backend.clear()
                 secs, ok = timed(lambda: sum(
-                    sum(backend.write(WriteBatch(keys[lo:hi], slots[lo:hi]))) for lo, hi in batches))
+                    sum(backend.write(WriteBatch(keys[lo:hi],
+                                                 slots[lo:hi]))) for lo, hi in batches))
                 if ok != num_pages:
                     raise RuntimeError(f"MooncakeBackend stored {ok}/{num_pages} pages")
                 samples["ours_put_pool_sums"].append(payload / secs / 1e9)

@@ -119,8 +119,8 @@ def main() -> None:
     for mib in (float(x) for x in args.page_mib.split(",")):
         r = profile(int(mib * (1 << 20)), args.total_mib << 20, args.repeats)
         raw = r["raw"]
-        print(f"{mib:>4g}Mi {raw:>9.2f} {r['bare'] / raw:>6.2f}x {r['ours, no check'] / raw:>14.2f}x "
-              f"{r['ours'] / raw:>6.2f}x {r['hash']:>10.2f}")
+        print(f"{mib:>4g}Mi {raw:>9.2f} {r['bare'] / raw:>6.2f}x "
+              f"{r['ours, no check'] / raw:>14.2f}x {r['ours'] / raw:>6.2f}x {r['hash']:>10.2f}")
 
 
 if __name__ == "__main__":

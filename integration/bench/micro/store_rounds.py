@@ -6,8 +6,8 @@ Contract:
   written), slots [n, 2n) where they are read back.
 - ``timed(fn)``: (seconds, result) of one call.
 - ``ours_round(backend, pool, keys, batch_pages, samples, check=)``: one timed
-  store of slots [0, n) under ``keys`` (``batch_set_v1``), then, with slots
-  [n, 2n) zeroed, one timed load into them (``batch_get_v1``), in batches of
+  store of slots [0, n) under ``keys`` (``write``), then, with slots
+  [n, 2n) zeroed, one timed load into them (``read``), in batches of
   ``batch_pages``; appends GB/s (1e9 payload bytes per second) to
   ``samples["ours_put"]`` / ``samples["ours_get"]``; raises ``RuntimeError``
   naming the backend when a page was not stored or loaded; with ``check``,
@@ -55,7 +55,8 @@ def ours_round(backend: StorageBackend, pool: HostPagePool, keys: list[str], bat
     samples["ours_put"].append(payload / secs / 1e9)
     pool.buffer[n:].zero_()
     secs, ok = timed(lambda: sum(
-        sum(backend.read(ReadBatch(keys[lo:hi], list(range(n + lo, n + hi))))) for lo, hi in batches))
+        sum(backend.read(ReadBatch(keys[lo:hi], list(range(n + lo,
+                                                           n + hi))))) for lo, hi in batches))
     if ok != n:
         raise RuntimeError(f"{name} loaded {ok}/{n} pages")
     samples["ours_get"].append(payload / secs / 1e9)

@@ -6,7 +6,7 @@ fetch read them; eviction from L2 keeps them as L3-only pages; lookups walk
 the tree before asking the store; a flush of L3 by prefix finds L3-only pages
 through the tree; a fetch that could not read a page takes it out of the index.
 L3's KV events (medium STORAGE) follow the index. The store is the real file
-backend; ``CountingStore`` only counts its ``batch_exists`` calls.
+backend; ``CountingStore`` only counts its ``exists_prefix`` calls.
 """
 
 from __future__ import annotations

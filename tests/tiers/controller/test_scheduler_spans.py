@@ -166,7 +166,8 @@ def test_a_store_that_starts_inside_a_span_backs_the_whole_span_up_as_its_own_ob
     # What the worker writes: b's spans; a lookup of b's pages finds them.
     store = writer(tmp_path)
     for group in (meta.backups, [p for p in meta.stores if p.span is not None]):
-        assert all(store.write(WriteBatch([p.key.hex() for p in group], [p.slot for p in group], [p.span for p in group])))
+        assert all(store.write(WriteBatch([p.key.hex() for p in group], [p.slot for p in group],
+                                          [p.span for p in group])))
     assert LAYOUT.run_in_store(store.exists_prefix, b_keys, 2, 6) == 4  # pages 2-5
 
 
@@ -206,7 +207,8 @@ def test_a_request_that_leaves_a_span_early_is_never_promised_pages_only_that_sp
     store.register_host_pool(pool)
     # The worker's backups of a's plan: whole spans as span objects, the tail as pages.
     spanned = [p for p in meta.stores if p.span is not None]
-    assert all(store.write(WriteBatch([p.key.hex() for p in spanned], [p.slot for p in spanned], [p.span for p in spanned])))
+    assert all(store.write(WriteBatch([p.key.hex() for p in spanned], [p.slot for p in spanned],
+                                      [p.span for p in spanned])))
     assert all(store.write(WriteBatch([p.key.hex() for p in meta.stores if p.span is None],
                                   [p.slot for p in meta.stores if p.span is None])))
     sched.on_worker_report(WorkerReport(l3_stored={0: [p.key for p in meta.stores]}))

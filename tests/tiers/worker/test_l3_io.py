@@ -419,7 +419,8 @@ def test_spans_are_backed_up_whole_and_fetched_with_page_objects_where_they_lack
     io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(10)], spans)
     io.shutdown()
     assert sorted(io.take_backed_up()) == sorted(KEYS[:10])
-    assert [(backend.exists_prefix([KEYS[i].hex()]) == 1) for i in (0, 7, 8, 9)] == [False, False, True, True]
+    assert [(backend.exists_prefix([KEYS[i].hex()]) == 1) for i in (0, 7, 8, 9)] == [
+        False, False, True, True]
     assert backend.exists_prefix([k.hex() for k in layout.object_keys(KEYS)]) == 2
     stored = pool.buffer[:10].clone()
 

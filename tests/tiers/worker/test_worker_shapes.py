@@ -166,8 +166,8 @@ def test_backups_that_name_one_span_are_written_as_that_one_object(tmp_path):
         assert _backups_settled(w, 2) == 2
         assert w.storage.exists_prefix([span.hex()]) == 1
         assert w.storage.exists_prefix([KEY_A.hex()]) == 0  # no page objects of their own
-        assert w.storage.read(ReadBatch([KEY_A.hex(), KEY_B.hex()], [2, 3], [SpanRef(span, 0, 2), SpanRef(span, 1, 2)])) == [
-            True, True]
+        refs = [SpanRef(span, 0, 2), SpanRef(span, 1, 2)]
+        assert w.storage.read(ReadBatch([KEY_A.hex(), KEY_B.hex()], [2, 3], refs)) == [True, True]
         assert torch.equal(w.pool.read_page(2), w.pool.read_page(0))
     finally:
         w.shutdown()

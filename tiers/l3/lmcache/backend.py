@@ -383,7 +383,9 @@ class LMCacheBackend(StorageBackend):
     def _slot_views(self, slots: Sequence[int]) -> list[np.ndarray] | None:
         """Byte views of the pool slots, or None where slots are not contiguous."""
         views = [self._require_pool().page_view(s) for s in slots]
-        return None if any(v is None for v in views) else [v.numpy() for v in views if v is not None]
+        if any(v is None for v in views):
+            return None
+        return [v.numpy() for v in views if v is not None]
 
     def write(self, batch: WriteBatch) -> list[bool]:
         pool = self._require_pool()

@@ -79,7 +79,7 @@ def test_round_trip_through_host_slots(tmp_path, layout, io_path):
     assert b.stats().get_hits == 4 and b.stats().bytes_read == 4 * GEOM.page_bytes
 
 
-def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(tmp_path):
+def test_exists_prefix_counts_consecutive_hits_and_writes_skip_existing(tmp_path):
     backend = guarded(FileBackend(config(tmp_path)))
     backend.register_host_pool(filled_pool("page_first", 3))
     ks = keys(5)
@@ -278,7 +278,8 @@ def test_dynamic_loader_keys_are_checked_and_the_rest_passes_through(tmp_path):
     backend = create_backend("dynamic", config(
         tmp_path, module_path="hicache.tiers.l3.file.backend", class_name="FileBackend",
         backend_name="mine", interface_v1=1, fsync=True))
-    assert isinstance(backend.inner, FileBackend) and backend.inner.fsync and backend.inner.root == tmp_path
+    inner = backend.inner
+    assert isinstance(inner, FileBackend) and inner.fsync and inner.root == tmp_path
     assert backend.config.extra_config == {"path": str(tmp_path), "fsync": True}
 
 
@@ -425,7 +426,8 @@ def test_capacity_index_is_rebuilt_from_the_fan_out_oldest_first(tmp_path):
     restarted = guarded(FileBackend(config(tmp_path, capacity_gb=4 * page_file / 1e9)))
     assert restarted.inner.used_bytes == 4 * page_file + 100
     restarted.register_host_pool(filled_pool("page_first", 17))
-    restarted.write(WriteBatch([ks[4]], [4]))  # needs room for one page: the legacy file, then ks[2]
+    # needs room for one page: the legacy file, then ks[2]
+    restarted.write(WriteBatch([ks[4]], [4]))
     assert not legacy.exists()
     assert [(restarted.exists_prefix([k]) == 1) for k in ks] == [True, True, False, True, True]
     assert restarted.inner.used_bytes == 4 * page_file and restarted.stats().evicted_pages == 2
@@ -579,7 +581,7 @@ def test_pages_fall_back_to_buffered_when_o_direct_is_refused_later(tmp_path, mo
     assert backend.stats().corrupt_pages == 0
 
 
-def test_timed_batches_start_no_page_after_the_deadline(tmp_path, io_path):
+def test_timed_reads_start_no_page_after_the_deadline(tmp_path, io_path):
     import time
 
     src, dst = filled_pool("page_first", 1), filled_pool("page_first", 2)

@@ -149,7 +149,8 @@ def test_missing_spans_are_plain_misses_and_a_past_deadline_reads_nothing(tmp_pa
     _, b, _, _ = backends(tmp_path)
     other = page_keys(NS.seed(), list(range(7, 7 + 64 * 4)), 64)
     refs = [LAYOUT.ref(other, i) for i in range(4)]
-    assert b.read(ReadBatch([k.hex() for k in other], [8, 9, 10, 11], refs)) == [False] * 4  # type: ignore[arg-type]
+    assert b.read(ReadBatch([k.hex() for k in other], [8, 9, 10, 11],
+                            refs)) == [False] * 4  # type: ignore[arg-type]
     assert b.stats().get_misses == 4 and b.stats().corrupt_pages == 0
     before = b.stats().get_pages
     late = time.monotonic() - 1

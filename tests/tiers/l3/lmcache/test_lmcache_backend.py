@@ -134,7 +134,7 @@ def test_single_pages_and_a_key_twice_in_a_batch(shared):
     assert torch.equal(backend.pool.canonical[6], backend.pool.canonical[2])
 
 
-def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(shared):
+def test_exists_prefix_counts_consecutive_hits_and_writes_skip_existing(shared):
     check_exists_and_dedup(shared("a"), shared("b"), seed=3000)
 
 

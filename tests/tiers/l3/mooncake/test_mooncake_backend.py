@@ -142,7 +142,7 @@ def test_round_trip_bit_exact_through_host_slots(shared, writer_layout, reader_l
     assert check_round_trip(a, b, seed=1000 + len(writer_layout)).exists_queries == 5
 
 
-def test_batch_exists_counts_consecutive_hits_and_set_skips_existing(shared):
+def test_exists_prefix_counts_consecutive_hits_and_writes_skip_existing(shared):
     other = shared("b")
     ks = check_exists_and_dedup(shared("a"), other, seed=3000)
     # a key twice in one batch is written once
@@ -270,7 +270,8 @@ def test_killed_master_fails_fast_without_raising_and_recovers(make):
         assert backend.reachable
         ks2 = keys(2, seed=8200)
         deadline = time.monotonic() + 10
-        while backend.write(WriteBatch(ks2, [6, 7])) != [True, True] and time.monotonic() < deadline:
+        while (backend.write(WriteBatch(ks2, [6, 7])) != [True, True]
+               and time.monotonic() < deadline):
             time.sleep(0.2)
         assert backend.read(ReadBatch(ks2, [3, 4])) == [True, True]
         assert torch.equal(pool.canonical[3], pool.canonical[6])

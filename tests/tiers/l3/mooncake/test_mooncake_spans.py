@@ -83,7 +83,8 @@ def store():
 @needs_native
 def test_the_writer_finds_its_own_segment(store):
     writer, reader, *_ = store
-    assert writer.inner._segment is not None and writer.inner._segment.end > writer.inner._segment.start
+    segment = writer.inner._segment
+    assert segment is not None and segment.end > segment.start
     assert reader.inner._segment is None  # no segment of its own: every read is a transfer
 
 
