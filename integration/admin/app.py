@@ -7,17 +7,11 @@ Contract
 app over an :class:`~hicache.integration.admin.target.AdminTarget`; ``token``
 is a :class:`pydantic.SecretStr`, a ``str`` or ``None`` and is kept as a
 ``SecretStr``. :class:`~hicache.integration.admin.server.AdminServer` serves
-it. Endpoints (request and response models in ``models.py``, all in the
-OpenAPI schema at ``/openapi.json``, browsable at ``/docs``)::
-
-    GET  /healthz                     {"status": "ok"}                     never needs a token
-    GET  /config                      effective config, secrets redacted   read
-    GET  /stats                       {"tiers": {...}, "queues": {...}, "policy": {...}, ...}  read
-    GET  /metrics                     Prometheus text 0.0.4, hicache_*     read
-    GET  /tree?prefix=1,2,3&depth=N   bounded JSON view of the HiRadixTree read
-    POST /flush                       {"tiers": [...], "prefix": [...]|null, "cache_salt": str|null}
-    POST /storage/attach              {"backend": str, "extra_config": {...}}
-    POST /storage/detach
+it. Its endpoints (request and response models in ``models.py``) are the
+routes below, all in the OpenAPI schema at ``/openapi.json`` (browsable at
+``/docs``); docs/reference/admin-api.md is generated from that schema.
+``GET /healthz`` never needs a token; the ``read`` routes need one only with
+``require_token_for_reads``; the ``write`` routes always do.
 
 Where each rule lives:
 

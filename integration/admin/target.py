@@ -53,6 +53,7 @@ MAX_JSON_DEPTH = 64
 # OpenAPI: what a route that calls the target may answer besides its own responses.
 TARGET_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Rejected by the cache (detail says why)"},
+    404: {"model": ErrorResponse, "description": "No such session or operation"},
     409: {"model": ErrorResponse, "description": "Conflicts with the cache's state"},
     500: {"model": ErrorResponse, "description": "Internal error (details only in the server log)"},
 }
