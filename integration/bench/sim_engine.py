@@ -46,6 +46,7 @@ from hicache.integration.bench.oracle import FutureUses, OracleEviction
 from hicache.integration.bench.trace import TraceRecord
 from hicache.tiers.controller.policies import WRITE_POLICY_NAMES, make_eviction_policy
 from hicache.tiers.controller.scheduler import HiCacheScheduler, NoRoom
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, stand_in_seed
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -334,15 +335,17 @@ class SimEngine:
                                       1),
                 namespace=namespace, page_size=config.page_size, block_size=config.block_size,
                 # Block ids only matter as "not vLLM's null block (0)" here.
-                block_ids_of=lambda req_id: [range(1, 1 << 30)], write_policy=config.write_policy,
-                write_threshold=config.write_threshold, storage=self.l3,  # type: ignore[arg-type]
-                prefetch={"prefetch_threshold": config.prefetch_threshold},
+                block_ids_of=lambda req_id: [range(1, 1 << 30)],
+                storage=self.l3,  # type: ignore[arg-type]
+                policy=SchedulerPolicy(
+                    write_policy=config.write_policy, write_threshold=config.write_threshold,
+                    prefetch={"prefetch_threshold": config.prefetch_threshold},
+                    # The simulated store takes every store at once (``_backup``): L3
+                    # never lacks a page L2 holds, so there is nothing to catch up.
+                    catch_up_pages=0),
                 clock=lambda: self._now,
                 eviction=self._oracle or make_eviction_policy(
                     config.eviction, tail_pages=config.tlru_tail_pages),
-                # The simulated store takes every store at once (``_backup``): L3
-                # never lacks a page L2 holds, so there is nothing to catch up.
-                catch_up_pages=0,
             )
         self._tokens = TokenSource()
         self._prepared: dict[int, tuple[SimRequest, list[PageKey]]] = {}

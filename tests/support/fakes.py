@@ -11,11 +11,13 @@ store whose lookups wait for the test to open a gate (no clock involved).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
 
 from hicache.integration.bench.sim_engine import SimRequest
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import (
     KeyNamespace,
     PageKey,
@@ -107,3 +109,12 @@ class GatedStore:
     def entered(self, n: int) -> None:
         for _ in range(n):
             assert self.inside.acquire(timeout=30), "probe never reached the store"
+
+
+def scheduler_args(policy: SchedulerPolicy | None = None, **kw: Any) -> dict[str, Any]:
+    """``HiCacheScheduler`` keywords for a test helper that takes policy fields among
+    its own (``write_policy="write_back"``...): those folded into ``policy``."""
+    names = {f.name for f in dataclasses.fields(SchedulerPolicy)}
+    fields = {k: kw.pop(k) for k in list(kw) if k in names}
+    kw["policy"] = dataclasses.replace(policy or SchedulerPolicy(), **fields)
+    return kw

@@ -52,14 +52,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hicache.tiers.controller.catch_up import DEFAULT_MAX_IN_FLIGHT, L3CatchUp
+from hicache.tiers.controller.catch_up import L3CatchUp
 from hicache.tiers.controller.events import PageEvent, PageEvents
 from hicache.tiers.controller.fetches import L3Fetches, L3Store, can
 from hicache.tiers.controller.flush import Flusher, PrefixHasher, StandInPrefixHasher
 from hicache.tiers.controller.hints import HINTS_KEY
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.loads import StepLoads, hit_pages
-from hicache.tiers.controller.pins import MAX_SHARE as PIN_MAX_SHARE
 from hicache.tiers.controller.pins import PinRefused, Pins
 from hicache.tiers.controller.policies import (
     EvictionPolicy,
@@ -77,6 +76,7 @@ from hicache.tiers.controller.requests import (
     SchedulerRequest,
     request_hints,
 )
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.controller.sessions import CLOSED_PRIORITY, Sessions
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.controller.stores import StorePlanner
@@ -113,6 +113,9 @@ MAX_BACKUP_VOTES = 1 << 16
 MAX_L3_CHANGE_LOG = 64
 
 
+DEFAULT_POLICY = SchedulerPolicy()
+
+
 class HiCacheScheduler:
     """Placement logic: which pages hit L2 or L3, which slots they use, what to store."""
 
@@ -124,38 +127,25 @@ class HiCacheScheduler:
         page_size: int,
         block_size: int,
         block_ids_of: Callable[[str], GroupBlockIds],
-        write_policy: str = "write_through",
-        write_threshold: int = 2,
-        l3_admission: str = "all",
+        policy: SchedulerPolicy = DEFAULT_POLICY,
         storage: L3Store | None = None,
-        prefetch_policy: str = "timeout",
-        prefetch: dict[str, float] | None = None,
         tp_size: int = 1,
         hash_block_size: int | None = None,
         prefix_hasher: PrefixHasher | None = None,
         groups: KVGroups | None = None,
-        background_lookups: bool = False,
-        prefetch_at_arrival: bool = False,
-        kv_events: bool = False,
-        async_stores: bool = False,
         l3_writers: int | None = None,
-        retain_max_share: float = PIN_MAX_SHARE,
         clock: Callable[[], float] = time.monotonic,
         eviction: EvictionPolicy | None = None,
-        catch_up_pages: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
-        """``background_lookups``: L3 lookups of stores that allow it run on
-        probe threads (fetches.py); False asks every store inline (tests).
-        ``prefetch_at_arrival``: with them, an arriving request's L3 pages are
-        prefetched into L2 while it waits (prefetches.py); ``clock`` times the
-        timeout policy's wait. ``kv_events``: record L2's KV events (events.py).
-        ``async_stores``: the workers finish stores across steps (stores.py).
-        ``l3_writers``: ranks that back pages up to L3 (default ``tp_size``; 1 for
-        MLA, whose ranks share one shard): a page is in L3 once all reported it.
-        ``retain_max_share``: share of L2 that pins (``retain_s``, admin pins) may
-        hold (pins.py). ``eviction``: what makes room in L2 (default the configured
-        LRU; the simulator's oracle replaces it). ``catch_up_pages``: L2 pages L3
-        lacks that may be queued for backup at once (catch_up.py; 0 = none)."""
+        """The engine's shape (geometry, namespace, page and block sizes, KV groups,
+        TP size, the hash block), how it behaves (``policy``:
+        tiers/controller/scheduler_policy.py) and what it is handed: vLLM's block ids
+        per request, its L3 view, the prefix hasher, a clock (``clock`` times the
+        timeout policy's wait, pins and sessions). ``l3_writers``: ranks that back
+        pages up to L3 (default ``tp_size``; 1 for MLA, whose ranks share one shard):
+        a page is in L3 once all reported it. ``eviction``: what makes room in L2
+        (default the configured LRU; the simulator's oracle replaces it)."""
+        self.policy = policy
         self.geometry = geometry
         self.groups = groups or KVGroups.single(geometry.num_layers)
         self.namespace = namespace
@@ -168,9 +158,9 @@ class HiCacheScheduler:
             raise ValueError(f"page_size {page_size} is not a multiple of the engine's "
                              f"block-hash size {self.hash_block_size}")
         self.hashes_per_page = page_size // self.hash_block_size
-        self.write_policy = write_policy
-        self.write_threshold = write_threshold
-        self.prefetch_policy = prefetch_policy
+        self.write_policy = policy.write_policy
+        self.write_threshold = policy.write_threshold
+        self.prefetch_policy = policy.prefetch_policy
         self.tp_size = tp_size
         self.l3_writers = l3_writers or tp_size
         # L3 key -> the ranks that reported its backup, until every writer has.
@@ -180,7 +170,7 @@ class HiCacheScheduler:
 
         self.stats = SchedulerStats()
         self.events = PageEvents(page_size=page_size, hashes_per_page=self.hashes_per_page,
-                                 enabled=kv_events)
+                                 enabled=policy.kv_events)
         self.l2 = L2Manager(geometry.num_slots, self.blocks_per_page, self.stats,
                             eviction or make_eviction_policy(), self.groups, self.events)
         # The jobs share these; they are never rebound.
@@ -192,20 +182,21 @@ class HiCacheScheduler:
                                      hints_for=self.sessions.hints_for)
         self.loads = StepLoads(self.tree)
         self.stores = StorePlanner(
-            self.l2, make_write_policy(write_policy, threshold=write_threshold,
+            self.l2, make_write_policy(policy.write_policy, threshold=policy.write_threshold,
                                        l2_pages=geometry.num_slots),
-            page_size=page_size, block_ids_of=block_ids_of, async_stores=async_stores,
-            tp_size=tp_size,
-            l3_admission=make_l3_admission(l3_admission, l2_pages=geometry.num_slots))
+            page_size=page_size, block_ids_of=block_ids_of,
+            async_stores=policy.async_stores, tp_size=tp_size,
+            l3_admission=make_l3_admission(policy.l3_admission,
+                                           l2_pages=geometry.num_slots))
         self._seq = 0  # StepPlan.seq of the last plan
-        settings = dict(prefetch or {})
-        self.pins = Pins(self.tree, geometry.num_slots, max_share=retain_max_share,
+        settings = dict(policy.prefetch)
+        self.pins = Pins(self.tree, geometry.num_slots, max_share=policy.retain_max_share,
                          clock=clock)
         self.fetches = L3Fetches(
             self.l2, self.stats, storage=storage,
-            policy=make_prefetch_policy(prefetch_policy, settings), settings=settings,
+            policy=make_prefetch_policy(policy.prefetch_policy, settings), settings=settings,
             page_size=page_size, tp_size=tp_size,
-            probes=L3Probes() if background_lookups else None, yielding=self.pins)
+            probes=L3Probes() if policy.background_lookups else None, yielding=self.pins)
         # Pages per L3 object where the store keeps spans (tiers/index/spans.py); the
         # ``object_mib`` storage setting, fixed for the scheduler's life.
         self._span_pages = 1 if self.groups.has_state else pages_per_object(
@@ -214,9 +205,9 @@ class HiCacheScheduler:
         self.prefetches = ArrivalPrefetches(
             self.fetches, self.requests, self.stats, page_size=page_size,
             capacity_pages=geometry.num_slots, clock=clock)
-        self.prefetch_at_arrival = prefetch_at_arrival
+        self.prefetch_at_arrival = policy.prefetch_at_arrival
         self.catch_up = L3CatchUp(self.l2, self.stores.l3_admission, self.stats,
-                                  max_in_flight=catch_up_pages, clock=clock)
+                                  max_in_flight=policy.catch_up_pages, clock=clock)
         # rank -> pages waiting in its L3 backup queue, as it last reported.
         self._backup_queues: dict[int, float] = {}
         # Commands for every worker (retention, cancelled fetches, the admin's L3
@@ -260,17 +251,11 @@ class HiCacheScheduler:
         return cls(
             geometry=shape.geometry, namespace=shape.namespace, page_size=shape.page_size,
             block_size=shape.block_size, block_ids_of=block_ids_of,
-            write_policy=config.hicache_write_policy,
-            write_threshold=config.hicache_write_through_threshold, storage=storage,
-            l3_admission=config.hicache_l3_admission,
-            prefetch_policy=config.hicache_storage_prefetch_policy,
-            prefetch=config.prefetch_settings(),
-            tp_size=shape.tp_size, hash_block_size=hash_block_size,
-            prefix_hasher=prefix_hasher, groups=shape.groups, background_lookups=True,
-            prefetch_at_arrival=config.hicache_prefetch_at_arrival, kv_events=kv_events,
-            async_stores=shape.async_stores, l3_writers=1 if shape.is_mla else shape.tp_size,
-            retain_max_share=config.hicache_retain_max_share,
-            catch_up_pages=config.hicache_l3_catch_up_pages,
+            policy=SchedulerPolicy.for_engine(config, kv_events=kv_events,
+                                              async_stores=shape.async_stores),
+            storage=storage, tp_size=shape.tp_size, hash_block_size=hash_block_size,
+            prefix_hasher=prefix_hasher, groups=shape.groups,
+            l3_writers=1 if shape.is_mla else shape.tp_size,
             eviction=make_eviction_policy(
                 config.hicache_eviction_policy,
                 tail_pages=max(1, config.hicache_tlru_tail_tokens // shape.page_size)))

@@ -13,11 +13,12 @@ workers are the helpers below: they apply every command of the plans built
 from __future__ import annotations
 
 import pytest
-from support.fakes import file_store, prefill, request
+from support.fakes import file_store, prefill, request, scheduler_args
 
 from hicache.tiers.config import HiCacheConfig
 from hicache.tiers.controller.catch_up import MAX_TRIES
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.commands import L3_CHANGES, AttachStore, L3Removal
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import RequestFetch, WorkerReport
@@ -39,10 +40,10 @@ class Clock:
 def make(tmp_path, clock: Clock, slots: int = 16, **kw) -> HiCacheScheduler:
     geometry = PoolGeometry(num_slots=slots, num_layers=2, blocks_per_page=2, block_bytes=64)
     tables: dict[str, list[int]] = {}
-    sched = HiCacheScheduler(
+    sched = HiCacheScheduler(**scheduler_args(
         geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
         block_ids_of=lambda rid: [tables[rid]], storage=file_store(tmp_path, NS, geometry),
-        prefetch={"prefetch_threshold": 0}, clock=clock, **kw)
+        clock=clock, **kw, policy=SchedulerPolicy(prefetch={"prefetch_threshold": 0})))
     sched.tables = tables  # type: ignore[attr-defined]
     sched.applied = 0  # type: ignore[attr-defined]  # L3 changes the workers applied
     return sched

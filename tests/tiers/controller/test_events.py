@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from concurrent.futures import wait
 
-from support.fakes import file_store, request, write_prompt_pages
+from support.fakes import file_store, request, scheduler_args, write_prompt_pages
 
 from hicache.tiers.controller.events import MEDIUM_L2, MEDIUM_L3, PagesRemoved, PageStored
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport, prefetch_id
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -22,8 +23,9 @@ NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
 
 def make(enabled: bool = True, **kw) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
-    s = HiCacheScheduler(geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-                         block_ids_of=lambda rid: [tables[rid]], kv_events=enabled, **kw)
+    s = HiCacheScheduler(**scheduler_args(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: [tables[rid]], **kw, policy=SchedulerPolicy(kv_events=enabled)))
     s.tables = tables  # type: ignore[attr-defined]
     return s
 

@@ -8,6 +8,7 @@ from support.fakes import file_store, prefill, request, serve, write_prompt_page
 
 from hicache.tiers.controller.hints import DEFAULT_HINTS, RequestHints, parse_hints
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -62,8 +63,7 @@ def scheduler(tmp_path) -> HiCacheScheduler:
     s = HiCacheScheduler(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
         block_ids_of=lambda rid: [tables[rid]], storage=file_store(tmp_path, NS, GEOM),
-        prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0,
-                  "prefetch_timeout_per_ki_token": 0.5, "prefetch_timeout_max": 30.0})
+        policy=SchedulerPolicy(prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.5, "prefetch_timeout_max": 30.0}))
     s.tables = tables
     return s
 

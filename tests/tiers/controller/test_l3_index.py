@@ -11,10 +11,11 @@ backend; ``CountingStore`` only counts its ``exists_prefix`` calls.
 
 from __future__ import annotations
 
-from support.fakes import file_store, keys_of, request, write_prompt_pages
+from support.fakes import file_store, keys_of, request, scheduler_args, write_prompt_pages
 
 from hicache.tiers.controller.events import MEDIUM_L2, MEDIUM_L3, PagesRemoved
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.commands import ClearStore, DeletePages
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
@@ -47,11 +48,11 @@ class CountingStore:
 def make(tmp_path, slots: int = 8, **kw) -> HiCacheScheduler:
     geometry = PoolGeometry(num_slots=slots, num_layers=2, blocks_per_page=2, block_bytes=64)
     tables: dict[str, list[int]] = {}
-    sched = HiCacheScheduler(
+    sched = HiCacheScheduler(**scheduler_args(
         geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
         block_ids_of=lambda rid: [tables[rid]],
-        storage=CountingStore(file_store(tmp_path, NS, geometry)),
-        prefetch={"prefetch_threshold": 0}, **kw)
+        storage=CountingStore(file_store(tmp_path, NS, geometry)), **kw,
+        policy=SchedulerPolicy(prefetch={"prefetch_threshold": 0})))
     sched.tables = tables  # type: ignore[attr-defined]
     sched.geom = geometry  # type: ignore[attr-defined]
     return sched

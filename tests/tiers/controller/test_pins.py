@@ -6,7 +6,7 @@ forgotten. The scheduler half without an engine."""
 import time
 
 import pytest
-from support.fakes import file_store, keys_of, request, write_prompt_pages
+from support.fakes import file_store, keys_of, request, scheduler_args, write_prompt_pages
 from support.fakes import serve as serve_request
 
 from hicache.tiers.controller.pins import PinRefused
@@ -36,10 +36,10 @@ def clock() -> Clock:
 
 def scheduler(clock: Clock, **kw) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
-    s = HiCacheScheduler(
+    s = HiCacheScheduler(**scheduler_args(
         geometry=GEOM,
         namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [tables[rid]],
-        clock=clock, **kw)
+        clock=clock, **kw))
     s.tables = tables
     return s
 

@@ -10,9 +10,17 @@ from __future__ import annotations
 from concurrent.futures import wait
 
 import pytest
-from support.fakes import GatedStore, file_store, keys_of, request, write_prompt_pages
+from support.fakes import (
+    GatedStore,
+    file_store,
+    keys_of,
+    request,
+    scheduler_args,
+    write_prompt_pages,
+)
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport, prefetch_id
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -40,13 +48,10 @@ def in_l3(tmp_path, tokens: list[int]) -> None:
 def make(tmp_path, policy="wait_complete", store=None, clock=None,
          **kw) -> HiCacheScheduler:
     in_l3(tmp_path, TOKENS)
-    sched = HiCacheScheduler(
-        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: [[]], storage=store or file_store(tmp_path, NS, GEOM),
-        background_lookups=True, prefetch_at_arrival=True, prefetch_policy=policy,
-        prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0,
-                  "prefetch_timeout_per_ki_token": 0.0, "prefetch_timeout_max": 30.0},
-        clock=clock or Clock(), **kw)
+    sched = HiCacheScheduler(**scheduler_args(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [[]],
+        storage=store or file_store(tmp_path, NS, GEOM), clock=clock or Clock(), **kw,
+        policy=SchedulerPolicy(background_lookups=True, prefetch_at_arrival=True, prefetch_policy=policy, prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.0, "prefetch_timeout_max": 30.0})))
     return sched
 
 

@@ -13,6 +13,7 @@ from support.fakes import GatedStore, file_store, keys_of, request, write_prompt
 
 from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.l2.geometry import PoolGeometry
 from hicache.tiers.l3.base import Capabilities
@@ -102,9 +103,9 @@ def test_scheduler_answers_none_while_a_slow_store_is_asked(tmp_path):
     write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
     store = GatedStore(file_store(tmp_path, NS, GEOM))
     sched = HiCacheScheduler(
-        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: [[]], storage=store, background_lookups=True,
-        prefetch={"prefetch_threshold": 0})
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [[]],
+        storage=store,
+        policy=SchedulerPolicy(background_lookups=True, prefetch={"prefetch_threshold": 0}))
     req = request("r", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
     store.entered(1)
@@ -126,9 +127,9 @@ def test_stores_that_forbid_concurrent_lookups_are_asked_inline(tmp_path):
     store.capabilities = Capabilities(concurrent_lookups=False)
     store.gate.set()
     sched = HiCacheScheduler(
-        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: [[]], storage=store, background_lookups=True,
-        prefetch={"prefetch_threshold": 0})
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [[]],
+        storage=store,
+        policy=SchedulerPolicy(background_lookups=True, prefetch={"prefetch_threshold": 0}))
     assert sched.get_num_new_matched_tokens(request("r", tokens), 0) == (4 * PAGE, True)
     assert sched.fetches.probes.started == 0
     sched.fetches.probes.close()

@@ -5,7 +5,7 @@ the scheduler half reads (``SchedulerRequest``); everything else is real.
 """
 
 import pytest
-from support.fakes import keys_of, prefill, request
+from support.fakes import keys_of, prefill, request, scheduler_args
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.page_keys import KeyNamespace
@@ -20,11 +20,11 @@ PAGE = 8  # tokens per page: 2 blocks
 
 def make_scheduler(**policy):
     tables: dict[str, list[int]] = {}
-    s = HiCacheScheduler(
+    s = HiCacheScheduler(**scheduler_args(
         geometry=PoolGeometry(num_slots=16, num_layers=2, blocks_per_page=2, block_bytes=64),
         namespace=KeyNamespace("m", "f32", "cpu", PAGE, 1), page_size=PAGE, block_size=BS,
         block_ids_of=lambda rid: [tables[rid]], **policy,
-    )
+    ))
     s.tables = tables
     return s
 

@@ -5,6 +5,7 @@ from support.fakes import keys_of, request
 from support.fakes import serve as serve_request
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.commands import ClearStore, DeletePages
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -21,9 +22,10 @@ B = SHARED + list(range(200, 224))
 
 def scheduler(storage=None) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
-    s = HiCacheScheduler(geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-                         block_ids_of=lambda rid: [tables[rid]], storage=storage,
-                         prefetch={"prefetch_threshold": 10_000})
+    s = HiCacheScheduler(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
+        block_ids_of=lambda rid: [tables[rid]], storage=storage,
+        policy=SchedulerPolicy(prefetch={"prefetch_threshold": 10_000}))
     s.tables = tables
     return s
 

@@ -11,9 +11,17 @@ asked of L3 again for the same request.
 
 from __future__ import annotations
 
-from support.fakes import file_store, keys_of, request, write_pages, write_prompt_pages
+from support.fakes import (
+    file_store,
+    keys_of,
+    request,
+    scheduler_args,
+    write_pages,
+    write_prompt_pages,
+)
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.kv_groups import KVGroup, KVGroups
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
@@ -31,10 +39,10 @@ MAMBA_GEOM = PoolGeometry(num_slots=32, num_layers=2, blocks_per_page=2, block_b
 
 def make_scheduler(storage=None, groups=GROUPS, geometry=GEOM, **kw) -> HiCacheScheduler:
     tables: dict[str, list[list[int]]] = {}
-    s = HiCacheScheduler(
+    s = HiCacheScheduler(**scheduler_args(
         geometry=geometry, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: tables[rid], groups=groups, storage=storage,
-        prefetch={"prefetch_threshold": 1}, **kw)
+        block_ids_of=lambda rid: tables[rid], groups=groups, storage=storage, **kw,
+        policy=SchedulerPolicy(prefetch={"prefetch_threshold": 1})))
     s.tables = tables  # type: ignore[attr-defined]
     return s
 

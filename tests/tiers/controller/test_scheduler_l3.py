@@ -1,9 +1,10 @@
 """Scheduler half with an L3 backend, without an engine: async hits, reserved slots,
 publishing what every rank fetched. The backend is the real file backend."""
 
-from support.fakes import file_store, keys_of, request, write_prompt_pages
+from support.fakes import file_store, keys_of, request, scheduler_args, write_prompt_pages
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
 from hicache.tiers.l2.geometry import PoolGeometry
@@ -26,11 +27,10 @@ def store_pages(tmp_path, tokens) -> None:
 
 
 def scheduler(tmp_path, **kw) -> HiCacheScheduler:
-    return HiCacheScheduler(
-        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: [[]], storage=backend(tmp_path),
-        prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0,
-                  "prefetch_timeout_per_ki_token": 0.5, "prefetch_timeout_max": 30.0}, **kw)
+    return HiCacheScheduler(**scheduler_args(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [[]],
+        storage=backend(tmp_path), **kw,
+        policy=SchedulerPolicy(prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.5, "prefetch_timeout_max": 30.0})))
 
 
 def test_l3_hit_is_async_and_reserves_slots(tmp_path):
@@ -204,9 +204,9 @@ def test_a_request_vllm_already_holds_is_admitted_without_asking_l3(tmp_path):
     from hicache.tiers.controller.probes import L3Probes
 
     store = GatedStore(found=4)  # would hold the request forever if asked
-    sched = HiCacheScheduler(geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-                             block_ids_of=lambda rid: [[]], storage=store,
-                             prefetch={"prefetch_threshold": 0})
+    sched = HiCacheScheduler(
+        geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [[]],
+        storage=store, policy=SchedulerPolicy(prefetch={"prefetch_threshold": 0}))
     sched.fetches.probes = L3Probes(fast_wait_s=0)
     try:
         tokens = list(range(100, 133))  # 4 full pages + 1 token

@@ -8,6 +8,7 @@ import pytest
 from support.fakes import file_store, keys_of, prefill, request
 
 from hicache.tiers.controller.scheduler import HiCacheScheduler
+from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.commands import DeletePages, RetainPages
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
@@ -34,7 +35,7 @@ def scheduler(tmp_path, object_mib: float = SPAN * GEOM.page_bytes / MIB) -> HiC
     sched = HiCacheScheduler(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
         block_ids_of=lambda rid: [tables[rid]], storage=file_store(tmp_path, NS, GEOM),
-        prefetch={"prefetch_threshold": 0, "object_mib": object_mib})
+        policy=SchedulerPolicy(prefetch={"prefetch_threshold": 0, "object_mib": object_mib}))
     sched.tables = tables  # type: ignore[attr-defined]
     return sched
 

@@ -10,7 +10,7 @@ system prompt another session shares. The clock is injected.
 from __future__ import annotations
 
 import pytest
-from support.fakes import keys_of, request
+from support.fakes import keys_of, request, scheduler_args
 from support.fakes import serve as serve_request
 
 from hicache.tiers.controller.hints import parse_hints
@@ -36,9 +36,9 @@ class Clock:
 
 def scheduler(clock: Clock, **kw) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
-    s = HiCacheScheduler(
+    s = HiCacheScheduler(**scheduler_args(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
-        block_ids_of=lambda rid: [tables[rid]], clock=clock, **kw)
+        block_ids_of=lambda rid: [tables[rid]], clock=clock, **kw))
     s.tables = tables  # type: ignore[attr-defined]
     return s
 
