@@ -436,6 +436,9 @@ class SchedulerAdmin:
                         counts["l3_pages"] = storage.delete(
                             [k.hex() for k in l3_op.keys])
                 except NotImplementedError as exc:
+                    if isinstance(l3_op, ClearStore):
+                        raise BadRequest(f"L3 backend {self.storage_name!r} cannot be "
+                                         f"flushed ({exc})") from exc
                     raise BadRequest(f"L3 backend {self.storage_name!r} cannot flush a "
                                      f"prefix ({exc}); flush all of L3 instead") from exc
             queued = True
