@@ -30,13 +30,12 @@ class RankShards:
         if not shards:
             raise ValueError("RankShards needs at least one shard")
         self.shards = list(shards)
-
-    @property
-    def capabilities(self) -> Capabilities:
-        """What every shard can do (lookups and spans are all the scheduler asks)."""
+        # What every shard can do (lookups and spans are all the scheduler asks; both
+        # fixed when a backend is built), once, not at every lookup.
         caps = [shard.capabilities for shard in self.shards]
-        return Capabilities(concurrent_lookups=all(c.concurrent_lookups for c in caps),
-                            spans=all(c.spans for c in caps))
+        self.capabilities = Capabilities(
+            concurrent_lookups=all(c.concurrent_lookups for c in caps),
+            spans=all(c.spans for c in caps))
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         found = len(keys)

@@ -97,9 +97,9 @@ class SGLangStorage(StorageBackend):
         pool = self._require_pool()
         results = []
         corrupt = 0
+        target = torch.empty(self._record, dtype=torch.uint8)  # each page copied out at once
         for key, okey, slot in zip(batch.keys, self._okeys(batch.keys), batch.slots,
                                    strict=True):
-            target = torch.empty(self._record, dtype=torch.uint8)
             got = self.store.get(okey, target)
             if got is None or got is False:
                 results.append(False)
