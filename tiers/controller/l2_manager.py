@@ -101,6 +101,17 @@ class L2Manager:
             self._stats.evicted_pages += len(freed)
         return self.slots.alloc(n)
 
+    def storable(self, keys: Sequence[PageKey]) -> int:
+        """How many of ``keys``, from the first, L2 could hold after a store now: the
+        prefix it has plus the room beside it (that prefix kept, as plan_store keeps it)."""
+        match = self.tree.match_prefix(keys)
+        self.tree.lock(match.node)
+        try:
+            room = self.room()
+        finally:
+            self.tree.unlock(match.node)
+        return min(len(keys), match.num_pages + room)
+
     def missing_of(self, slot: int) -> int:
         """Groups the page in ``slot`` lacks (bit g = group g; 0 = complete)."""
         return self._missing.get(slot, 0)

@@ -10,7 +10,10 @@ Contract:
 - A request remembers how many of its leading pages are in L2
   (``RequestState.stored_pages``), so a page is planned once; that count is
   only advanced when the store was planned or nothing was missing, so a
-  store refused for lack of room is tried again at the next step.
+  store refused for lack of room is tried again at the next step. Where L2
+  cannot take every page now (pins hold their share, loads lock pages), the
+  head it can take is stored and the count advances to it: the request's
+  prefix reaches L2, hence L3, instead of nothing while the pins last.
 - Slots, eviction and publishing belong to ``L2Manager.plan_store``; the
   pages planned here go into the next ``StepPlan``.
 - State groups (Mamba, tiers/index/kv_groups.py): a stored page carries its
@@ -34,6 +37,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 from hicache.tiers.controller.l2_manager import L2Manager
@@ -166,11 +170,19 @@ class StorePlanner:
         # Where every stored page goes to L3, a span the request's known pages complete
         # is backed up as one object when its last page is stored (l2_manager.py).
         known = state.page_keys() if isinstance(self.l3_admission, AdmitAll) else None
-        plans = self.l2.plan_store(keys, block_ids, checkpoints, source=state.request,
-                                   priority=state.hints.rank, known=known)
+        store = functools.partial(self.l2.plan_store, block_ids=block_ids,
+                                  checkpoints=checkpoints, source=state.request,
+                                  priority=state.hints.rank, known=known)
+        plans, stored = store(keys), ready_pages
         if plans is None:
-            return []
-        state.stored_pages = ready_pages
+            # L2 cannot take every page now (pins, pages locked by loads): store the
+            # head it can take, so its prefix reaches L2 and L3 at all; the rest waits
+            # for a later step (this request's next one, or its end).
+            stored = self.l2.storable(keys)
+            plans = store(keys[:stored]) if stored else None
+            if not plans:
+                return []
+        state.stored_pages = stored
         admitted = self.l3_admission.admit([PageKey(p.key) for p in plans],
                                            bool(state.hints.retain_s))
         # The rest stay in L2 only: no L3 keys, so no backup (transfers.py l3_keys).

@@ -239,3 +239,32 @@ def test_flush_pin_and_prefetch_of_one_prefix_at_once_lose_nothing(clock, tmp_pa
     _slots_accounted(sched)
     assert not sched.fetches.in_flight
     assert in_l2(sched, history) <= 4 and sched.pins.pinned_pages <= in_l2(sched, history)
+
+
+def test_a_prompt_longer_than_the_room_pins_leave_stores_its_head(clock, tmp_path):
+    """Pins hold 12 of 16 pages; a 6-page prompt cannot be stored whole. Its first 4
+    pages are (and go to L3 with them), not nothing until the pins end; the pins stay.
+    Once they have ended, the prompt's next visit stores the rest."""
+    sched = scheduler(clock, retain_max_share=1.0, storage=file_store(tmp_path, NS, GEOM))
+    for i in range(3):
+        assert serve(sched, f"s{i}", list(range(100 * (i + 1), 100 * (i + 1) + 32)),
+                     retain_s=60) == 4
+    assert sched.pins.pinned_pages == 12 and sched.l2.room() == 4
+    long = list(range(7000, 7048))  # 6 pages
+    req = request("long", long + [1])
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [list(range(1, 14))], 0)
+    sched.tables["long"] = list(range(1, 14))
+    plan = sched.build_connector_meta({"long": req.num_tokens})
+    keys = keys_of(NS.seed(), long, PAGE)
+    assert [p.key for p in plan.stores] == keys[:4]
+    assert all(p.l3_keys for p in plan.stores)  # write-through: backed up with them
+    assert in_l2(sched, long) == 4 and sched.pins.pinned_pages == 12
+    req.num_computed_tokens = req.num_tokens
+    sched.request_finished(req, [list(range(1, 14))])  # its end: still no room for more
+    sched.build_connector_meta({})
+    assert in_l2(sched, long) == 4
+    clock.now += 61  # the pins end
+    assert serve_request(sched, request("again", long + [1])) == 4 * PAGE
+    assert in_l2(sched, long) == 6
+    sched.tree.check_invariants()
