@@ -114,26 +114,48 @@ def run_cmd(
 def replay_cmd(
     trace: Annotated[Path, typer.Option(
         "--trace", exists=True, dir_okay=False,
-        help="A recorded trace (e.g. Mooncake's FAST'25 conversation_trace.jsonl).")],
-    fmt: Annotated[str, typer.Option("--format", help="Trace format: mooncake.")] = "mooncake",
+        help="A recorded trace (Mooncake's conversation_trace.jsonl, the WEKA Claude Code "
+             "corpus' cc_traces_compact.jsonl.gz).")],
+    fmt: Annotated[str, typer.Option(
+        "--format", help="Trace format: mooncake (requests in trace order) or claude-code "
+        "(agent sessions, each turn after the previous one and its think time).")] =
+        "mooncake",
     url: Annotated[str, typer.Option("--url", help="OpenAI-compatible server base URL.")] =
         "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option(help="Model id (default: the server's first).")] = None,
     requests: Annotated[int, typer.Option(
-        help="Requests to replay, from the start of the trace (skipped ones not counted).")]
+        help="mooncake: requests to replay, from the start (skipped ones not counted).")]
         = 800,
-    block_tokens: Annotated[int, typer.Option(
-        help="Tokens per trace block (Mooncake's are 512; fewer scales prompts down).")] = 128,
+    sessions: Annotated[int | None, typer.Option(
+        help="claude-code: sessions to replay, from the start of the file (default 8).")]
+        = None,
+    max_turns: Annotated[int | None, typer.Option(
+        help="claude-code: each session's first N turns (default 0: all).")] = None,
+    block_tokens: Annotated[int | None, typer.Option(
+        help="Tokens per trace block (default: 128 for mooncake's 512-token blocks, 1 for "
+             "claude-code's 64-token blocks; fewer scales prompts down).")] = None,
     max_model_len: Annotated[int, typer.Option(
         help="Skip requests whose prompt + answer exceed this many tokens.")] = 4096,
     max_output_tokens: Annotated[int, typer.Option(
         help="Answer length: the trace's, capped at this.")] = 16,
     output_tokens: Annotated[int | None, typer.Option(
         help="Answer length for every request (overrides the trace's).")] = None,
-    concurrency: Annotated[int, typer.Option(
-        help="Requests in flight at most (closed loop without --time-scale).")] = 16,
+    concurrency: Annotated[int | None, typer.Option(
+        help="mooncake: requests in flight at most (closed loop without --time-scale; "
+             "default 16); claude-code: sessions at once (default 4).")] = None,
     time_scale: Annotated[float | None, typer.Option(
-        help="Send each request at its trace timestamp times this (open loop).")] = None,
+        help="mooncake: send each request at its timestamp times this (open loop); "
+             "claude-code: multiply each recorded think time (default 1).")] = None,
+    max_think_s: Annotated[float | None, typer.Option(
+        help="claude-code: cap each (scaled) think time at this many seconds.")] = None,
+    hints: Annotated[bool, typer.Option(
+        help="claude-code: the agent tells the cache its session (session_id, retain_s, "
+             "POST /prefetch before a turn, close at the end).")] = False,
+    retain_s: Annotated[float | None, typer.Option(
+        help="claude-code with --hints: retain_s on every request.")] = None,
+    prefetch_lead_s: Annotated[float | None, typer.Option(
+        help="claude-code with --hints: prefetch the session's history this long before "
+             "its next turn (needs --admin-url).")] = None,
     token_high: Annotated[int, typer.Option(
         help="Token ids are drawn below this (the model's vocabulary size or less).")] = 2000,
     seed: Annotated[int, typer.Option(help="Seed of the token runs (same seed, same prompts).")]
@@ -151,22 +173,33 @@ def replay_cmd(
         help="Write the served requests as a trace for `hicache simulate`.")] = None,
 ) -> None:
     """Replay a production trace against a running server; print and save its numbers."""
-    from hicache.integration.bench.replay import ReplaySpec, load_trace, replay_sync
+    from hicache.integration.bench.replay import TRACE_FORMATS
     from hicache.integration.bench.report import format_table, write_plots
 
+    if fmt not in TRACE_FORMATS:
+        _fail(f"--format {fmt!r} is not known; allowed: {', '.join(TRACE_FORMATS)}")
+    agent_only = {"--sessions": sessions, "--max-turns": max_turns, "--max-think-s": max_think_s,
+                  "--hints": hints or None, "--retain-s": retain_s,
+                  "--prefetch-lead-s": prefetch_lead_s}
+    given = [k for k, v in agent_only.items() if v is not None]
+    if fmt == "mooncake" and given:
+        _fail(f"{given[0]} applies to --format claude-code only")
+    if not hints and (retain_s is not None or prefetch_lead_s is not None):
+        _fail("--retain-s and --prefetch-lead-s are agent hints: add --hints")
+    common = {"model": model, "admin_url": admin_url, "admin_token": admin_token,
+              "progress": progress, "record_path": record}
     try:
-        spec = ReplaySpec(block_tokens=block_tokens, max_model_len=max_model_len,
-                          requests=requests, max_output_tokens=max_output_tokens,
-                          output_tokens=output_tokens, token_high=token_high, seed=seed)
-        loaded = load_trace(trace, fmt, spec)
-    except ValueError as e:
-        _fail(str(e))
-    if not loaded.requests:
-        _fail(f"--trace {trace}: no request fits --max-model-len {max_model_len}")
-    try:
-        result = replay_sync(url, loaded, concurrency=concurrency, time_scale=time_scale,
-                             model=model, admin_url=admin_url, admin_token=admin_token,
-                             progress=progress, record_path=record)
+        if fmt == "mooncake":
+            result = _replay_mooncake(trace, requests, _or(block_tokens, 128), max_model_len,
+                                      max_output_tokens, output_tokens, token_high, seed, url,
+                                      _or(concurrency, 16), time_scale, common)
+        else:
+            result = _replay_sessions(trace, _or(sessions, 8), _or(max_turns, 0), _or(block_tokens, 1),
+                                      max_model_len, max_output_tokens, output_tokens,
+                                      token_high, seed, url, _or(concurrency, 4),
+                                      1.0 if time_scale is None else time_scale, max_think_s,
+                                      (retain_s or 0.0, prefetch_lead_s or 0.0) if hints else None,
+                                      common)
     except ValueError as e:
         _fail(str(e))
     out.mkdir(parents=True, exist_ok=True)
@@ -175,12 +208,57 @@ def replay_cmd(
     console = Console()
     console.print(format_table({name: result}))
     t = result["trace"]
-    console.print(f"replayed {t['replayed']} of {t['lines_read']} trace lines "
-                  f"({t['skipped_too_long']} longer than --max-model-len skipped); wrote "
-                  f"{out / 'replay.json'}" + "".join(f", {p}" for p in plots)
+    read = (f"{t['replayed']} of {t['lines_read']} trace lines" if fmt == "mooncake" else
+            f"{t['replayed']} turns of {t['sessions']} sessions")
+    console.print(f"replayed {read} ({t['skipped_too_long']} longer than --max-model-len "
+                  f"skipped); wrote {out / 'replay.json'}" + "".join(f", {p}" for p in plots)
                   + (f", trace {record}" if record else ""), highlight=False)
     if result["summary"]["n_errors"]:
         raise typer.Exit(1)
+
+
+def _or(value: int | None, default: int) -> int:
+    """An option's value, or its format's default where it was not given."""
+    return default if value is None else value
+
+
+def _replay_mooncake(trace: Path, requests: int, block_tokens: int, max_model_len: int,
+                     max_output_tokens: int, output_tokens: int | None, token_high: int,
+                     seed: int, url: str, concurrency: int, time_scale: float | None,
+                     common: dict[str, Any]) -> dict[str, Any]:
+    from hicache.integration.bench.replay import ReplaySpec, load_trace, replay_sync
+
+    spec = ReplaySpec(block_tokens=block_tokens, max_model_len=max_model_len,
+                      requests=requests, max_output_tokens=max_output_tokens,
+                      output_tokens=output_tokens, token_high=token_high, seed=seed)
+    loaded = load_trace(trace, "mooncake", spec)
+    if not loaded.requests:
+        _fail(f"--trace {trace}: no request fits --max-model-len {max_model_len}")
+    return replay_sync(url, loaded, concurrency=concurrency, time_scale=time_scale, **common)
+
+
+def _replay_sessions(trace: Path, sessions: int, max_turns: int, block_tokens: int,
+                     max_model_len: int, max_output_tokens: int, output_tokens: int | None,
+                     token_high: int, seed: int, url: str, concurrency: int, time_scale: float,
+                     max_think_s: float | None, hints: tuple[float, float] | None,
+                     common: dict[str, Any]) -> dict[str, Any]:
+    from hicache.integration.bench.session_replay import (
+        AgentHints,
+        SessionSpec,
+        load_claude_code_file,
+        replay_sessions_sync,
+    )
+
+    spec = SessionSpec(block_tokens=block_tokens, max_model_len=max_model_len,
+                       sessions=sessions, max_turns=max_turns,
+                       max_output_tokens=max_output_tokens, output_tokens=output_tokens,
+                       token_high=token_high, seed=seed)
+    loaded = load_claude_code_file(trace, spec)
+    if not loaded.sessions:
+        _fail(f"--trace {trace}: no turn fits --max-model-len {max_model_len}")
+    agent = None if hints is None else AgentHints(retain_s=hints[0], prefetch_lead_s=hints[1])
+    return replay_sessions_sync(url, loaded, concurrency=concurrency, time_scale=time_scale,
+                                max_think_s=max_think_s, hints=agent, **common)
 
 
 @bench_app.command("compare")
@@ -213,7 +291,10 @@ def compare_cmd(
         if unknown:
             _fail(f"--only: unknown system {unknown[0]!r}; allowed: {', '.join(known)}")
         cfg = replace(cfg, systems=tuple(s for s in cfg.systems if s.name in names))
-    report = run_compare(cfg, out=out, progress=progress)
+    try:
+        report = run_compare(cfg, out=out, progress=progress)
+    except ConfigError as e:  # what a config names but this machine lacks (a trace file)
+        _fail(str(e))
     bad = [r for r in report["rows"] if r["status"] == "errors"]
     if bad:
         raise typer.Exit(1)

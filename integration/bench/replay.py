@@ -73,7 +73,8 @@ from hicache.integration.bench.records import RequestRecord
 from hicache.integration.bench.report import summarize
 from hicache.integration.bench.trace import TraceRecord, write_trace
 
-TRACE_FORMATS = ("mooncake",)
+# What `hicache bench replay --format` reads (claude-code: session_replay.py).
+TRACE_FORMATS = ("mooncake", "claude-code")
 # Tokens per hash id in Mooncake's FAST'25 traces.
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -185,9 +186,10 @@ def load_mooncake(lines: Iterable[str], spec: ReplaySpec) -> LoadedTrace:
 
 
 def load_trace(path: str | Path, fmt: str, spec: ReplaySpec) -> LoadedTrace:
-    """Read ``path`` in format ``fmt`` (one of ``TRACE_FORMATS``)."""
-    if fmt not in TRACE_FORMATS:
-        raise ValueError(f"--format {fmt!r} is not known; allowed: {', '.join(TRACE_FORMATS)}")
+    """Read ``path`` in format ``fmt`` (``mooncake``; agent sessions: session_replay.py)."""
+    if fmt != "mooncake":
+        allowed = "mooncake (claude-code: session_replay.load_claude_code_file)"
+        raise ValueError(f"--format {fmt!r} is not known here; allowed: {allowed}")
     with Path(path).open() as f:
         return load_mooncake(f, spec)
 

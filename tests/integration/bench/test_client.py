@@ -286,3 +286,60 @@ def test_a_mooncake_trace_replays_through_the_cli(server, tmp_path):
     again = json.loads((tmp_path / "2" / "replay.json").read_text())["requests"]
     assert [r["id"] for r in again] == ["line1", "line2", "line3", "line5"]
     assert all(r["error"] is None for r in again)
+
+
+def test_claude_code_sessions_replay_through_the_cli(server, tmp_path):
+    """``hicache bench replay --format claude-code`` on two sessions the test writes
+    (one 32-token page per 64-token trace block), one session at a time so what each
+    turn reuses is known exactly: x's second turn keeps its first turn's 4 blocks
+    (cached: 4 pages), its third keeps 2 after a sub-agent's turn whose chain is its
+    own (nothing cached); y carries the same hash ids as x but ids are local to a
+    session, so it shares nothing. With ``--hints`` every request names its session,
+    each later turn's history on its own request list is prefetched within its pause
+    (this server has no L3: refused and counted) and each session is closed at the end."""
+    from typer.testing import CliRunner
+
+    from hicache.integration.cli.main import app
+
+    base, admin = server
+
+    def req(t: float, blocks: int, keep: int, add: list[int], think: float) -> dict:
+        return {"t": t, "in": 64 * blocks, "out": 4, "think_time": think, "keep": keep,
+                "add": add}
+
+    x = [req(0, 4, 0, [1, 2, 3, 4], 0.0), req(5, 6, 4, [5, 6], 0.5),
+         {"t": 8, "type": "subagent", "requests": [req(0, 2, 0, [9, 10], 0.5)]},
+         req(20, 4, 2, [7, 8], 0.5)]
+    trace = tmp_path / "cc.jsonl"
+    trace.write_text("\n".join(json.dumps({"id": sid, "block_size": 64, "requests": x})
+                               for sid in ("x", "y")) + "\n")
+    done = CliRunner().invoke(app, [
+        "bench", "replay", "--trace", str(trace), "--format", "claude-code", "--url", base,
+        "--block-tokens", "32", "--max-model-len", "2048", "--token-high", "1000",
+        "--concurrency", "1", "--time-scale", "0.4", "--hints", "--retain-s", "60",
+        "--prefetch-lead-s", "0.1", "--admin-url", admin, "--admin-token", TOKEN,
+        "--no-progress", "--out", str(tmp_path / "out"), "--record", str(tmp_path / "r.jsonl")])
+    assert done.exit_code == 0, done.output
+    assert "replayed 8 turns of 2 sessions" in " ".join(done.output.split())
+    result = json.loads((tmp_path / "out" / "replay.json").read_text())
+    reqs = result["requests"]
+    assert [r["id"] for r in reqs] == [f"{s}#{i}" for s in "xy" for i in range(4)]
+    assert all(r["error"] is None and r["output_tokens"] == 4 for r in reqs)
+    assert [r["prompt_tokens"] for r in reqs] == [128, 192, 64, 128] * 2
+    assert [r["cached_tokens"] for r in reqs] == [0, 128, 0, 64] * 2
+    assert [r["turn"] for r in reqs] == [0, 1, 2, 3] * 2
+    for prev, cur in zip(reqs, reqs[1:], strict=False):
+        if cur["client"] == prev["client"]:  # asyncio sleeps never end early
+            assert cur["arrival"] - prev["finish"] >= 0.4 * 0.5 - 0.005
+    s = result["summary"]
+    assert (s["prefetch_calls"], s["prefetch_failed"], s["closed"], s["close_failed"]) == (
+        4, 4, 2, 0)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    for sid in "xy":
+        state = httpx.get(f"{admin}/sessions/{sid}", headers=headers, timeout=10).json()
+        assert state["open"] is False and state["turns"] == 4
+    served = read_trace(tmp_path / "r.jsonl")
+    assert [r.hints for r in served] == [{"session_id": r.id[0], "retain_s": 60} for r in served]
+    # Prefetched: x#0 before x#1; x#1 before x#3 (of which x#3 keeps 2 blocks); the
+    # sub-agent's first turn continues no history of its own.
+    assert [r.prefetch_tokens for r in served] == [0, 128, 0, 64] * 2
