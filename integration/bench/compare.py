@@ -36,6 +36,7 @@ import httpx
 from hicache.integration.bench.mooncake_service import free_port
 from hicache.integration.bench.systems import (
     CompareConfig,
+    ConfigError,
     LaunchPlan,
     SystemSpec,
     plan,
@@ -130,6 +131,7 @@ def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
                progress: bool = True) -> dict[str, Any]:
     """Launch, measure and stop one system; the row of the comparison table."""
     from hicache.integration.bench.client import run_bench_sync
+    from hicache.integration.bench.trace_workload import TraceWorkload, is_trace_workload
     from hicache.integration.bench.workloads import WorkloadSpec
 
     row: dict[str, Any] = {"system": spec.name, "kind": spec.kind}
@@ -150,13 +152,19 @@ def run_system(cfg: CompareConfig, spec: SystemSpec, out: Path,
             stop_server(proc)
             return {**row, "status": "not run", "reason": failure_reason(log, why)}
         row["start_s"] = round(time.monotonic() - t0, 1)
-        spec_w = WorkloadSpec.from_dict({"seed": cfg.seed, **cfg.workload, **spec.workload})
-        result = run_bench_sync(
-            lp.base_url, spec_w, admin_url=lp.admin_url,
-            admin_token=lp.env.get("HICACHE_ADMIN_TOKEN"),
-            trace_path=out / f"{spec.name}.trace.jsonl", progress=progress)
-        result.to_json(out / f"{spec.name}.json")
-        data = result.to_dict()
+        workload = {"seed": cfg.seed, **cfg.workload, **spec.workload}
+        admin = {"admin_url": lp.admin_url, "admin_token": lp.env.get("HICACHE_ADMIN_TOKEN")}
+        if is_trace_workload(workload):
+            data = TraceWorkload.from_dict(workload).run(
+                lp.base_url, max_model_len=cfg.max_model_len, progress=progress,
+                record_path=out / f"{spec.name}.trace.jsonl", **admin)
+            (out / f"{spec.name}.json").write_text(json.dumps(data, indent=1) + "\n")
+        else:
+            result = run_bench_sync(
+                lp.base_url, WorkloadSpec.from_dict(workload), progress=progress,
+                trace_path=out / f"{spec.name}.trace.jsonl", **admin)
+            result.to_json(out / f"{spec.name}.json")
+            data = result.to_dict()
         errors = data["summary"].get("n_errors", 0)
         row.update(status="ok" if not errors else "errors", summary=data["summary"],
                    tiers=data.get("tiers"),
@@ -176,6 +184,9 @@ def run_compare(cfg: CompareConfig, *, out: Path | None = None,
 
     console = Console()
     console.width = max(console.width, 180)  # the table has 11 columns
+    missing = trace_missing(cfg)
+    if missing:
+        raise ConfigError(f"{cfg.name}: {missing}")
     out = Path(out or cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -197,6 +208,15 @@ def run_compare(cfg: CompareConfig, *, out: Path | None = None,
         write_plots({name: json.loads(p.read_text()) for name, p in ran.items()}, out)
     console.print(render_table(cfg, rows))
     return report
+
+
+def trace_missing(cfg: CompareConfig) -> str | None:
+    """Why the config's recorded trace cannot be read (None: it can, or it has none)."""
+    from hicache.integration.bench.trace_workload import TraceWorkload, is_trace_workload
+
+    if not is_trace_workload(cfg.workload):
+        return None
+    return TraceWorkload.from_dict(cfg.workload).missing()
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

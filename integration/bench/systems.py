@@ -164,11 +164,16 @@ def parse_config(data: Any, where: str = "config") -> CompareConfig:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"{where}: system names must be unique; repeated: {', '.join(dup)}")
+    from hicache.integration.bench.trace_workload import TraceWorkload, is_trace_workload
     from hicache.integration.bench.workloads import WorkloadSpec
 
     for spec in specs:  # each system's workload as its client will run it
+        merged = {**data["workload"], **spec.workload}
         try:
-            WorkloadSpec.from_dict({**data["workload"], **spec.workload})
+            if is_trace_workload(data["workload"]):
+                TraceWorkload.from_dict(merged)
+            else:
+                WorkloadSpec.from_dict(merged)
         except ValueError as exc:
             raise ConfigError(f"{where}: system {spec.name!r}: {exc}") from None
     num = {"memory_budget_gb": (float, 0.0), "ready_timeout_s": (float, 1.0),

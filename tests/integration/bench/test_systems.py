@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from hicache.integration.bench.compare import add_ratios, failure_reason, markdown_table
+from hicache.integration.bench.compare import (
+    add_ratios,
+    failure_reason,
+    markdown_table,
+    run_compare,
+    trace_missing,
+)
 from hicache.integration.bench.systems import (
     SYSTEM_KINDS,
     ConfigError,
@@ -19,6 +25,7 @@ from hicache.integration.bench.systems import (
     preset_path,
     probe,
 )
+from hicache.integration.bench.trace_workload import TRACE_DIR_ENV, TraceWorkload
 
 MINIMAL = {"name": "t", "model": "m", "workload": {"clients": 1},
            "systems": [{"name": "a", "kind": "vllm"}]}
@@ -33,13 +40,38 @@ def test_presets_parse_and_cover_every_kind(name):
                                           "write_back") for l3 in (None, "file")}
 
 
-def test_the_agent_preset_runs_one_server_shape_with_two_clients():
+def test_the_agent_preset_replays_claude_code_sessions_with_two_clients():
     cfg = load_config(preset_path("agent"))
-    assert cfg.workload["scenario"] == "agent"
+    assert (cfg.workload["trace"], cfg.workload["format"]) == (
+        "weka_claude_code/cc_traces_compact.jsonl.gz", "claude-code")
     lru, sessions = cfg.systems
     assert (lru.kind, lru.l3, lru.workload) == ("hicache", "file", {})
     assert (sessions.kind, sessions.l3) == ("hicache", "file")
-    assert sessions.workload == {"retain_s": 8, "prefetch_lead_s": 1.0}
+    assert sessions.workload == {"hints": True, "retain_s": 8, "prefetch_lead_s": 1.0}
+    plain, agent = (TraceWorkload.from_dict({**cfg.workload, **s.workload})
+                    for s in cfg.systems)
+    assert (plain.hints, agent.hints, agent.prefetch_lead_s) == (False, True, 1.0)
+
+
+def test_a_trace_workload_names_its_bad_keys_and_its_missing_file(tmp_path, monkeypatch):
+    trace = {"trace": "cc.jsonl.gz"}
+    for patch, key in (({"sessions": 0}, "'sessions'"), ({"format": "sharegpt"}, "'format'"),
+                       ({"pause_min_s": 1}, "unknown workload key 'pause_min_s'"),
+                       ({"retain_s": 5}, "set 'hints: true'")):
+        with pytest.raises(ConfigError, match=key):
+            parse_config({**MINIMAL, "workload": {**trace, **patch}})
+    cfg = parse_config({**MINIMAL, "workload": trace})
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    assert f"{tmp_path / 'cc.jsonl.gz'} is not a file" in trace_missing(cfg)
+    (tmp_path / "cc.jsonl.gz").write_bytes(b"")
+    assert trace_missing(cfg) is None
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(TRACE_DIR_ENV)
+    assert trace_missing(cfg) is None  # else relative to the working directory
+    with pytest.raises(ConfigError, match="workload key 'trace'"):
+        run_compare(parse_config({**MINIMAL, "workload": {"trace": "nope.jsonl"}}),
+                    out=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()  # refused before any server started
 
 
 @pytest.mark.parametrize("patch, key", [
