@@ -148,6 +148,9 @@ def replay_cmd(
              "claude-code: multiply each recorded think time (default 1).")] = None,
     max_think_s: Annotated[float | None, typer.Option(
         help="claude-code: cap each (scaled) think time at this many seconds.")] = None,
+    session_gap: Annotated[float | None, typer.Option(
+        help="claude-code: start session k no earlier than k times this many seconds "
+             "(default 0: as slots free).")] = None,
     hints: Annotated[bool, typer.Option(
         help="claude-code: the agent tells the cache its session (session_id, retain_s, "
              "POST /prefetch before a turn, close at the end).")] = False,
@@ -179,7 +182,7 @@ def replay_cmd(
     if fmt not in TRACE_FORMATS:
         _fail(f"--format {fmt!r} is not known; allowed: {', '.join(TRACE_FORMATS)}")
     agent_only = {"--sessions": sessions, "--max-turns": max_turns, "--max-think-s": max_think_s,
-                  "--hints": hints or None, "--retain-s": retain_s,
+                  "--session-gap": session_gap, "--hints": hints or None, "--retain-s": retain_s,
                   "--prefetch-lead-s": prefetch_lead_s}
     given = [k for k, v in agent_only.items() if v is not None]
     if fmt == "mooncake" and given:
@@ -198,6 +201,7 @@ def replay_cmd(
                                       max_model_len, max_output_tokens, output_tokens,
                                       token_high, seed, url, _or(concurrency, 4),
                                       1.0 if time_scale is None else time_scale, max_think_s,
+                                      session_gap or 0.0,
                                       (retain_s or 0.0, prefetch_lead_s or 0.0) if hints else None,
                                       common)
     except ValueError as e:
@@ -240,7 +244,8 @@ def _replay_mooncake(trace: Path, requests: int, block_tokens: int, max_model_le
 def _replay_sessions(trace: Path, sessions: int, max_turns: int, block_tokens: int,
                      max_model_len: int, max_output_tokens: int, output_tokens: int | None,
                      token_high: int, seed: int, url: str, concurrency: int, time_scale: float,
-                     max_think_s: float | None, hints: tuple[float, float] | None,
+                     max_think_s: float | None, session_gap: float,
+                     hints: tuple[float, float] | None,
                      common: dict[str, Any]) -> dict[str, Any]:
     from hicache.integration.bench.session_replay import (
         AgentHints,
@@ -258,7 +263,8 @@ def _replay_sessions(trace: Path, sessions: int, max_turns: int, block_tokens: i
         _fail(f"--trace {trace}: no turn fits --max-model-len {max_model_len}")
     agent = None if hints is None else AgentHints(retain_s=hints[0], prefetch_lead_s=hints[1])
     return replay_sessions_sync(url, loaded, concurrency=concurrency, time_scale=time_scale,
-                                max_think_s=max_think_s, hints=agent, **common)
+                                max_think_s=max_think_s, session_gap_s=session_gap,
+                                hints=agent, **common)
 
 
 @bench_app.command("compare")

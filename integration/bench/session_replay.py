@@ -30,7 +30,10 @@ and turns each session into turns a small model can serve:
   start of the file, ``max_turns`` (> 0) keeps each one's first turns.
 
 :func:`replay_sessions` sends them to ``{base_url}/v1/completions``: at most
-``concurrency`` sessions at once, started in file order as slots free; within
+``concurrency`` sessions at once, started in file order as slots free and
+session ``k`` no earlier than ``k * session_gap_s`` seconds after the start
+(the corpus records no session start times; the simulator's
+``--session-gap`` is the same schedule); within
 a session each turn is sent when the previous one has finished and its think
 time has passed, ``think_s * time_scale`` capped at ``max_think_s`` (the
 first turn of a session waits for nothing). With :class:`AgentHints` the
@@ -258,7 +261,8 @@ def load_claude_code_file(path: str | Path, spec: SessionSpec) -> LoadedSessions
 
 async def replay_sessions(
     base_url: str, trace: LoadedSessions, *, concurrency: int = 4, time_scale: float = 1.0,
-    max_think_s: float | None = None, hints: AgentHints | None = None,
+    max_think_s: float | None = None, session_gap_s: float = 0.0,
+    hints: AgentHints | None = None,
     model: str | None = None, admin_url: str | None = None, admin_token: str | None = None,
     progress: bool = True, request_timeout: float = 600.0,
     record_path: str | Path | None = None,
@@ -266,8 +270,8 @@ async def replay_sessions(
     """Send ``trace``'s sessions (see the module docstring); the run's result mapping."""
     if concurrency < 1:
         raise ValueError(f"concurrency (sessions at once) must be >= 1, got {concurrency}")
-    if time_scale < 0 or (max_think_s is not None and max_think_s < 0):
-        raise ValueError("time_scale and max_think_s must be >= 0")
+    if time_scale < 0 or session_gap_s < 0 or (max_think_s is not None and max_think_s < 0):
+        raise ValueError("time_scale, session_gap_s and max_think_s must be >= 0")
     if hints is not None and hints.prefetch_lead_s and admin_url is None:
         raise ValueError("prefetch_lead_s needs the admin endpoint (--admin-url): pause-time "
                          "prefetches go to its POST /prefetch")
@@ -314,6 +318,7 @@ async def replay_sessions(
         with _ProgressBar(progress, trace.turns) as advance:
 
             async def session(k: int, turns: list[SessionTurn]) -> None:
+                await asyncio.sleep(max(0.0, k * session_gap_s - clock()))
                 async with slots:
                     request_hints = None if hints is None else {
                         "session_id": turns[0].session,

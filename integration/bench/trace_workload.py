@@ -11,8 +11,9 @@ relative path is looked up under ``$HICACHE_TRACE_DIR`` when that is set, else
 under the working directory), ``format`` (``claude-code``: agent sessions,
 session_replay.py), the session keys (``sessions``, ``max_turns``,
 ``block_tokens``, ``max_output_tokens``, ``output_tokens``, ``token_high``),
-the replay keys (``concurrency`` sessions at once, ``time_scale`` and
-``max_think_s`` for the recorded think times) and the agent's hints
+the replay keys (``concurrency`` sessions at once, ``session_gap_s``
+between session starts, ``time_scale`` and ``max_think_s`` for the recorded
+think times) and the agent's hints
 (``hints``, ``retain_s``, ``prefetch_lead_s``). An unknown key or a bad value
 raises ``ValueError`` naming the key and what it allows; a missing file is
 reported by :meth:`TraceWorkload.missing` before any server starts.
@@ -57,6 +58,7 @@ class TraceWorkload(BaseModel):
     concurrency: int = Field(4, ge=1)
     time_scale: float = Field(1.0, ge=0)
     max_think_s: float | None = Field(None, ge=0)
+    session_gap_s: float = Field(0.0, ge=0)
     hints: bool = False
     retain_s: float = Field(0.0, ge=0)
     prefetch_lead_s: float = Field(0.0, ge=0)
@@ -107,7 +109,7 @@ class TraceWorkload(BaseModel):
                  if self.hints else None)
         return replay_sessions_sync(
             base_url, loaded, concurrency=self.concurrency, time_scale=self.time_scale,
-            max_think_s=self.max_think_s, hints=hints, admin_url=admin_url,
+            max_think_s=self.max_think_s, session_gap_s=self.session_gap_s, hints=hints, admin_url=admin_url,
             admin_token=admin_token, record_path=record_path, progress=progress)
 
 

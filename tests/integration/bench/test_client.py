@@ -294,7 +294,8 @@ def test_claude_code_sessions_replay_through_the_cli(server, tmp_path):
     turn reuses is known exactly: x's second turn keeps its first turn's 4 blocks
     (cached: 4 pages), its third keeps 2 after a sub-agent's turn whose chain is its
     own (nothing cached); y carries the same hash ids as x but ids are local to a
-    session, so it shares nothing. With ``--hints`` every request names its session,
+    session, so it shares nothing, and starts half a second after x (two sessions
+    at once, --session-gap). With ``--hints`` every request names its session,
     each later turn's history on its own request list is prefetched within its pause
     (this server has no L3: refused and counted) and each session is closed at the end."""
     from typer.testing import CliRunner
@@ -316,14 +317,16 @@ def test_claude_code_sessions_replay_through_the_cli(server, tmp_path):
     done = CliRunner().invoke(app, [
         "bench", "replay", "--trace", str(trace), "--format", "claude-code", "--url", base,
         "--block-tokens", "32", "--max-model-len", "2048", "--token-high", "1000",
-        "--concurrency", "1", "--time-scale", "0.4", "--hints", "--retain-s", "60",
+        "--concurrency", "2", "--session-gap", "0.5", "--time-scale", "0.4", "--hints",
+        "--retain-s", "60",
         "--prefetch-lead-s", "0.1", "--admin-url", admin, "--admin-token", TOKEN,
         "--no-progress", "--out", str(tmp_path / "out"), "--record", str(tmp_path / "r.jsonl")])
     assert done.exit_code == 0, done.output
     assert "replayed 8 turns of 2 sessions" in " ".join(done.output.split())
     result = json.loads((tmp_path / "out" / "replay.json").read_text())
-    reqs = result["requests"]
+    reqs = sorted(result["requests"], key=lambda r: r["id"])
     assert [r["id"] for r in reqs] == [f"{s}#{i}" for s in "xy" for i in range(4)]
+    assert reqs[4]["arrival"] >= 0.5 - 0.005  # y's first turn: not before its gap
     assert all(r["error"] is None and r["output_tokens"] == 4 for r in reqs)
     assert [r["prompt_tokens"] for r in reqs] == [128, 192, 64, 128] * 2
     assert [r["cached_tokens"] for r in reqs] == [0, 128, 0, 64] * 2
@@ -338,7 +341,7 @@ def test_claude_code_sessions_replay_through_the_cli(server, tmp_path):
     for sid in "xy":
         state = httpx.get(f"{admin}/sessions/{sid}", headers=headers, timeout=10).json()
         assert state["open"] is False and state["turns"] == 4
-    served = read_trace(tmp_path / "r.jsonl")
+    served = sorted(read_trace(tmp_path / "r.jsonl"), key=lambda r: r.id)
     assert [r.hints for r in served] == [{"session_id": r.id[0], "retain_s": 60} for r in served]
     # Prefetched: x#0 before x#1; x#1 before x#3 (of which x#3 keeps 2 blocks); the
     # sub-agent's first turn continues no history of its own.

@@ -44,12 +44,13 @@ def test_the_agent_preset_replays_claude_code_sessions_with_two_clients():
     cfg = load_config(preset_path("agent"))
     assert (cfg.workload["trace"], cfg.workload["format"]) == (
         "weka_claude_code/cc_traces_compact.jsonl.gz", "claude-code")
-    lru, sessions = cfg.systems
+    lru, sessions, tlru = cfg.systems
     assert (lru.kind, lru.l3, lru.workload) == ("hicache", "file", {})
+    assert tlru.extra_config["hicache_eviction_policy"] == "tlru" and tlru.workload == {}
     assert (sessions.kind, sessions.l3) == ("hicache", "file")
     assert sessions.workload == {"hints": True, "retain_s": 8, "prefetch_lead_s": 1.0}
     plain, agent = (TraceWorkload.from_dict({**cfg.workload, **s.workload})
-                    for s in cfg.systems)
+                    for s in cfg.systems[:2])
     assert (plain.hints, agent.hints, agent.prefetch_lead_s) == (False, True, 1.0)
 
 
