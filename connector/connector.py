@@ -308,6 +308,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._admin_server is not None:
             self._admin_server.stop()
             self._admin_server = None
+        if self._admin is not None:
+            self._admin.close()
         if self._scheduler is not None:
             self._scheduler.close()
 

@@ -131,13 +131,16 @@ class PrefetchRequest(BaseModel):
                     "then stays in L2")
 
 
-PrefetchState = Literal["queued", "running", "done", "failed", "cancelled"]
+PrefetchState = Literal["booked", "queued", "running", "done", "failed", "cancelled"]
 
 
 class PrefetchStatus(BaseModel):
-    """One prefetch operation (``GET`` / ``DELETE /prefetch/{id}``): ``queued`` (not yet
+    """One prefetch operation (``GET`` / ``DELETE /prefetch/{id}``): ``booked`` (a
+    request's ``return_in_s`` prefetch, not due yet: ``due_in_s``), ``queued`` (not yet
     handed to the workers), ``running``, ``done`` (every planned page reached L2),
     ``failed`` (fewer did: an L3 read failed or ``ttl_s`` passed), ``cancelled``."""
+
+    model_config = ConfigDict(extra="allow")
 
     id: str
     status: PrefetchState

@@ -260,6 +260,45 @@ def test_prefetch_on_an_idle_engine_reaches_l2_before_the_turn_returns(live, bas
         tiers(client)["l2"]["bytes_loaded"] / copy_s / 1e9, rel=1e-3)
 
 
+def test_return_in_s_reads_the_history_back_on_an_idle_engine(live, baseline):
+    """The prefetch form of an agent framework, with no second client: a turn that
+    says its conversation returns (``return_in_s``) books the read of its prompt and
+    answer back into L2; when it is due the engine, idle, is woken and reads what L3
+    holds, and the next turn, allowed L2 only, is served its whole history from L2
+    with the baseline's tokens. The hinted turn stores nothing (``store: false``), so
+    only the booked read can have put the pages in L2."""
+    llm, client, _ = live
+    want = baseline.turns[0]
+    prompt, answer = want.prompts[CONVS + 2], want.outputs[CONVS + 2]  # no other test's
+    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert run_turns(llm, [prompt], WORKLOAD.answer_tokens).outputs == [answer]
+    wait_for(lambda: held(client, prompt)["l3"] >= full, "the L3 backups never landed")
+    assert post(client, "/flush", {"tiers": ["l2"]}).status_code == 200
+
+    def turn(hints: dict):
+        params = greedy_params(WORKLOAD.answer_tokens)
+        params.extra_args = {"kv_transfer_params": {"hicache": hints}}
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == answer
+        return out.kv_transfer_params["hicache"]
+
+    booked = turn({"store": False, "load_tiers": [], "return_in_s": 0.5})
+    assert booked["prefetch_id"].startswith("return-") and "error" not in booked
+
+    def status() -> dict:
+        got = client.get(f"/prefetch/{booked['prefetch_id']}",
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+        assert got.status_code == 200, got.text
+        return got.json()
+
+    wait_for(lambda: status()["status"] not in ("booked", "queued", "running"),
+             "the booked prefetch never ended on an idle engine")
+    assert status()["status"] == "done" and status()["pages"] >= full // BLOCK_SIZE
+    assert held(client, prompt)["l2"] >= full
+    back = turn({"load_tiers": ["l2"]})
+    assert back["cached_tokens"] == {"l1": 0, "l2": full, "l3": 0}
+
+
 def test_fuzz_the_live_admin_api_finds_no_server_error(live):
     """schemathesis-generated requests (valid and invalid) against the real target:
     flushes of random prefixes and tiers, tree views. attach/detach are left to

@@ -20,7 +20,10 @@ Contract:
 - Work for the workers (a prefetch, an L3 command, an L3 retention) goes with
   the next engine step, and the admin calls ``wake`` (the connector's:
   connector/vllm_wake.py) so that an idle engine takes that step now.
-- ``prefetch`` plans a prompt's L3 pages into L2 for the next engine step;
+- ``prefetch`` plans a prompt's L3 pages into L2 for the next engine step; a
+  request's ``return_in_s`` books the same for its prompt and answer, started
+  when due by ``returns`` (returns.py: ``booked`` in ``prefetch_status`` until
+  then, and cancellable);
   ``pin`` / ``unpin`` keep a prefix's L2 pages ahead of LRU until a deadline
   (pins.py; ``stats()["pins"]`` shows them, expired ones never);
   ``forget`` removes a conversation's own pages from L2 and L3 (flush.py) the
@@ -52,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from hicache.tiers.controller.fetches import L3Store
 from hicache.tiers.controller.pins import PinRefused
 from hicache.tiers.controller.prefetch_ops import OpConflict, PrefetchOps
+from hicache.tiers.controller.returns import ReturnPrefetches
 from hicache.tiers.controller.scheduler import NoRoom
 from hicache.tiers.index.commands import (
     AttachStore,
@@ -65,7 +69,7 @@ from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from hicache.tiers.config import HiCacheConfig
     from hicache.tiers.controller.scheduler import HiCacheScheduler
@@ -130,6 +134,9 @@ class SchedulerAdmin:
         # Wakes an idle engine so that it steps and carries work to the workers
         # (connector/vllm_wake.py); a no-op where the engine cannot be woken.
         self._wake: Callable[[], object] = wake or (lambda: None)
+        # Requests' return_in_s prefetches, started when due (returns.py).
+        self.returns = ReturnPrefetches(self._start_return)
+        scheduler.returning = self._book_return
 
     # ---- fed by the connector (engine thread) ----------------------------------
 
@@ -361,15 +368,42 @@ class SchedulerAdmin:
         return {"prefetch_tokens": pages * page, "l3_tokens": in_l3 * page,
                 "l2_tokens": in_l2 * page, **op}
 
+    def _book_return(self, req_id: str, keys: Sequence[PageKey], return_in_s: float) -> str:
+        """A finished request's ``return_in_s``: book its prefetch (engine thread)."""
+        self.returns.start_thread()
+        return self.returns.book(req_id, keys, return_in_s)
+
+    def _start_return(self, op_id: str, keys: Sequence[PageKey]) -> None:
+        """A booked ``return_in_s`` prefetch is due: as ``prefetch`` with its keys."""
+        s = self.scheduler
+        with s.lock:
+            storage, spans = s.storage, s.l2.spans
+        if storage is None or not keys:
+            return
+        in_l3 = spans.run_in_store(storage.exists_prefix, keys, 0, len(keys))
+        with s.lock:
+            _, pages = self.prefetches.start(op_id, keys, in_l3)
+        if pages:
+            self._wake()
+
+    def close(self) -> None:
+        """Stop starting booked prefetches (the engine is shutting down)."""
+        self.returns.close()
+
     def prefetch_status(self, op_id: str) -> dict[str, Any]:
         with self.scheduler.lock:
             op = self.prefetches.status(op_id)
+        if op is None:
+            op = self.returns.view(op_id)
         if op is None:
             raise NotFound(f"no prefetch with id {op_id!r} (ended ones are kept for the "
                            f"last {self.prefetches.keep} that ended)")
         return op
 
     def cancel_prefetch(self, op_id: str) -> dict[str, Any]:
+        booked = self.returns.view(op_id)
+        if booked is not None and self.returns.cancel(op_id):
+            return {**booked, "status": "cancelled", "fetched_pages": 0}
         with self.scheduler.lock:
             op = self.prefetches.cancel(op_id)
         if op is None:

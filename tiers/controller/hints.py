@@ -24,7 +24,10 @@ Contract:
   belongs to (sessions.py): a turn that does not set ``retain_s`` or ``priority``
   gets the values its session's last turn set; ``POST /sessions/{id}/close``
   ends its pins and ranks its own pages below every open session's (or, with
-  ``forget``, removes them from every tier).
+  ``forget``, removes them from every tier). ``return_in_s`` (seconds, with an
+  L3): the conversation's next turn is expected then; what L3 holds of the
+  request's prompt and answer is read into L2 shortly before (returns.py), and
+  the response names that prefetch operation (``prefetch_id``).
 - ``parse_hints(params)`` returns (hints, error). Bad hints never fail a request:
   the request is served with every hint at its default, and ``error`` names the key
   and what it allows (the connector returns it in the response's
@@ -45,7 +48,7 @@ from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY
 from hicache.tiers.settings import Settings, explain
 
 HINTS_KEY = "hicache"
-RESPONSE_KEYS = frozenset({"cached_tokens", "error", "retained_pages"})
+RESPONSE_KEYS = frozenset({"cached_tokens", "error", "retained_pages", "prefetch_id"})
 TIERS = ("l2", "l3")
 PriorityName = Literal["low", "normal", "high"]
 # Eviction classes as the HiRadixTree ranks them (lower is evicted first).
@@ -74,6 +77,11 @@ class RequestHints(Settings):
         None, min_length=1, max_length=256, description="the conversation (agent session) "
         "this request belongs to: turns that do not set retain_s or priority carry its "
         "last ones; POST /sessions/{id}/close releases it")
+    return_in_s: NonNegativeFloat | None = Field(
+        None, le=86400, description="the conversation's next turn is expected in about "
+        "this many seconds (an agent waiting on a tool): what L3 holds of this request's "
+        "prompt and answer is read back into L2 shortly before (a prefetch operation; "
+        "the response's prefetch_id names it for GET /prefetch/{id}); needs an L3")
 
     @field_validator("load_tiers")
     @classmethod

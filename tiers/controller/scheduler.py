@@ -225,6 +225,10 @@ class HiCacheScheduler:
         # Finished requests' retain_s outcome (pages pinned, or why not), for the
         # connector to put in their responses (take_retained).
         self._retained: dict[str, int | str] = {}
+        # Books a finished request's return_in_s prefetch and names it (returns.py,
+        # set by the admin view, which starts it when due); the ids for responses.
+        self.returning: Callable[[str, Sequence[PageKey], float], str] | None = None
+        self._booked: dict[str, str] = {}
         self.flusher = Flusher(
             self.l2, self.requests, self.stats, seed=seed, page_size=page_size,
             hashes_per_page=self.hashes_per_page,
@@ -501,6 +505,10 @@ class HiCacheScheduler:
             self._retain(state)
         if state.hints.session_id is not None:
             self.sessions.finished(state.hints.session_id, state.page_keys())
+        if (state.hints.return_in_s is not None and self.returning is not None
+                and self.storage is not None):
+            self._booked[request.request_id] = self.returning(
+                request.request_id, state.page_keys(), state.hints.return_in_s)
         if stored:
             return True
         if self.stores.store_in_flight(state):
@@ -651,14 +659,17 @@ class HiCacheScheduler:
     def finish_request(self, request: SchedulerRequest, block_ids: GroupBlockIds
                        ) -> tuple[bool, dict[str, Any] | None, dict[str, list[float]]]:
         """``request_finished``, plus what the request's response carries in its
-        ``kv_transfer_params`` (the tokens each tier served, pages retained, why its
-        hints were ignored; None: nothing) and its observations for the metrics
+        ``kv_transfer_params`` (the tokens each tier served, pages retained, the
+        prefetch its ``return_in_s`` booked, why its hints were ignored; None: nothing) and its observations for the metrics
         (``request_cached_tokens_<tier>``)."""
         req_id = request.request_id
         cached, error = self.cached_tokens_of(req_id), self.hint_error_of(req_id)
         done = self.request_finished(request, block_ids)
         retained = self.take_retained(req_id)
+        booked = self._booked.pop(req_id, None)
         reply: dict[str, Any] = {}
+        if booked is not None:
+            reply["prefetch_id"] = booked
         observations: dict[str, list[float]] = {}
         if cached is not None:
             reply["cached_tokens"] = tiers = cached.as_dict()
