@@ -159,6 +159,10 @@ def replay_cmd(
     prefetch_lead_s: Annotated[float | None, typer.Option(
         help="claude-code with --hints: prefetch the session's history this long before "
              "its next turn (needs --admin-url).")] = None,
+    return_in: Annotated[bool, typer.Option(
+        help="claude-code with --hints: each request says when its session returns "
+             "(return_in_s: the next turn's pause), so the server reads it back itself.")]
+        = False,
     token_high: Annotated[int, typer.Option(
         help="Token ids are drawn below this (the model's vocabulary size or less).")] = 2000,
     seed: Annotated[int, typer.Option(help="Seed of the token runs (same seed, same prompts).")]
@@ -183,12 +187,12 @@ def replay_cmd(
         _fail(f"--format {fmt!r} is not known; allowed: {', '.join(TRACE_FORMATS)}")
     agent_only = {"--sessions": sessions, "--max-turns": max_turns, "--max-think-s": max_think_s,
                   "--session-gap": session_gap, "--hints": hints or None, "--retain-s": retain_s,
-                  "--prefetch-lead-s": prefetch_lead_s}
+                  "--prefetch-lead-s": prefetch_lead_s, "--return-in": return_in or None}
     given = [k for k, v in agent_only.items() if v is not None]
     if fmt == "mooncake" and given:
         _fail(f"{given[0]} applies to --format claude-code only")
-    if not hints and (retain_s is not None or prefetch_lead_s is not None):
-        _fail("--retain-s and --prefetch-lead-s are agent hints: add --hints")
+    if not hints and (retain_s is not None or prefetch_lead_s is not None or return_in):
+        _fail("--retain-s, --prefetch-lead-s and --return-in are agent hints: add --hints")
     common = {"model": model, "admin_url": admin_url, "admin_token": admin_token,
               "progress": progress, "record_path": record}
     try:
@@ -202,7 +206,8 @@ def replay_cmd(
                                       token_high, seed, url, _or(concurrency, 4),
                                       1.0 if time_scale is None else time_scale, max_think_s,
                                       session_gap or 0.0,
-                                      (retain_s or 0.0, prefetch_lead_s or 0.0) if hints else None,
+                                      (retain_s or 0.0, prefetch_lead_s or 0.0, return_in)
+                                      if hints else None,
                                       common)
     except ValueError as e:
         _fail(str(e))
@@ -245,7 +250,7 @@ def _replay_sessions(trace: Path, sessions: int, max_turns: int, block_tokens: i
                      max_model_len: int, max_output_tokens: int, output_tokens: int | None,
                      token_high: int, seed: int, url: str, concurrency: int, time_scale: float,
                      max_think_s: float | None, session_gap: float,
-                     hints: tuple[float, float] | None,
+                     hints: tuple[float, float, bool] | None,
                      common: dict[str, Any]) -> dict[str, Any]:
     from hicache.integration.bench.session_replay import (
         AgentHints,
@@ -261,7 +266,8 @@ def _replay_sessions(trace: Path, sessions: int, max_turns: int, block_tokens: i
     loaded = load_claude_code_file(trace, spec)
     if not loaded.sessions:
         _fail(f"--trace {trace}: no turn fits --max-model-len {max_model_len}")
-    agent = None if hints is None else AgentHints(retain_s=hints[0], prefetch_lead_s=hints[1])
+    agent = None if hints is None else AgentHints(retain_s=hints[0], prefetch_lead_s=hints[1],
+                                                  return_in=hints[2])
     return replay_sessions_sync(url, loaded, concurrency=concurrency, time_scale=time_scale,
                                 max_think_s=max_think_s, session_gap_s=session_gap,
                                 hints=agent, **common)

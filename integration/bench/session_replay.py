@@ -43,8 +43,11 @@ every request carries ``kv_transfer_params.hicache`` with the session's id
 its pause) the last prompt sent on the same request list (the session's own or
 its sub-agent's: what the agent knows its next request continues) goes to the
 admin endpoint's ``POST /prefetch``, and a finished session is closed (``POST
-/sessions/{id}/close``). A refused prefetch or close is counted, never a
-failed request. Each request is measured as ``hicache bench replay`` measures
+/sessions/{id}/close``); with ``return_in`` each request also says when the
+session's next turn comes (``return_in_s``: that turn's pause, known from the
+trace: an agent that knows its tool's duration), so the server books the read
+back into L2 itself, with no admin call. A refused prefetch or close is
+counted, never a failed request. Each request is measured as ``hicache bench replay`` measures
 it (TTFT from the first streamed token, ``usage`` for cached tokens), turn
 numbers kept, so the returning-turn TTFT of ``hicache bench compare`` reads it.
 A failed request ends only its own session.
@@ -131,6 +134,9 @@ class AgentHints:
 
     retain_s: float = 0.0
     prefetch_lead_s: float = 0.0
+    # Each request says when its session's next turn comes (return_in_s: that turn's
+    # scaled think time, as the trace knows it), so the server books the read itself.
+    return_in: bool = False
     close: bool = True
 
     def __post_init__(self) -> None:
@@ -282,7 +288,7 @@ async def replay_sessions(
     records: list[RequestRecord] = []
     counts = {"prefetch_calls": 0, "prefetch_failed": 0, "closed": 0, "close_failed": 0}
     prefetched: dict[str, tuple[float, int]] = {}
-    sent_hints: dict[int, dict[str, Any]] = {}  # session number -> its requests' hints
+    sent_hints: dict[str, dict[str, Any]] = {}  # request id -> the hints it carried
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
         if model is None:
             model = await _first_model(http, base_url)
@@ -323,12 +329,10 @@ async def replay_sessions(
                     request_hints = None if hints is None else {
                         "session_id": turns[0].session,
                         **({"retain_s": hints.retain_s} if hints.retain_s else {})}
-                    if request_hints:
-                        sent_hints[k] = request_hints
                     # The last prompt sent on each request list: what the agent knows
                     # of the history its next request there continues.
                     history: dict[str, tuple[int, ...]] = {}
-                    for turn in turns:
+                    for i, turn in enumerate(turns):
                         rec_id = f"{turn.session}#{turn.index}"
                         if turn.index:
                             pause = pause_of(turn)
@@ -341,8 +345,14 @@ async def replay_sessions(
                                             arrival=clock(), prompt_tokens=len(turn.prompt),
                                             prompt_ids=list(turn.prompt))
                         records.append(rec)
+                        sent = request_hints
+                        if hints is not None and hints.return_in and i + 1 < len(turns):
+                            sent = {**(request_hints or {}),
+                                    "return_in_s": round(pause_of(turns[i + 1]), 3)}
+                        if sent:
+                            sent_hints[rec_id] = sent
                         body = _request_body(model, list(turn.prompt), turn.output_tokens,
-                                             request_hints)
+                                             sent)
                         try:
                             await asyncio.wait_for(
                                 _stream_one(http, f"{base_url}/v1/completions", body, rec,
@@ -381,7 +391,7 @@ async def replay_sessions(
                         output_tokens=r.output_tokens, prompt=tuple(r.prompt_ids),
                         prompt_tokens=len(r.prompt_ids),
                         output=None if r.answer_ids is None else tuple(r.answer_ids),
-                        hints=sent_hints.get(r.client),
+                        hints=sent_hints.get(r.id),
                         prefetch_at=prefetched.get(r.id, (None, 0))[0],
                         prefetch_tokens=prefetched.get(r.id, (None, 0))[1])
             for r in done])

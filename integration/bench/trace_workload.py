@@ -14,7 +14,7 @@ session_replay.py), the session keys (``sessions``, ``max_turns``,
 the replay keys (``concurrency`` sessions at once, ``session_gap_s``
 between session starts, ``time_scale`` and ``max_think_s`` for the recorded
 think times) and the agent's hints
-(``hints``, ``retain_s``, ``prefetch_lead_s``). An unknown key or a bad value
+(``hints``, ``retain_s``, ``prefetch_lead_s``, ``return_in``). An unknown key or a bad value
 raises ``ValueError`` naming the key and what it allows; a missing file is
 reported by :meth:`TraceWorkload.missing` before any server starts.
 
@@ -62,6 +62,7 @@ class TraceWorkload(BaseModel):
     hints: bool = False
     retain_s: float = Field(0.0, ge=0)
     prefetch_lead_s: float = Field(0.0, ge=0)
+    return_in: bool = False
     seed: int = Field(0, ge=0)
 
     @classmethod
@@ -77,9 +78,9 @@ class TraceWorkload(BaseModel):
                                  f"{allowed}") from None
             raise ValueError(f"workload key {key!r}: {err['msg']} (got {err.get('input')!r})"
                              ) from None
-        if not w.hints and (w.retain_s or w.prefetch_lead_s):
-            raise ValueError("workload keys 'retain_s' and 'prefetch_lead_s' are agent hints: "
-                             "set 'hints: true' too")
+        if not w.hints and (w.retain_s or w.prefetch_lead_s or w.return_in):
+            raise ValueError("workload keys 'retain_s', 'prefetch_lead_s' and 'return_in' are "
+                             "agent hints: set 'hints: true' too")
         return w
 
     def path(self) -> Path:
@@ -105,8 +106,8 @@ class TraceWorkload(BaseModel):
                            output_tokens=self.output_tokens, token_high=self.token_high,
                            seed=self.seed)
         loaded = load_claude_code_file(self.path(), spec)
-        hints = (AgentHints(retain_s=self.retain_s, prefetch_lead_s=self.prefetch_lead_s)
-                 if self.hints else None)
+        hints = (AgentHints(retain_s=self.retain_s, prefetch_lead_s=self.prefetch_lead_s,
+                            return_in=self.return_in) if self.hints else None)
         return replay_sessions_sync(
             base_url, loaded, concurrency=self.concurrency, time_scale=self.time_scale,
             max_think_s=self.max_think_s, session_gap_s=self.session_gap_s, hints=hints, admin_url=admin_url,

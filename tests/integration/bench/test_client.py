@@ -297,7 +297,8 @@ def test_claude_code_sessions_replay_through_the_cli(server, tmp_path):
     session, so it shares nothing, and starts half a second after x (two sessions
     at once, --session-gap). With ``--hints`` every request names its session,
     each later turn's history on its own request list is prefetched within its pause
-    (this server has no L3: refused and counted) and each session is closed at the end."""
+    (this server has no L3: refused and counted), each request says when its session
+    returns (--return-in) and each session is closed at the end."""
     from typer.testing import CliRunner
 
     from hicache.integration.cli.main import app
@@ -318,7 +319,7 @@ def test_claude_code_sessions_replay_through_the_cli(server, tmp_path):
         "bench", "replay", "--trace", str(trace), "--format", "claude-code", "--url", base,
         "--block-tokens", "32", "--max-model-len", "2048", "--token-high", "1000",
         "--concurrency", "2", "--session-gap", "0.5", "--time-scale", "0.4", "--hints",
-        "--retain-s", "60",
+        "--retain-s", "60", "--return-in",
         "--prefetch-lead-s", "0.1", "--admin-url", admin, "--admin-token", TOKEN,
         "--no-progress", "--out", str(tmp_path / "out"), "--record", str(tmp_path / "r.jsonl")])
     assert done.exit_code == 0, done.output
@@ -342,7 +343,11 @@ def test_claude_code_sessions_replay_through_the_cli(server, tmp_path):
         state = httpx.get(f"{admin}/sessions/{sid}", headers=headers, timeout=10).json()
         assert state["open"] is False and state["turns"] == 4
     served = sorted(read_trace(tmp_path / "r.jsonl"), key=lambda r: r.id)
-    assert [r.hints for r in served] == [{"session_id": r.id[0], "retain_s": 60} for r in served]
+    # --return-in: each turn but a session's last says when the next one comes (its
+    # pause, 0.4 x 0.5 s); this server has no L3, so it books nothing.
+    assert [r.hints for r in served] == [
+        {"session_id": r.id[0], "retain_s": 60, **({} if r.id.endswith("#3") else
+                                                    {"return_in_s": 0.2})} for r in served]
     # Prefetched: x#0 before x#1; x#1 before x#3 (of which x#3 keeps 2 blocks); the
     # sub-agent's first turn continues no history of its own.
     assert [r.prefetch_tokens for r in served] == [0, 128, 0, 64] * 2

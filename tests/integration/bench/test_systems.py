@@ -44,7 +44,8 @@ def test_the_agent_preset_replays_claude_code_sessions_with_two_clients():
     cfg = load_config(preset_path("agent"))
     assert (cfg.workload["trace"], cfg.workload["format"]) == (
         "weka_claude_code/cc_traces_compact.jsonl.gz", "claude-code")
-    lru, sessions, tlru = cfg.systems
+    lru, sessions, returning, tlru = cfg.systems
+    assert returning.workload == {"hints": True, "return_in": True}
     assert (lru.kind, lru.l3, lru.workload) == ("hicache", "file", {})
     assert tlru.extra_config["hicache_eviction_policy"] == "tlru" and tlru.workload == {}
     assert (sessions.kind, sessions.l3) == ("hicache", "file")
