@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,35 @@ def tier_deltas(before: dict[str, Any], after: dict[str, Any], page_size: int | 
             t["hit_tokens"] = t["hit_rate"] = None
         out[name] = t
     return out
+
+
+async def tiers_since(http: httpx.AsyncClient, admin_url: str | None, token: str | None,
+                      before: dict[str, Any] | None, page_size: int | None,
+                      records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """The per-tier deltas since ``before`` over the completed ``records`` (None
+    without an admin endpoint)."""
+    if admin_url is None:
+        return None
+    after = await _admin_get(http, f"{admin_url}/stats", token)
+    return tier_deltas(before or {}, after, page_size,
+                       sum(r.prompt_tokens for r in records if r.error is None))
+
+
+def write_served(path: str | Path, records: Sequence[RequestRecord],
+                 hints_of: Callable[[RequestRecord], dict[str, Any] | None] = lambda r: None,
+                 prefetched: Mapping[str, tuple[float, int]] | None = None) -> None:
+    """The completed ``records`` as a trace ``hicache simulate`` replays (trace.py):
+    prompt and answer ids, arrival and finish, the hints each carried and when its
+    history was prefetched (``prefetched``: request id -> (time, tokens))."""
+    prefetched = prefetched or {}
+    write_trace(path, [
+        TraceRecord(id=r.id, arrival=r.arrival, finish=r.finish,
+                    output_tokens=r.output_tokens, prompt=tuple(r.prompt_ids),
+                    prompt_tokens=len(r.prompt_ids),
+                    output=None if r.answer_ids is None else tuple(r.answer_ids),
+                    hints=hints_of(r), prefetch_at=prefetched.get(r.id, (None, 0))[0],
+                    prefetch_tokens=prefetched.get(r.id, (None, 0))[1])
+        for r in records if r.error is None])
 
 
 def _page_size_of(config: dict[str, Any]) -> int | None:
@@ -320,25 +349,11 @@ async def run_bench(
                     t.cancel()
         duration = clock()
 
-        done = [r for r in records if r.error is None]
-        tiers = None
-        if admin_url is not None:
-            after = await _admin_get(http, f"{admin_url}/stats", admin_token)
-            tiers = tier_deltas(before or {}, after, page_size,
-                                sum(r.prompt_tokens for r in done))
+        tiers = await tiers_since(http, admin_url, admin_token, before, page_size, records)
 
     records.sort(key=lambda r: (r.arrival, r.client))
     if trace_path is not None:
-        write_trace(trace_path, [
-            TraceRecord(id=r.id, arrival=r.arrival, finish=r.finish,
-                        output_tokens=r.output_tokens, prompt=tuple(r.prompt_ids),
-                        prompt_tokens=len(r.prompt_ids),
-                        output=None if r.answer_ids is None else tuple(r.answer_ids),
-                        hints=_hints(spec),
-                        prefetch_at=prefetched.get(r.id, (None, 0))[0],
-                        prefetch_tokens=prefetched.get(r.id, (None, 0))[1])
-            for r in done
-        ])
+        write_served(trace_path, records, lambda r: _hints(spec), prefetched)
     summary = summarize(records, duration)
     if spec.prefetch_lead_s:
         summary["prefetch_calls"], summary["prefetch_failed"] = (prefetches["calls"],

@@ -67,11 +67,11 @@ from hicache.integration.bench.client import (
     _request_body,
     _RequestFailed,
     _stream_one,
-    tier_deltas,
+    tiers_since,
+    write_served,
 )
 from hicache.integration.bench.records import RequestRecord
 from hicache.integration.bench.report import summarize
-from hicache.integration.bench.trace import TraceRecord, write_trace
 
 # What `hicache bench replay --format` reads (claude-code: session_replay.py).
 TRACE_FORMATS = ("mooncake", "claude-code")
@@ -104,14 +104,21 @@ class ReplaySpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("block_tokens", "max_model_len", "requests", "max_output_tokens"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.output_tokens is not None and self.output_tokens < 1:
-            raise ValueError(f"output_tokens must be >= 1 or unset, got {self.output_tokens}")
-        if not 0 <= self.token_low < self.token_high:
-            raise ValueError(f"token_low/token_high must satisfy 0 <= low < high, got "
-                             f"{self.token_low}/{self.token_high}")
+        check_token_spec(self, ("block_tokens", "max_model_len", "requests",
+                                "max_output_tokens"))
+
+
+def check_token_spec(spec: Any, positive: Sequence[str]) -> None:
+    """A trace-to-tokens spec's shared checks: ``positive`` keys >= 1,
+    ``output_tokens`` >= 1 or unset, ``0 <= token_low < token_high``."""
+    for key in positive:
+        if getattr(spec, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(spec, key)}")
+    if spec.output_tokens is not None and spec.output_tokens < 1:
+        raise ValueError(f"output_tokens must be >= 1 or unset, got {spec.output_tokens}")
+    if not 0 <= spec.token_low < spec.token_high:
+        raise ValueError(f"token_low/token_high must satisfy 0 <= low < high, got "
+                         f"{spec.token_low}/{spec.token_high}")
 
 
 @dataclass
@@ -254,20 +261,10 @@ async def replay(base_url: str, trace: LoadedTrace, *, concurrency: int = 16,
                 for t in tasks:
                     t.cancel()
         duration = clock()
-        done = [r for r in records if r.error is None]
-        tiers = None
-        if admin_url is not None:
-            after = await _admin_get(http, f"{admin_url}/stats", admin_token)
-            tiers = tier_deltas(before or {}, after, page_size,
-                                sum(r.prompt_tokens for r in done))
+        tiers = await tiers_since(http, admin_url, admin_token, before, page_size, records)
     records.sort(key=lambda r: r.arrival)
     if record_path is not None:
-        write_trace(record_path, [
-            TraceRecord(id=r.id, arrival=r.arrival, finish=r.finish,
-                        output_tokens=r.output_tokens, prompt=tuple(r.prompt_ids),
-                        prompt_tokens=len(r.prompt_ids),
-                        output=None if r.answer_ids is None else tuple(r.answer_ids))
-            for r in records if r.error is None])
+        write_served(record_path, records)
     return {"base_url": base_url, "model": model, "duration_s": duration,
             "summary": summarize(records, duration), "tiers": tiers,
             "trace": {"lines_read": trace.lines_read, "replayed": len(trace.requests),

@@ -56,12 +56,11 @@ A failed request ends only its own session.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import math
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -79,11 +78,13 @@ from hicache.integration.bench.client import (
     _request_body,
     _RequestFailed,
     _stream_one,
-    tier_deltas,
+    tiers_since,
+    write_served,
 )
 from hicache.integration.bench.records import RequestRecord
+from hicache.integration.bench.replay import check_token_spec
 from hicache.integration.bench.report import summarize
-from hicache.integration.bench.trace import TraceRecord, write_trace
+from hicache.integration.bench.trace_formats import numbered_lines
 
 
 @dataclass(frozen=True)
@@ -116,16 +117,10 @@ class SessionSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("block_tokens", "max_model_len", "sessions", "max_output_tokens"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        check_token_spec(self, ("block_tokens", "max_model_len", "sessions",
+                                "max_output_tokens"))
         if self.max_turns < 0:
             raise ValueError(f"max_turns must be >= 0 (0: every turn), got {self.max_turns}")
-        if self.output_tokens is not None and self.output_tokens < 1:
-            raise ValueError(f"output_tokens must be >= 1 or unset, got {self.output_tokens}")
-        if not 0 <= self.token_low < self.token_high:
-            raise ValueError(f"token_low/token_high must satisfy 0 <= low < high, got "
-                             f"{self.token_low}/{self.token_high}")
 
 
 @dataclass(frozen=True)
@@ -226,15 +221,6 @@ class _SessionBuilder:
                                       tuple(int(t) for t in prompt), n_out))
 
 
-def _lines(path: str | Path) -> Iterator[tuple[str, str]]:
-    p = Path(path)
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                yield f"{p.name}:{n}", line
-
-
 def load_claude_code(lines: Iterable[tuple[str, str]], spec: SessionSpec) -> LoadedSessions:
     """The first ``spec.sessions`` sessions of ``(where, line)`` pairs."""
     sessions: list[list[SessionTurn]] = []
@@ -262,7 +248,7 @@ def load_claude_code(lines: Iterable[tuple[str, str]], spec: SessionSpec) -> Loa
 
 def load_claude_code_file(path: str | Path, spec: SessionSpec) -> LoadedSessions:
     """:func:`load_claude_code` of a file (``.gz`` read gzipped)."""
-    return load_claude_code(_lines(path), spec)
+    return load_claude_code(numbered_lines(path), spec)
 
 
 async def replay_sessions(
@@ -378,23 +364,10 @@ async def replay_sessions(
                 for t in tasks:
                     t.cancel()
         duration = clock()
-        done = [r for r in records if r.error is None]
-        tiers = None
-        if admin_url is not None:
-            after = await _admin_get(http, f"{admin_url}/stats", admin_token)
-            tiers = tier_deltas(before or {}, after, page_size,
-                                sum(r.prompt_tokens for r in done))
+        tiers = await tiers_since(http, admin_url, admin_token, before, page_size, records)
     records.sort(key=lambda r: (r.arrival, r.client))
     if record_path is not None:
-        write_trace(record_path, [
-            TraceRecord(id=r.id, arrival=r.arrival, finish=r.finish,
-                        output_tokens=r.output_tokens, prompt=tuple(r.prompt_ids),
-                        prompt_tokens=len(r.prompt_ids),
-                        output=None if r.answer_ids is None else tuple(r.answer_ids),
-                        hints=sent_hints.get(r.id),
-                        prefetch_at=prefetched.get(r.id, (None, 0))[0],
-                        prefetch_tokens=prefetched.get(r.id, (None, 0))[1])
-            for r in done])
+        write_served(record_path, records, lambda r: sent_hints.get(r.id), prefetched)
     summary = summarize(records, duration)
     if hints is not None:
         summary.update(counts)

@@ -73,7 +73,9 @@ def load_trace(path: str | Path, fmt: str = "hicache", *, page_size: int = 32,
     return _claude_code(path, page_size, limit, time_scale, session_gap_s)
 
 
-def _lines(path: str | Path) -> Iterator[tuple[str, str]]:
+def numbered_lines(path: str | Path) -> Iterator[tuple[str, str]]:
+    """The non-empty lines of a trace file (``.gz`` read gzipped), each with where it
+    is (``name:line``) for error messages."""
     p = Path(path)
     opener = gzip.open if p.suffix == ".gz" else open
     with opener(p, "rt", encoding="utf-8") as f:
@@ -104,7 +106,7 @@ def _record(rid: str, arrival: float, ids: Sequence[object], seed: str, input_to
 def _mooncake(path: str | Path, page_size: int, limit: int | None,
               time_scale: float) -> list[TraceRecord]:
     out: list[TraceRecord] = []
-    for where, line in _lines(path):
+    for where, line in numbered_lines(path):
         if limit is not None and len(out) >= limit:
             break
         d = json_object(line, where)
@@ -119,7 +121,7 @@ def _mooncake(path: str | Path, page_size: int, limit: int | None,
 def _claude_code(path: str | Path, page_size: int, limit: int | None, time_scale: float,
                  session_gap_s: float) -> list[TraceRecord]:
     out: list[TraceRecord] = []
-    for k, (where, line) in enumerate(_lines(path)):
+    for k, (where, line) in enumerate(numbered_lines(path)):
         if limit is not None and k >= limit:
             break
         d = json_object(line, where)
