@@ -52,7 +52,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import numpy as np
@@ -91,34 +91,40 @@ class ReplayRequest:
 
 
 @dataclass(frozen=True)
-class ReplaySpec:
-    """How a trace becomes requests (see the module docstring)."""
+class TokenSpec:
+    """How a trace's blocks become token ids, what a model can take, how long answers
+    are: what every trace format's spec shares (checked when built)."""
 
     block_tokens: int = 128
     max_model_len: int = 4096
-    requests: int = 800
     max_output_tokens: int = 16
     output_tokens: int | None = None
     token_low: int = 10
     token_high: int = 2000
     seed: int = 0
 
+    # Keys that must be >= 1 (a format's spec adds its own).
+    _POSITIVE: ClassVar[tuple[str, ...]] = ("block_tokens", "max_model_len",
+                                            "max_output_tokens")
+
     def __post_init__(self) -> None:
-        check_token_spec(self, ("block_tokens", "max_model_len", "requests",
-                                "max_output_tokens"))
+        for key in self._POSITIVE:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.output_tokens is not None and self.output_tokens < 1:
+            raise ValueError(f"output_tokens must be >= 1 or unset, got {self.output_tokens}")
+        if not 0 <= self.token_low < self.token_high:
+            raise ValueError(f"token_low/token_high must satisfy 0 <= low < high, got "
+                             f"{self.token_low}/{self.token_high}")
 
 
-def check_token_spec(spec: Any, positive: Sequence[str]) -> None:
-    """A trace-to-tokens spec's shared checks: ``positive`` keys >= 1,
-    ``output_tokens`` >= 1 or unset, ``0 <= token_low < token_high``."""
-    for key in positive:
-        if getattr(spec, key) < 1:
-            raise ValueError(f"{key} must be >= 1, got {getattr(spec, key)}")
-    if spec.output_tokens is not None and spec.output_tokens < 1:
-        raise ValueError(f"output_tokens must be >= 1 or unset, got {spec.output_tokens}")
-    if not 0 <= spec.token_low < spec.token_high:
-        raise ValueError(f"token_low/token_high must satisfy 0 <= low < high, got "
-                         f"{spec.token_low}/{spec.token_high}")
+@dataclass(frozen=True)
+class ReplaySpec(TokenSpec):
+    """How a Mooncake trace becomes requests (see the module docstring)."""
+
+    requests: int = 800
+
+    _POSITIVE: ClassVar[tuple[str, ...]] = (*TokenSpec._POSITIVE, "requests")
 
 
 @dataclass

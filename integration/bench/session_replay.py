@@ -63,7 +63,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import numpy as np
@@ -82,7 +82,7 @@ from hicache.integration.bench.client import (
     write_served,
 )
 from hicache.integration.bench.records import RequestRecord
-from hicache.integration.bench.replay import check_token_spec
+from hicache.integration.bench.replay import TokenSpec
 from hicache.integration.bench.report import summarize
 from hicache.integration.bench.trace_formats import numbered_lines
 
@@ -103,22 +103,17 @@ class SessionTurn:
 
 
 @dataclass(frozen=True)
-class SessionSpec:
+class SessionSpec(TokenSpec):
     """How a Claude Code trace becomes turns (see the module docstring)."""
 
     block_tokens: int = 1
-    max_model_len: int = 4096
     sessions: int = 8
     max_turns: int = 0
-    max_output_tokens: int = 16
-    output_tokens: int | None = None
-    token_low: int = 10
-    token_high: int = 2000
-    seed: int = 0
+
+    _POSITIVE: ClassVar[tuple[str, ...]] = (*TokenSpec._POSITIVE, "sessions")
 
     def __post_init__(self) -> None:
-        check_token_spec(self, ("block_tokens", "max_model_len", "sessions",
-                                "max_output_tokens"))
+        super().__post_init__()
         if self.max_turns < 0:
             raise ValueError(f"max_turns must be >= 0 (0: every turn), got {self.max_turns}")
 
