@@ -43,12 +43,16 @@ def test_good_hints_parse(params, hints):
     ({"max_load_tokens": -1}, "kv_transfer_params.hicache.max_load_tokens must be an integer "
                               ">= 0 or null (got -1)"),
     ({"retain_for": 30}, "unknown kv_transfer_params.hicache key(s): ['retain_for']; allowed "
-                         "keys: ['load_tiers', 'max_load_tokens', 'priority', 'retain_s', 'session_id', 'store']"),
+                         "keys: ['load_tiers', 'max_load_tokens', 'priority', 'retain_s', "
+                         "'return_in_s', 'session_id', 'store']"),
     (7, "kv_transfer_params.hicache must be an object with keys ['load_tiers', "
-        "'max_load_tokens', 'priority', 'retain_s', 'session_id', 'store']"),
+        "'max_load_tokens', 'priority', 'retain_s', 'return_in_s', 'session_id', 'store']"),
     ({"retain_s": -5}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null "
                        "(got -5)"),
     ({"retain_s": "60"}, "kv_transfer_params.hicache.retain_s must be a number >= 0 or null"),
+    ({"return_in_s": -1}, "kv_transfer_params.hicache.return_in_s must be a number in "
+                          "[0, 86400] or null (got -1)"),
+    ({"return_in_s": 90000}, "return_in_s must be a number in [0, 86400] or null (got 90000)"),
     ({"priority": "urgent"}, "kv_transfer_params.hicache.priority='urgent' is not supported; "
                              "allowed values: ['low', 'normal', 'high']"),
 ])
