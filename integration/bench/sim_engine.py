@@ -23,7 +23,9 @@ what lives outside the connector:
   scheduler as the request's ``kv_transfer_params`` (``retain_s`` pins,
   ``priority``, ``store``, ...), and its ``prefetch_at`` replays the admin's
   ``POST /prefetch`` of its history at that time (with an L3: what L3 holds
-  of it beyond L2 is read into L2 at once). ``hints=False`` replays the same
+  of it beyond L2 is read into L2 at once); a ``return_in_s`` hint books the
+  same read of the finished request's pages for ``LEAD_S`` before its return,
+  as the admin's returns thread does. ``hints=False`` replays the same
   trace as plain LRU would see it.
 - **Eviction**: ``lru`` and ``tlru`` are the scheduler's own (policies.py); ``oracle`` replaces them with
   Belady's rule over the whole trace (oracle.py): the headroom of L2 eviction.
@@ -45,6 +47,7 @@ from typing import Any
 from hicache.integration.bench.oracle import FutureUses, OracleEviction
 from hicache.integration.bench.trace import TraceRecord
 from hicache.tiers.controller.policies import WRITE_POLICY_NAMES, make_eviction_policy
+from hicache.tiers.controller.returns import LEAD_S, return_id
 from hicache.tiers.controller.scheduler import HiCacheScheduler, NoRoom
 from hicache.tiers.controller.scheduler_policy import SchedulerPolicy
 from hicache.tiers.index.page_keys import KeyNamespace, PageKey, page_keys, stand_in_seed
@@ -54,7 +57,8 @@ from hicache.tiers.l2.geometry import PoolGeometry
 WRITE_POLICIES = WRITE_POLICY_NAMES
 EVICTIONS = ("lru", "tlru", "oracle")
 # Event kinds, in the order they run at one instant.
-_FINISH, _PREFETCH, _ARRIVAL = 0, 1, 2
+# Event kinds, in the order they run at one instant.
+_FINISH, _PREFETCH, _BOOKED, _ARRIVAL = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -350,11 +354,17 @@ class SimEngine:
         self._tokens = TokenSource()
         self._prepared: dict[int, tuple[SimRequest, list[PageKey]]] = {}
         self._running_count = 0
+        self._events: list[tuple[float, int, int, Any]] = []  # (time, kind, seq, obj)
+        self._order = itertools.count()
+        if self.sched is not None and config.hints:
+            # A request's return_in_s books its read back into L2, as the admin's
+            # returns thread does (tiers/controller/returns.py).
+            self.sched.returning = self._book_return
 
     def run(self, records: Sequence[TraceRecord]) -> SimResult:
         result = SimResult(self.config)
-        order = itertools.count()
-        events: list[tuple[float, int, int, Any]] = []  # (time, kind, seq, obj)
+        order = self._order
+        events = self._events = []
         for rec in records:
             heapq.heappush(events, (rec.arrival, _ARRIVAL, next(order), rec))
             if self.config.hints and rec.prefetch_at is not None and rec.prefetch_tokens:
@@ -378,6 +388,8 @@ class SimEngine:
                 self._finish(obj)
             elif kind == _PREFETCH:
                 self._prefetch(obj, result)
+            elif kind == _BOOKED:
+                self._prefetch_keys(obj, result)
             else:
                 waiting.append((obj, now))
             while waiting:
@@ -484,6 +496,7 @@ class SimEngine:
                     {req.request_id: computed - req.num_computed_tokens}))
             req.num_computed_tokens = computed
             self.sched.request_finished(req, [list(range(1, computed // cfg.block_size + 1))])
+            self.sched.take_booked(req.request_id)
             self._backup(self.sched.build_connector_meta({}))
         seed = self._l1_seed + (req.cache_salt or "").encode()
         self.l1.grow(running.blocks, -(-computed // cfg.block_size))
@@ -499,10 +512,23 @@ class SimEngine:
         """The client's ``POST /prefetch`` of ``rec``'s history, as the admin runs it."""
         if self.sched is None or self.l3 is None:
             return  # the admin refuses it (409) without an L3
+        req, _ = self._prepare(rec)
+        self._prefetch_keys(
+            self.sched.prefix_keys(req.all_token_ids[: rec.prefetch_tokens], rec.cache_salt),
+            result)
+
+    def _book_return(self, req_id: str, keys: Sequence[PageKey], return_in_s: float) -> str:
+        """A finished request's ``return_in_s``: its read, due ``LEAD_S`` before then."""
+        heapq.heappush(self._events, (self._now + max(0.0, return_in_s - LEAD_S), _BOOKED,
+                                      next(self._order), list(keys)))
+        return return_id(req_id)
+
+    def _prefetch_keys(self, keys: Sequence[PageKey], result: SimResult) -> None:
+        """What L3 holds of ``keys`` beyond L2, read into L2 at once."""
+        if self.sched is None or self.l3 is None:
+            return
         if self._oracle is not None:
             self._oracle.position = self._admitted
-        req, _ = self._prepare(rec)
-        keys = self.sched.prefix_keys(req.all_token_ids[: rec.prefetch_tokens], rec.cache_salt)
         result.prefetches += 1
         try:
             pages = self.sched.prefetch_prefix(keys, self.l3.exists_prefix([k.hex() for k in keys]))

@@ -666,7 +666,7 @@ class HiCacheScheduler:
         cached, error = self.cached_tokens_of(req_id), self.hint_error_of(req_id)
         done = self.request_finished(request, block_ids)
         retained = self.take_retained(req_id)
-        booked = self._booked.pop(req_id, None)
+        booked = self.take_booked(req_id)
         reply: dict[str, Any] = {}
         if booked is not None:
             reply["prefetch_id"] = booked
@@ -681,6 +681,10 @@ class HiCacheScheduler:
         if error is not None:
             reply["error"] = error
         return done, ({HINTS_KEY: reply} if reply else None), observations
+
+    def take_booked(self, req_id: str) -> str | None:
+        """A finished request's booked ``return_in_s`` read (its prefetch id), or None."""
+        return self._booked.pop(req_id, None)
 
     def take_retained(self, req_id: str) -> int | str | None:
         """A finished request's retain_s outcome: pages pinned, why none, or None."""

@@ -203,9 +203,11 @@ def test_oracle_eviction_bounds_lru_from_above():
     assert pages(lru, "l2") < pages(oracle, "l2") <= perfect - pages(oracle, "l1")
 
 
-def agent_trace(prefetch: bool = False, retain_s: float | None = None) -> list[TraceRecord]:
+def agent_trace(prefetch: bool = False, retain_s: float | None = None,
+                return_in_s: float | None = None) -> list[TraceRecord]:
     """Session 0 (300-token history) returns every 4 s between three 600-token ones; it
-    may ask to be retained and have its history prefetched 0.1 s before it returns."""
+    may ask to be retained, have its history prefetched 0.1 s before it returns, or say
+    when it returns (each turn finishes 0.5 s after it arrives)."""
     recs = conversation(3, 300, 20, 40, seed=0, gap=4.0)
     for t in range(1, 3):
         prev = recs[t - 1]
@@ -214,6 +216,8 @@ def agent_trace(prefetch: bool = False, retain_s: float | None = None) -> list[T
             prefetch_tokens=prev.prompt_tokens + prev.output_tokens if prefetch else 0)
     if retain_s:
         recs = [dataclasses.replace(r, hints={"retain_s": retain_s}) for r in recs]
+    if return_in_s is not None:
+        recs = [dataclasses.replace(r, hints={"return_in_s": return_in_s}) for r in recs]
     for c in range(1, 4):
         recs += conversation(3, 600, 20, 40, seed=c, t0=float(c), gap=4.0)
     return sorted(recs, key=lambda r: r.arrival)
@@ -240,6 +244,20 @@ def test_replayed_prefetch_turns_the_sessions_l3_hits_into_l2_hits():
     assert session_pages(off, "l3") > 0 and off.prefetches == 0
     assert session_pages(on, "l3") == 0 and on.prefetches == 2 and on.prefetch_pages > 0
     assert session_pages(on, "l2") >= session_pages(off, "l2") + session_pages(off, "l3")
+
+
+def test_replayed_return_in_s_books_the_read_before_the_session_returns():
+    """Each turn finishes 0.5 s after it arrives and the next comes 4 s after it: a
+    return_in_s of 4.4 books the read (1 s lead) for 0.1 s before the return, as the
+    replayed POST /prefetch above; one booked 10 s out comes too late to help."""
+    cfg = SimConfig(l1_blocks=30, l2_pages=30, l3_pages=-1, prefetch_threshold=32)
+    off = SimEngine(dataclasses.replace(cfg, hints=False)).run(agent_trace(return_in_s=4.4))
+    on = SimEngine(cfg).run(agent_trace(return_in_s=4.4))
+    late = SimEngine(cfg).run(agent_trace(return_in_s=10.0))
+    assert session_pages(off, "l3") > 0 and off.prefetches == 0
+    assert session_pages(on, "l3") == 0 and on.prefetches == 3 and on.prefetch_pages > 0
+    assert session_pages(on, "l2") >= session_pages(off, "l2") + session_pages(off, "l3")
+    assert session_pages(late, "l3") == session_pages(off, "l3")
 
 
 def test_sim_request_hashes_each_block_once_and_match_the_stand_in():
