@@ -404,6 +404,8 @@ class SchedulerAdmin:
         booked = self.returns.view(op_id)
         if booked is not None and self.returns.cancel(op_id):
             return {**booked, "status": "cancelled", "fetched_pages": 0}
+        if booked is not None:  # it could not start: nothing left to cancel
+            return booked
         with self.scheduler.lock:
             op = self.prefetches.cancel(op_id)
         if op is None:

@@ -13,9 +13,11 @@ Contract:
   through ``start(op_id, keys)`` (the admin view's: asks L3 what it holds,
   plans the read into L2 as a prefetch operation, wakes an idle engine, so
   ``GET /prefetch/{id}`` follows it from then on). A start that raises is
-  logged and dropped: a booking is a hint, never a failure.
+  logged and kept as ``failed`` (with ``error``; the last ``KEEP_FAILED``):
+  a booking is a hint, never a failure of anything else.
 - ``view(op_id)``: a booking not yet started, as a prefetch status
-  (``booked``, with ``due_in_s``); None once started or unknown.
+  (``booked``, with ``due_in_s``), or one that could not start (``failed``);
+  None once started or unknown.
   ``cancel(op_id)`` drops a booking; ``pending()`` counts them.
 - A daemon thread (``start_thread``) runs ``run_due`` when the earliest
   booking is due, woken early by each new booking; ``close()`` ends it.
@@ -32,6 +34,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 # Seconds before the expected return that the read starts (about one L3 read of a
 # history; a client that knows better books return_in_s earlier).
 LEAD_S = 1.0
+# Bookings that could not start, kept for GET /prefetch/{id}.
+KEEP_FAILED = 1024
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 
 
@@ -67,6 +72,7 @@ class ReturnPrefetches:
         self._closed = False
         self.started = 0
         self.failed = 0
+        self._failed: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def book(self, req_id: str, keys: Sequence[PageKey], return_in_s: float) -> str:
         op_id = return_id(req_id)
@@ -100,19 +106,26 @@ class ReturnPrefetches:
             except Exception as exc:  # noqa: BLE001 - a hint never fails anything
                 self.failed += 1
                 logger.warning("HiCache: return_in_s prefetch %s not started: %s", op_id, exc)
+                with self._cond:
+                    self._failed[op_id] = {
+                        "id": op_id, "status": "failed", "pages": 0, "fetched_pages": 0,
+                        "ttl_s": None, "age_s": 0.0, "error": f"not started: {exc}"}
+                    while len(self._failed) > KEEP_FAILED:
+                        self._failed.popitem(last=False)
         return len(due)
 
     def view(self, op_id: str) -> dict[str, Any] | None:
         with self._cond:
             live = self._booked.get(op_id)
             if live is None:
-                return None
+                return self._failed.get(op_id)
             now = self.clock()
             return {"id": op_id, "status": "booked", "pages": 0, "fetched_pages": None,
                     "ttl_s": None, "age_s": round(now - live[3], 3),
                     "due_in_s": round(max(0.0, live[0] - now), 3)}
 
     def cancel(self, op_id: str) -> bool:
+        """Drop a booking not yet started; whether there was one."""
         with self._cond:
             return self._booked.pop(op_id, None) is not None
 

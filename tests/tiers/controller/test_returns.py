@@ -65,6 +65,11 @@ def test_a_start_that_raises_is_counted_and_the_others_still_start():
     returns.book("good", KEYS, 0.0)
     assert returns.run_due() == 2 and started == ["return-good"]
     assert (returns.started, returns.failed) == (1, 1)
+    # The id the response named still answers: failed, and why.
+    failed = returns.view("return-bad")
+    assert failed is not None and failed["status"] == "failed"
+    assert failed["error"] == "not started: the store is gone"
+    assert returns.view("return-good") is None  # started: the prefetch operations' now
 
 
 def test_the_thread_starts_a_due_booking_and_stops_on_close():
