@@ -211,7 +211,7 @@ def test_l3_backends_never_import_each_other():
 # are guarded too; these catch what a lookup path itself raises).
 CATCHES_BESIDE_THE_GUARD = {
     ("tiers/controller/admin.py", "lookup"),
-    ("tiers/controller/admin.py", "prefetch"),
+    ("tiers/controller/admin.py", "_plan_prefetch"),
     ("tiers/controller/fetches.py", "_ask"),
 }
 VERBS = {"read", "write", "exists_prefix", "delete", "clear", "retain"}

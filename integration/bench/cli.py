@@ -201,14 +201,13 @@ def replay_cmd(
                                       max_output_tokens, output_tokens, token_high, seed, url,
                                       _or(concurrency, 16), time_scale, common)
         else:
-            result = _replay_sessions(trace, _or(sessions, 8), _or(max_turns, 0), _or(block_tokens, 1),
-                                      max_model_len, max_output_tokens, output_tokens,
-                                      token_high, seed, url, _or(concurrency, 4),
+            result = _replay_sessions(trace, _or(sessions, 8), _or(max_turns, 0),
+                                      _or(block_tokens, 1), max_model_len, max_output_tokens,
+                                      output_tokens, token_high, seed, url, _or(concurrency, 4),
                                       1.0 if time_scale is None else time_scale, max_think_s,
                                       session_gap or 0.0,
                                       (retain_s or 0.0, prefetch_lead_s or 0.0, return_in)
-                                      if hints else None,
-                                      common)
+                                      if hints else None, common)
     except ValueError as e:
         _fail(str(e))
     out.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,10 @@ session_replay.py), the session keys (``sessions``, ``max_turns``,
 ``block_tokens``, ``max_output_tokens``, ``output_tokens``, ``token_high``),
 the replay keys (``concurrency`` sessions at once, ``session_gap_s``
 between session starts, ``time_scale`` and ``max_think_s`` for the recorded
-think times) and the agent's hints
-(``hints``, ``retain_s``, ``prefetch_lead_s``, ``return_in``). An unknown key or a bad value
-raises ``ValueError`` naming the key and what it allows; a missing file is
-reported by :meth:`TraceWorkload.missing` before any server starts.
+think times) and the agent's hints (``hints``, ``retain_s``,
+``prefetch_lead_s``, ``return_in``). An unknown key or a bad value raises
+``ValueError`` naming the key and what it allows; a missing file is reported
+by :meth:`TraceWorkload.missing` before any server starts.
 
 :meth:`TraceWorkload.run` replays it against one server and returns
 session_replay's result mapping (``summary``, ``tiers``, ``requests`` with
@@ -110,8 +110,9 @@ class TraceWorkload(BaseModel):
                             return_in=self.return_in) if self.hints else None)
         return replay_sessions_sync(
             base_url, loaded, concurrency=self.concurrency, time_scale=self.time_scale,
-            max_think_s=self.max_think_s, session_gap_s=self.session_gap_s, hints=hints, admin_url=admin_url,
-            admin_token=admin_token, record_path=record_path, progress=progress)
+            max_think_s=self.max_think_s, session_gap_s=self.session_gap_s, hints=hints,
+            admin_url=admin_url, admin_token=admin_token, record_path=record_path,
+            progress=progress)
 
 
 def is_trace_workload(workload: dict[str, Any]) -> bool:

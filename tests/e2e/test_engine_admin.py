@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from conftest import BLOCK_SIZE, MAX_MODEL_LEN, SMALL_L1_BLOCKS, WORKLOAD, history_lengths
-from support.admin_http import TOKEN, held, post, tiers, wait_for
+from support.admin_http import TOKEN, held, post, prefetch_status, tiers, wait_for
 from typer.testing import CliRunner
 
 from hicache.integration.bench.mooncake_service import free_port
@@ -209,6 +209,21 @@ def test_tree_view(live, turns):
     assert view["page_size"] == BLOCK_SIZE and view["total_pages"] >= 0
 
 
+def l3_only_history(live, baseline, i: int) -> tuple[list[int], list[int], int]:
+    """Turn 0 of conversation ``i`` (one no other test sends) computed with the
+    baseline's tokens, backed up to L3, then flushed from L2: (its prompt, its
+    answer, the tokens of its full pages)."""
+    llm, client, _ = live
+    want = baseline.turns[0]
+    prompt, answer = want.prompts[i], want.outputs[i]
+    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert run_turns(llm, [prompt], WORKLOAD.answer_tokens).outputs == [answer]
+    wait_for(lambda: held(client, prompt)["l3"] >= full, "the L3 backups never landed")
+    assert post(client, "/flush", {"tiers": ["l2"]}).status_code == 200
+    assert held(client, prompt)["l2"] == 0
+    return prompt, answer, full
+
+
 def test_prefetch_on_an_idle_engine_reaches_l2_before_the_turn_returns(live, baseline):
     """No request runs, so vLLM's engine core waits on its input queue: ``POST
     /prefetch`` wakes it (vLLM's own WAKEUP sentinel, connector/vllm_wake.py), and
@@ -217,22 +232,14 @@ def test_prefetch_on_an_idle_engine_reaches_l2_before_the_turn_returns(live, bas
     whole history with the baseline's tokens. Before the wake, the pages stayed in L3
     until the next request arrived and this wait failed."""
     llm, client, _ = live
-    want = baseline.turns[0]
-    prompt, answer = want.prompts[CONVS + 1], want.outputs[CONVS + 1]  # no other test's
-    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert run_turns(llm, [prompt], WORKLOAD.answer_tokens).outputs == [answer]
-    wait_for(lambda: held(client, prompt)["l3"] >= full, "the L3 backups never landed")
-    assert post(client, "/flush", {"tiers": ["l2"]}).status_code == 200
-    assert held(client, prompt)["l2"] == 0
+    prompt, answer, full = l3_only_history(live, baseline, CONVS + 1)
 
     r = post(client, "/prefetch", {"prefix": prompt, "id": "idle-turn"})
     assert r.status_code == 200, r.text
     assert r.json()["prefetch_tokens"] >= full, r.json()
 
     def status() -> dict:
-        got = client.get("/prefetch/idle-turn", headers={"Authorization": f"Bearer {TOKEN}"})
-        assert got.status_code == 200, got.text
-        return got.json()
+        return prefetch_status(client, "idle-turn")
 
     wait_for(lambda: status()["status"] not in ("queued", "running"),
              "the prefetch never ended on an idle engine")
@@ -268,12 +275,7 @@ def test_return_in_s_reads_the_history_back_on_an_idle_engine(live, baseline):
     with the baseline's tokens. The hinted turn stores nothing (``store: false``), so
     only the booked read can have put the pages in L2."""
     llm, client, _ = live
-    want = baseline.turns[0]
-    prompt, answer = want.prompts[CONVS + 2], want.outputs[CONVS + 2]  # no other test's
-    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert run_turns(llm, [prompt], WORKLOAD.answer_tokens).outputs == [answer]
-    wait_for(lambda: held(client, prompt)["l3"] >= full, "the L3 backups never landed")
-    assert post(client, "/flush", {"tiers": ["l2"]}).status_code == 200
+    prompt, answer, full = l3_only_history(live, baseline, CONVS + 2)
 
     def turn(hints: dict):
         params = greedy_params(WORKLOAD.answer_tokens)
@@ -286,10 +288,7 @@ def test_return_in_s_reads_the_history_back_on_an_idle_engine(live, baseline):
     assert booked["prefetch_id"].startswith("return-") and "error" not in booked
 
     def status() -> dict:
-        got = client.get(f"/prefetch/{booked['prefetch_id']}",
-                         headers={"Authorization": f"Bearer {TOKEN}"})
-        assert got.status_code == 200, got.text
-        return got.json()
+        return prefetch_status(client, booked["prefetch_id"])
 
     wait_for(lambda: status()["status"] not in ("booked", "queued", "running"),
              "the booked prefetch never ended on an idle engine")

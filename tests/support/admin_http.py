@@ -29,6 +29,13 @@ def held(client: httpx.Client, prompt: list[int]) -> dict[str, int]:
     return r.json()["tokens"]
 
 
+def prefetch_status(client: httpx.Client, op_id: str) -> dict[str, Any]:
+    """A prefetch operation's status (``GET /prefetch/{id}``)."""
+    r = client.get(f"/prefetch/{op_id}", headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def wait_for(done: Callable[[], bool], what: str, limit_s: float = 120) -> None:
     """Poll ``done`` (a hang guard, not a timing assertion)."""
     deadline = time.monotonic() + limit_s

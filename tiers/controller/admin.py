@@ -345,12 +345,25 @@ class SchedulerAdmin:
         engine step, which an idle engine takes now (woken for it), as the operation
         ``op_id`` (prefetch_ops.py: idempotent per id and prompt, ``ttl_s`` bounds
         the read); 409 when the id names another prompt or too many run."""
+        planned = self._plan_prefetch(self._prompt_keys(prefix, cache_salt), op_id, ttl_s)
+        if planned is None:
+            raise Conflict("no L3 storage backend is attached")
+        op, pages, in_l3, in_l2 = planned
+        page = self.scheduler.page_size
+        return {"prefetch_tokens": pages * page, "l3_tokens": in_l3 * page,
+                "l2_tokens": in_l2 * page, **op}
+
+    def _plan_prefetch(self, keys: Sequence[PageKey], op_id: str | None, ttl_s: float | None,
+                       ) -> tuple[dict[str, Any], int, int, int] | None:
+        """Plan the read of what L3 holds of ``keys`` beyond L2 as the operation
+        ``op_id`` and wake the engine for it: (the operation, pages planned, pages L3
+        holds, pages L2 holds); None without an L3. ``Conflict`` when the store
+        cannot be asked, L2 has no room or the operations refuse it."""
         s = self.scheduler
-        keys = self._prompt_keys(prefix, cache_salt)
         with s.lock:
             storage, spans = s.storage, s.l2.spans
         if storage is None:
-            raise Conflict("no L3 storage backend is attached")
+            return None
         try:  # outside the lock: a slow store must not stall the engine; through span
             # objects and page objects, as lookups count (tiers/index/spans.py)
             in_l3 = spans.run_in_store(storage.exists_prefix, keys, 0, len(keys)) if keys else 0
@@ -364,9 +377,7 @@ class SchedulerAdmin:
             raise Conflict(str(exc)) from exc
         if pages:
             self._wake()
-        page = s.page_size
-        return {"prefetch_tokens": pages * page, "l3_tokens": in_l3 * page,
-                "l2_tokens": in_l2 * page, **op}
+        return op, pages, in_l3, in_l2
 
     def _book_return(self, req_id: str, keys: Sequence[PageKey], return_in_s: float) -> str:
         """A finished request's ``return_in_s``: book its prefetch (engine thread)."""
@@ -374,17 +385,10 @@ class SchedulerAdmin:
         return self.returns.book(req_id, keys, return_in_s)
 
     def _start_return(self, op_id: str, keys: Sequence[PageKey]) -> None:
-        """A booked ``return_in_s`` prefetch is due: as ``prefetch`` with its keys."""
-        s = self.scheduler
-        with s.lock:
-            storage, spans = s.storage, s.l2.spans
-        if storage is None or not keys:
-            return
-        in_l3 = spans.run_in_store(storage.exists_prefix, keys, 0, len(keys))
-        with s.lock:
-            _, pages = self.prefetches.start(op_id, keys, in_l3)
-        if pages:
-            self._wake()
+        """A booked ``return_in_s`` prefetch is due: planned as ``prefetch`` plans one
+        (nothing without keys or an L3)."""
+        if keys:
+            self._plan_prefetch(keys, op_id, None)
 
     def close(self) -> None:
         """Stop starting booked prefetches (the engine is shutting down)."""
@@ -401,14 +405,15 @@ class SchedulerAdmin:
         return op
 
     def cancel_prefetch(self, op_id: str) -> dict[str, Any]:
-        booked = self.returns.view(op_id)
-        if booked is not None and self.returns.cancel(op_id):
-            return {**booked, "status": "cancelled", "fetched_pages": 0}
-        if booked is not None:  # it could not start: nothing left to cancel
-            return booked
+        cancelled = self.returns.cancel(op_id)  # a booking not started yet
+        if cancelled is not None:
+            return cancelled
         with self.scheduler.lock:
             op = self.prefetches.cancel(op_id)
         if op is None:
+            op = self.returns.view(op_id)  # one that could not start: nothing to cancel
+            if op is not None:
+                return op
             raise NotFound(f"no prefetch with id {op_id!r}")
         self._wake()  # a running read is stopped by a command with the next step
         return op

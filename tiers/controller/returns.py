@@ -18,7 +18,8 @@ Contract:
 - ``view(op_id)``: a booking not yet started, as a prefetch status
   (``booked``, with ``due_in_s``), or one that could not start (``failed``);
   None once started or unknown.
-  ``cancel(op_id)`` drops a booking; ``pending()`` counts them.
+  ``cancel(op_id)`` drops a booking not started yet (its view, ``cancelled``);
+  ``pending()`` counts the bookings.
 - A daemon thread (``start_thread``) runs ``run_due`` when the earliest
   booking is due, woken early by each new booking; ``close()`` ends it.
   Without the thread (tests, with an injected clock) the caller runs
@@ -116,18 +117,26 @@ class ReturnPrefetches:
 
     def view(self, op_id: str) -> dict[str, Any] | None:
         with self._cond:
-            live = self._booked.get(op_id)
-            if live is None:
-                return self._failed.get(op_id)
-            now = self.clock()
-            return {"id": op_id, "status": "booked", "pages": 0, "fetched_pages": None,
-                    "ttl_s": None, "age_s": round(now - live[3], 3),
-                    "due_in_s": round(max(0.0, live[0] - now), 3)}
+            return self._booked_view(op_id) or self._failed.get(op_id)
 
-    def cancel(self, op_id: str) -> bool:
-        """Drop a booking not yet started; whether there was one."""
+    def _booked_view(self, op_id: str) -> dict[str, Any] | None:
+        live = self._booked.get(op_id)
+        if live is None:
+            return None
+        now = self.clock()
+        return {"id": op_id, "status": "booked", "pages": 0, "fetched_pages": None,
+                "ttl_s": None, "age_s": round(now - live[3], 3),
+                "due_in_s": round(max(0.0, live[0] - now), 3)}
+
+    def cancel(self, op_id: str) -> dict[str, Any] | None:
+        """Drop a booking not yet started: its view as ``cancelled``; None when there
+        was none (started, failed or unknown)."""
         with self._cond:
-            return self._booked.pop(op_id, None) is not None
+            view = self._booked_view(op_id)
+            if view is None:
+                return None
+            del self._booked[op_id]
+        return {**view, "status": "cancelled", "fetched_pages": 0}
 
     def pending(self) -> int:
         with self._cond:

@@ -660,8 +660,8 @@ class HiCacheScheduler:
                        ) -> tuple[bool, dict[str, Any] | None, dict[str, list[float]]]:
         """``request_finished``, plus what the request's response carries in its
         ``kv_transfer_params`` (the tokens each tier served, pages retained, the
-        prefetch its ``return_in_s`` booked, why its hints were ignored; None: nothing) and its observations for the metrics
-        (``request_cached_tokens_<tier>``)."""
+        prefetch its ``return_in_s`` booked, why its hints were ignored; None:
+        nothing) and its observations for the metrics (``request_cached_tokens_<tier>``)."""
         req_id = request.request_id
         cached, error = self.cached_tokens_of(req_id), self.hint_error_of(req_id)
         done = self.request_finished(request, block_ids)
