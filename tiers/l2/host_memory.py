@@ -3,9 +3,11 @@
 Contract:
 - ``allocate(nbytes, pin=..., device=...)`` returns a ``HostBuffer`` whose
   ``tensor`` is a 1-D uint8 CPU tensor of exactly ``nbytes`` bytes.
-- ``pin=False``: plain ``torch.empty`` (pageable), as on a CPU-only host.
-- ``pin=True``: anonymous ``mmap`` memory (transparent huge pages advised),
-  then ``cudaHostRegister`` (portable + mapped), so the DMA engines and the
+- Both start as anonymous ``mmap`` memory (transparent huge pages advised),
+  so the buffer starts on an OS page boundary: slots of 4 KiB multiples are then
+  aligned for the file L3's O_DIRECT batches.
+- ``pin=False``: that memory as it is (pageable), as on a CPU-only host.
+- ``pin=True``: then ``cudaHostRegister`` (portable + mapped), so the DMA engines and the
   Triton copy kernel (unified addressing: the host pointer is valid on the
   device) reach it directly. Exactly ``nbytes`` rounded up to the OS page is
   locked. torch's ``pin_memory=True`` goes through its caching host
@@ -71,14 +73,16 @@ def allocate(nbytes: int, *, pin: bool, device: torch.device | None = None,
     """Exactly ``nbytes`` of host memory, page-locked for CUDA when ``pin``."""
     if nbytes < 0:
         raise ValueError(f"host buffer size must not be negative, got {nbytes}")
-    if not pin or nbytes == 0:
-        return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), pinned=False)
-    runtime = cudart if cudart is not None else torch.cuda.cudart()
+    if nbytes == 0:
+        return HostBuffer(torch.empty(0, dtype=torch.uint8), pinned=False)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             mapping.madvise(mmap.MADV_HUGEPAGE)
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+    if not pin:
+        return HostBuffer(tensor, pinned=False)
+    runtime = cudart if cudart is not None else torch.cuda.cudart()
     node = gpu_numa_node(device)
     with _bound_to_node(node):
         rc = runtime.cudaHostRegister(tensor.data_ptr(), nbytes, REGISTER_FLAGS)

@@ -7,7 +7,7 @@ same process neither waits for it nor makes it wait at every system call. Each t
 thread gives the GIL up beside a busy thread, it waits up to the interpreter's switch
 interval (5 ms) to get it back: that is why the checks happen here too, not in NumPy
 afterwards (NumPy releases the GIL in its loops over larger arrays). libc's
-``open``/``pread``/``pwrite``/``fsync``/``rename``/``access``/``close`` and xxHash's
+``open``/``pread``/``pwritev``/``fsync``/``rename``/``access``/``close`` and xxHash's
 XXH3-64, one-shot and streaming (the C library inside the ``xxhash`` package this
 project already uses for page checksums: digests are those of
 ``xxhash.xxh3_64_intdigest``, so pages stored before stay valid) are called straight
@@ -50,6 +50,13 @@ Contract:
   removes the temp file. With ``bases`` and ``last``, rows ``i..j`` (``last[j]``
   set) are the records of one file (its paths: row j's), written at those offsets
   and renamed in once; every row of a file gets the file's status.
+- ``direct=True`` (``read_pages``, ``write_pages``): every file is opened with
+  ``O_DIRECT``, so the bytes move between storage and the caller's memory without
+  the page cache. Headers (``aligned_rows``/``aligned``), payload addresses, ``head``,
+  ``length`` and record offsets must be ``DIRECT_ALIGN``-aligned (``direct_ok``
+  says whether a pool's slots are), else ``ValueError`` before any I/O; a file system
+  that refuses O_DIRECT fails the page (``MISSING`` / ``OPEN_FAILED``), and the
+  caller retries it its own way. The one-past-the-end probe reads a whole block.
 - ``copy_records(sources, header_dests, dests, head, length, helper)``: records in
   this process's memory (e.g. a Mooncake segment it mounted) copied out, header and
   payload, with each payload's ``xxh3_64`` computed in the same pass (or by
@@ -90,14 +97,18 @@ from hicache.tiers.l3.native_kernels import (  # the status codes are this modul
 )
 from hicache.tiers.l3.native_kernels import kernels as _kernels
 
-__all__ = ["BAD_CHECKSUM", "BAD_HEADER", "BAD_PADDING", "MISSING", "NOT_READ", "OK",
-           "OPEN_FAILED", "RENAME_FAILED", "SKIPPED", "UNREADABLE", "WRITE_FAILED",
-           "WRONG_SIZE", "available", "checksums", "checksums_at", "copy_records",
-           "path_rows", "read_pages", "warm_up", "write_pages"]
+__all__ = ["BAD_CHECKSUM", "BAD_HEADER", "BAD_PADDING", "DIRECT_ALIGN", "MISSING", "NOT_READ",
+           "OK", "OPEN_FAILED", "RENAME_FAILED", "SKIPPED", "UNREADABLE", "WRITE_FAILED",
+           "WRONG_SIZE", "aligned", "aligned_rows", "available", "checksums", "checksums_at",
+           "copy_records", "direct_ok", "path_rows", "read_pages", "warm_up", "write_pages"]
 
 # Bytes read (and hashed while in the CPU cache) at a time: 256 KiB measured best of
 # 256 KiB - 1 MiB for 2 and 8 MiB pages.
 READ_CHUNK = 256 << 10
+# Address, length and file offset alignment of O_DIRECT transfers (512 B and 4 KiB
+# sectors); no O_DIRECT on this platform: 0.
+DIRECT_ALIGN = 4096
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 @functools.cache
@@ -197,15 +208,18 @@ def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: in
                headers: np.ndarray, expect: np.ndarray, pad_from: int,
                deadline: float | None = None,
                helper: Executor | None = None,
-               bases: Any = None, ends: Any = None) -> tuple[np.ndarray, np.ndarray]:
+               bases: Any = None, ends: Any = None,
+               direct: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """See the module docstring. ``helper``: hash the payloads on one of its threads,
     chunk by chunk right behind the reads (the bytes are still in the shared cache), so
     this thread only moves bytes; if the helper has not started when the reads are
-    done, they are hashed here."""
+    done, they are hashed here. ``direct``: open with ``O_DIRECT`` (see ``aligned``)."""
     kernels = _kernels()
     n = paths.shape[0]
     flat = _flat(dest)  # alive through the call: the pages land at its addresses
     addresses = (np.asarray(offsets, np.int64) + flat.ctypes.data).astype(np.uint64)
+    if direct:
+        _check_aligned("read_pages", addresses, headers, head, length, bases)
     digests = np.zeros(n, np.uint64)
     ctl = np.zeros(2, np.int64)  # [claimed by: 0 nobody, 1 helper, 2 reader; helper done]
     progress = _start_helper(helper, addresses, length, digests, ctl)
@@ -213,7 +227,10 @@ def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: in
     at, end, same = _records(paths, bases, ends, head + length)
     status, sizes = kernels["read_pages"](paths, addresses, int(head), int(length), headers,
                                           expect, int(pad_from), deadline_ns, progress,
-                                          digests, ctl, READ_CHUNK, at, end, same)
+                                          digests, ctl, READ_CHUNK, at, end, same,
+                                          O_DIRECT if direct else 0,
+                                          aligned_rows(1, DIRECT_ALIGN)[0] if direct
+                                          else np.zeros(1, np.uint8))
     return status, sizes
 
 
@@ -233,17 +250,60 @@ def _records(paths: np.ndarray, bases: Any, ends: Any, record: int,
 def write_pages(tmp_paths: np.ndarray, paths: np.ndarray, src: Any, offsets: Any,
                 length: int, headers: np.ndarray, sum_at: int, fsync: bool = False,
                 skip_existing: bool = False, bases: Any = None,
-                last: Any = None) -> np.ndarray:
+                last: Any = None, direct: bool = False) -> np.ndarray:
     """Write each row's page as a file of its own, or (``bases``, ``last``) rows
     ``i..j`` with ``last[j]`` as the records of one file at those offsets (its paths
-    are row j's; all rows of a file get one status)."""
+    are row j's; all rows of a file get one status). ``direct``: open with
+    ``O_DIRECT`` (see ``aligned``)."""
     n = paths.shape[0]
     at = np.zeros(n, np.int64) if bases is None else np.asarray(bases, np.int64)
     ends = np.ones(n, np.uint8) if last is None else np.asarray(last, np.uint8)
+    flat = _flat(src)
+    offsets = np.asarray(offsets, np.int64)
+    if direct:
+        _check_aligned("write_pages", offsets + flat.ctypes.data, headers,
+                       headers.shape[1], length, at)
     status: np.ndarray = _kernels()["write_pages"](
-        tmp_paths, paths, _flat(src), np.asarray(offsets, np.int64), int(length), headers,
-        int(sum_at), bool(fsync), bool(skip_existing), at, ends)
+        tmp_paths, paths, flat, offsets, int(length), headers,
+        int(sum_at), bool(fsync), bool(skip_existing), at, ends, O_DIRECT if direct else 0)
     return status
+
+
+def aligned_rows(n: int, width: int) -> np.ndarray:
+    """A zeroed ``(n, width)`` uint8 array whose rows start at ``DIRECT_ALIGN`` byte
+    boundaries when ``width`` is a multiple of it (header rows for ``direct`` I/O)."""
+    raw = np.zeros(n * width + DIRECT_ALIGN, np.uint8)
+    skip = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[skip:skip + n * width].reshape(n, width)
+
+
+def aligned(rows: np.ndarray) -> np.ndarray:
+    """``rows`` itself where it already suits ``direct`` I/O, else a copy in ``aligned_rows``."""
+    if rows.ctypes.data % DIRECT_ALIGN == 0 and rows.flags.c_contiguous:
+        return rows
+    out = aligned_rows(*rows.shape)
+    out[:] = rows
+    return out
+
+
+def direct_ok(address: int, length: int) -> bool:
+    """Whether pages of ``length`` bytes from ``address`` (and every multiple of
+    ``length`` after it) can move with ``direct`` I/O, behind a header of
+    ``DIRECT_ALIGN`` bytes."""
+    return bool(O_DIRECT) and address % DIRECT_ALIGN == 0 and length % DIRECT_ALIGN == 0
+
+
+def _check_aligned(what: str, addresses: np.ndarray, headers: np.ndarray, head: int,
+                   length: int, bases: Any) -> None:
+    """O_DIRECT moves whole sectors between aligned memory and aligned file offsets:
+    anything else fails with EINVAL inside the batch, so it is refused here."""
+    offsets = np.zeros(0, np.int64) if bases is None else np.asarray(bases, np.int64)
+    if (not O_DIRECT or head % DIRECT_ALIGN or length % DIRECT_ALIGN
+            or headers.ctypes.data % DIRECT_ALIGN or headers.strides[0] % DIRECT_ALIGN
+            or (np.asarray(addresses, np.int64) % DIRECT_ALIGN).any()
+            or (offsets % DIRECT_ALIGN).any()):
+        raise ValueError(f"{what}: direct I/O needs {DIRECT_ALIGN}-byte aligned headers, "
+                         "payload addresses, lengths and file offsets")
 
 
 def _flat(data: Any) -> np.ndarray:

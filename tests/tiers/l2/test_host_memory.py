@@ -45,6 +45,7 @@ def test_pinned_buffer_is_exactly_the_size_asked_and_registered_once(nbytes):
 def test_pageable_buffer_registers_nothing():
     buf = host_memory.allocate(1000, pin=False, cudart=FakeCudart())
     assert not buf.pinned and buf.nbytes == 1000
+    assert buf.tensor.data_ptr() % 4096 == 0  # an OS page boundary: O_DIRECT-ready slots
     buf.release()
 
 

@@ -266,3 +266,50 @@ def test_no_page_is_started_after_the_deadline(tmp_path, helper):
     status, _ = native_io.read_pages(paths, dest, offsets, HEAD, LENGTH, got, expect,
                                      PAD_FROM, future, helper)
     assert status.tolist() == [native_io.OK] * 3
+
+
+def _accepts_o_direct(path) -> bool:
+    try:
+        fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT | native_io.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def test_direct_batches_open_with_o_direct_and_refuse_unaligned_memory(tmp_path):
+    if not native_io.O_DIRECT or not _accepts_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
+    align, length = native_io.DIRECT_ALIGN, 2 * native_io.DIRECT_ALIGN
+    raw = np.random.default_rng(5).integers(0, 256, 4 * length + align, dtype=np.uint8)
+    src = raw[-raw.ctypes.data % align:][:4 * length]  # 4 KiB aligned
+    headers = native_io.aligned(np.zeros((2, align), np.uint8))
+    headers[:, :PREFIX] = [[1] * PREFIX, [2] * PREFIX]
+    paths = native_io.path_rows([str(tmp_path / "p0"), str(tmp_path / "p1")])
+    tmp = native_io.path_rows([str(tmp_path / "t0"), str(tmp_path / "t1")])
+    status = native_io.write_pages(tmp, paths, src, [0, length], length, headers, PREFIX,
+                                   direct=True)
+    assert status.tolist() == [native_io.OK] * 2
+    dest = native_io.aligned_rows(1, 2 * length)[0]
+    got = native_io.aligned_rows(2, align)
+    status, sizes = native_io.read_pages(paths, dest, [0, length], align, length, got,
+                                         headers[:, :PREFIX].copy(), PREFIX + 8, direct=True)
+    assert status.tolist() == [native_io.OK] * 2 and sizes.tolist() == [align + length] * 2
+    assert np.array_equal(dest, src[:2 * length])
+    # The flag reaches open(2): O_DIRECT refuses a payload one byte off alignment, which
+    # buffered I/O takes; the wrapper refuses it before any I/O.
+    kernel = native_io._kernels()["write_pages"]
+    one = np.ones(1, np.uint8)
+    for flags, want in ((native_io.O_DIRECT, native_io.WRITE_FAILED), (0, native_io.OK)):
+        (tmp_path / "p0").unlink(missing_ok=True)
+        out = kernel(tmp[:1], paths[:1], src, np.array([1], np.int64), length, headers[:1],
+                     PREFIX, False, False, np.zeros(1, np.int64), one, flags)
+        assert out.tolist() == [want]
+    with pytest.raises(ValueError, match="aligned"):
+        native_io.write_pages(tmp[:1], paths[:1], src, [1], length, headers[:1], PREFIX,
+                              direct=True)
+    with pytest.raises(ValueError, match="aligned"):
+        native_io.read_pages(paths[:1], dest, [0], align, length,
+                             np.zeros(align + 1, np.uint8)[1:].reshape(1, align),
+                             headers[:1, :PREFIX].copy(),
+                             PREFIX + 8, direct=True)

@@ -37,7 +37,11 @@ Contract (on top of base.py's):
   page cache; ``auto`` where a probe at start shows the filesystem accepts
   it, ``on`` makes a refusal a ``StorageConfigError``. Pages the page cache
   holds it reads several times slower than buffered (docs/benchmarks-l3.md),
-  hence off by default.
+  hence off by default. Where the pool's slots and the page size are 4 KiB
+  aligned, the GIL-free batch path (and with it span objects and deadlines)
+  runs with O_DIRECT too; a page it cannot move that way (the filesystem
+  refuses O_DIRECT after the probe) is retried page by page in Python, which
+  falls back to buffered I/O.
 - Every read checks the header, its zero padding and the checksum; a
   mismatch, a short or long file or an unreadable file is a miss, counted as
   corrupt, and the file is moved to ``<dir>/quarantine/`` for inspection (not served again). A file
@@ -116,6 +120,7 @@ class FileBackend(StorageBackend):
         self._buffers = Buffers()
         self._pool_view: memoryview | None = None  # flat bytes of the pool, slot-major
         self._pool_addr = 0
+        self._native_direct = False  # the batch path opens files with O_DIRECT
         # The same bytes for the GIL-free batch path (native_io.py), when it runs here.
         self._pool_np: np.ndarray | None = None
         self.direct_io = page_io.probe(self.tmp_dir, extra.direct_io)
@@ -128,8 +133,7 @@ class FileBackend(StorageBackend):
         # GIL-free batch path (contiguous slots, buffered I/O); deadlines also a pool.
         self.capabilities = Capabilities(
             concurrent_lookups=True, concurrent_io=True,
-            spans=(config.mem_layout != "layer_first" and not self.direct_io
-                   and native_io.available()))
+            spans=config.mem_layout != "layer_first" and native_io.available())
 
     def report_evicted(self, pages: int) -> None:
         self.report.evicted(pages)
@@ -162,12 +166,19 @@ class FileBackend(StorageBackend):
         else:
             self._pool_view = None
         self._pool_np = None
-        if self._pool_view is not None and not self.direct_io and native_io.available():
+        # O_DIRECT batches need 4 KiB aligned slots (records are: header 4 KiB, payload).
+        self._native_direct = self.direct_io and self._pool_view is not None and \
+            native_io.direct_ok(self._pool_addr, self._page_bytes)
+        if (self._pool_view is not None and native_io.available()
+                and (not self.direct_io or self._native_direct)):
             native_io.warm_up()  # compile now, not in the first fetch
             self._pool_np = np.frombuffer(self._pool_view, np.uint8)
             if self._verify_helper is None:
                 self._verify_helper = verify_helpers(self.verify, pool)
-        self.capabilities = replace(self.capabilities, timed=self._pool_np is not None)
+        native = self._pool_np is not None
+        self.capabilities = replace(
+            self.capabilities, timed=native,
+            spans=self.config.mem_layout != "layer_first" and native)
 
     # ---- the verbs ------------------------------------------------------------------
 
@@ -243,15 +254,14 @@ class FileBackend(StorageBackend):
         for name in dict.fromkeys(names):
             self.dir.make_dir(name)
         suffix = self.dir.temp_suffix()
-        headers = integrity.header_rows([self.page_key_bytes(k) for k in keys_r],
-                                        self._fingerprint, self._page_bytes,
-                                        layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
+        headers = self._header_rows(keys_r)
         last = np.array([s.index == s.count - 1 for s in spans_r], np.uint8)
         status = native_io.write_pages(
             native_io.path_rows([self.dir.temp_path(n, suffix) for n in names]),
             native_io.path_rows([self._pages + n for n in names]), self._pool_np,
             [host_slots[i] * self._page_bytes for i in rows], self._page_bytes, headers,
-            integrity.CHECKSUM_AT, self.fsync, skip_existing=True, bases=bases, last=last)
+            integrity.CHECKSUM_AT, self.fsync, skip_existing=True, bases=bases, last=last,
+            direct=self._native_direct)
         skipped = failed = 0
         for j, code in enumerate(status.tolist()):
             ok = code in (native_io.OK, native_io.SKIPPED)
@@ -291,7 +301,8 @@ class FileBackend(StorageBackend):
         assert self._pool_np is not None
         names = names or [self._name(key) for key in keys]
         page_keys = [self.page_key_bytes(k) for k in keys]
-        headers = np.empty((len(keys), FILE_HEADER_BYTES), np.uint8)
+        headers = (native_io.aligned_rows(len(keys), FILE_HEADER_BYTES) if self._native_direct
+                   else np.empty((len(keys), FILE_HEADER_BYTES), np.uint8))
         expect = integrity.header_rows(page_keys, self._fingerprint, self._page_bytes,
                                        layout=FILE_LAYOUT, width=integrity.CHECKSUM_AT)
         bases, ends = records if records is not None else (None, None)
@@ -299,7 +310,7 @@ class FileBackend(StorageBackend):
             native_io.path_rows([self._pages + n for n in names]), self._pool_np,
             [s * self._page_bytes for s in slots], FILE_HEADER_BYTES, self._page_bytes,
             headers, expect, integrity.HEADER_BYTES, deadline, self._verify_helper,
-            bases=bases, ends=ends)
+            bases=bases, ends=ends, direct=self._native_direct)
         problems: list[str | None] = []
         for i, code in enumerate(status.tolist()):
             if code == native_io.OK:
@@ -307,9 +318,15 @@ class FileBackend(StorageBackend):
             elif code == native_io.NOT_READ:
                 problems.append(_NOT_READ)
             elif code == native_io.MISSING:
-                # Rare: tell a missing file from one that cannot be opened.
+                # Rare: tell a missing file from one that cannot be opened (a page file
+                # O_DIRECT could not open is read again in Python, buffered if need be).
                 exists = os.path.exists(self._pages + names[i])
-                problems.append("unreadable: open failed" if exists else MISSING)
+                if exists and self._native_direct and records is None:
+                    (payload, addr), = self._slot_views([slots[i]])
+                    problems.append(self._read_one(names[i], keys[i], payload, addr,
+                                                   self._buffers))
+                else:
+                    problems.append("unreadable: open failed" if exists else MISSING)
             elif code == native_io.UNREADABLE:
                 problems.append("unreadable: read failed")
             elif code == native_io.WRONG_SIZE:
@@ -410,27 +427,30 @@ class FileBackend(StorageBackend):
         assert self._pool_np is not None
         names = [self._name(key) for key in keys]
         suffix = self.dir.temp_suffix()
-        headers = integrity.header_rows([self.page_key_bytes(k) for k in keys],
-                                        self._fingerprint, self._page_bytes,
-                                        layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
+        headers = self._header_rows(keys)
         status = native_io.write_pages(
             native_io.path_rows([self.dir.temp_path(n, suffix) for n in names]),
             native_io.path_rows([self._pages + n for n in names]), self._pool_np,
             [s * self._page_bytes for s in slots], self._page_bytes, headers,
-            integrity.CHECKSUM_AT, self.fsync, skip_existing=True)
+            integrity.CHECKSUM_AT, self.fsync, skip_existing=True,
+            direct=self._native_direct)
         results: list[bool] = []
         stored: list[str] = []
         skipped = failed = 0
+        # Retried here, in Python: a page whose sub-directory does not exist yet and,
+        # with O_DIRECT, one the filesystem refused (page_io falls back to buffered).
+        retry = {native_io.RENAME_FAILED}
+        if self._native_direct:
+            retry |= {native_io.OPEN_FAILED, native_io.WRITE_FAILED}
         for i, code in enumerate(status.tolist()):
             error = None
-            if code == native_io.RENAME_FAILED:  # first page of its sub-directory
-                offset = slots[i] * self._page_bytes
-                view = self._pool_view
-                assert view is not None
-                error = self._write_one(names[i], self._pages + names[i],
-                                        bytes(headers[i, :integrity.HEADER_BYTES]),
-                                        view[offset:offset + self._page_bytes],
-                                        self._pool_addr + offset, self._buffers)
+            if code in retry:
+                (payload, addr), = self._slot_views([slots[i]])
+                header = integrity.pack_header(self.page_key_bytes(keys[i]),
+                                               self._fingerprint, payload,
+                                               layout=FILE_LAYOUT)
+                error = self._write_one(names[i], self._pages + names[i], header, payload,
+                                        addr, self._buffers)
             elif code == native_io.SKIPPED:
                 skipped += 1
             elif code != native_io.OK:
@@ -447,6 +467,14 @@ class FileBackend(StorageBackend):
         self.index.make_room(0)
         self._report_writes(skipped, failed)
         return results
+
+    def _header_rows(self, keys: list[str]) -> np.ndarray:
+        """The pages' file headers, one 4 KiB row each (checksums filled in by the
+        write), aligned for O_DIRECT where the batch path uses it."""
+        rows = integrity.header_rows([self.page_key_bytes(k) for k in keys],
+                                     self._fingerprint, self._page_bytes,
+                                     layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
+        return native_io.aligned(rows) if self._native_direct else rows
 
     def _report_writes(self, skipped: int, failed: int) -> None:
         self.report.skipped(skipped)

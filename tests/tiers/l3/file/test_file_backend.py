@@ -13,10 +13,12 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2 import host_pool as host_pool_module
 from hicache.tiers.l2.host_memory import allocate
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
@@ -496,19 +498,65 @@ def iovec_counts(monkeypatch) -> list[int]:
     return seen
 
 
-def test_direct_io_moves_aligned_pages_straight_between_file_and_slot(tmp_path, monkeypatch):
+def native_direct_calls(monkeypatch) -> list[tuple[str, bool]]:
+    """Record each batch of native_io (not warm_up's empty ones) and whether it asked
+    for O_DIRECT."""
+    seen: list[tuple[str, bool]] = []
+    for name in ("read_pages", "write_pages"):
+        real = getattr(native_io, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            if len(args[0]):
+                seen.append((_name, kwargs.get("direct", False)))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(native_io, name, spy)
+    return seen
+
+
+def test_direct_io_moves_aligned_pages_straight_between_file_and_slot(tmp_path, monkeypatch,
+                                                                       io_path):
     src, dst = aligned_pool(monkeypatch, 20), aligned_pool(monkeypatch, 21)
     writer = direct_backend(config_4k(tmp_path))
     writer.register_host_pool(src)
+    batches = native_direct_calls(monkeypatch)
     ks = keys(4)
     assert writer.write(WriteBatch(ks, [0, 1, 2, 3])) == [True] * 4
     reader = direct_backend(config_4k(tmp_path))
     reader.register_host_pool(dst)
     calls = iovec_counts(monkeypatch)
     assert reader.read(ReadBatch(ks, [4, 5, 6, 7])) == [True] * 4
-    assert calls == [3] * 4  # header, the slot itself, one block past the end
+    if io_path == "native":  # aligned slots: whole batches, GIL-free, with O_DIRECT
+        assert batches == [("write_pages", True), ("read_pages", True)] and calls == []
+        assert reader.capabilities.spans and reader.capabilities.timed
+    else:
+        assert batches == [] and calls == [3] * 4  # header, the slot, one block past the end
     assert torch.equal(dst.buffer[4:8], src.buffer[0:4])
     assert reader.stats().get_hits == 4 and reader.stats().corrupt_pages == 0
+
+
+def test_direct_io_span_files_round_trip_and_check_every_record(tmp_path, monkeypatch,
+                                                                io_path):
+    if io_path != "native":
+        pytest.skip("span objects need the GIL-free batch path")
+    src, dst = aligned_pool(monkeypatch, 27), aligned_pool(monkeypatch, 28)
+    writer, reader = direct_backend(config_4k(tmp_path)), direct_backend(config_4k(tmp_path))
+    writer.register_host_pool(src)
+    reader.register_host_pool(dst)
+    ks = keys(3)
+    span_key = bytes.fromhex(ks[-1])
+    spans = [SpanRef(span_key, i, 3) for i in range(3)]
+    assert writer.write(WriteBatch(ks, [0, 1, 2], spans=spans)) == [True] * 3
+    path = writer.inner.page_path(ks[-1])
+    assert path.stat().st_size == 3 * (FILE_HEADER_BYTES + GEOM_4K.page_bytes)
+    assert reader.read(ReadBatch(ks, [4, 5, 6], spans=spans)) == [True] * 3
+    assert torch.equal(dst.buffer[4:7], src.buffer[0:3])
+    # A flipped byte in the second record: that page is a miss, the file quarantined.
+    data = bytearray(path.read_bytes())
+    data[2 * FILE_HEADER_BYTES + GEOM_4K.page_bytes + 7] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert reader.read(ReadBatch(ks, [4, 5, 6], spans=spans)) == [True, False, True]
+    assert reader.stats().corrupt_pages == 1 and not path.exists()
 
 
 def test_direct_io_bounces_unaligned_slots_and_odd_page_sizes(tmp_path, monkeypatch):
@@ -567,16 +615,35 @@ def test_direct_io_on_refused_by_the_filesystem_is_a_config_error(tmp_path, monk
     assert "allowed values" in str(err.value)
 
 
-def test_pages_fall_back_to_buffered_when_o_direct_is_refused_later(tmp_path, monkeypatch):
+def refuse_native_o_direct(monkeypatch) -> None:
+    """The batch path's answers where the filesystem refuses every O_DIRECT open (its
+    C ``open`` fails): writes ``OPEN_FAILED``, reads ``MISSING`` (simulated: this VM's
+    filesystems all accept O_DIRECT)."""
+    def write_pages(tmp_paths, paths, *args, **kwargs):
+        return np.full(len(paths), native_io.OPEN_FAILED, np.int64)
+
+    def read_pages(paths, *args, **kwargs):
+        return (np.full(len(paths), native_io.MISSING, np.int64),
+                np.zeros(len(paths), np.int64))
+
+    monkeypatch.setattr(native_io, "write_pages", write_pages)
+    monkeypatch.setattr(native_io, "read_pages", read_pages)
+
+
+def test_pages_fall_back_to_buffered_when_o_direct_is_refused_later(tmp_path, monkeypatch,
+                                                                    io_path):
     src, dst = aligned_pool(monkeypatch, 25), aligned_pool(monkeypatch, 26)
     backend = direct_backend(config_4k(tmp_path))  # the probe passed
     backend.register_host_pool(src)
     refused = refuse_o_direct(monkeypatch)  # then, say, pages/ is another mount
+    if io_path == "native":
+        refuse_native_o_direct(monkeypatch)
     ks = keys(3)
     assert backend.write(WriteBatch(ks, [0, 1, 2])) == [True] * 3
     backend.register_host_pool(dst)
     assert backend.read(ReadBatch(ks, [3, 4, 5])) == [True] * 3
-    assert len(refused) == 6  # each write and each read tried O_DIRECT first
+    # each write and each read tried O_DIRECT first (natively, then again in Python)
+    assert len(refused) == 6
     assert torch.equal(dst.buffer[3:6], src.buffer[0:3])
     assert backend.stats().corrupt_pages == 0
 
