@@ -37,11 +37,9 @@ Contract (on top of base.py's):
   page cache; ``auto`` where a probe at start shows the filesystem accepts
   it, ``on`` makes a refusal a ``StorageConfigError``. Pages the page cache
   holds it reads several times slower than buffered (docs/benchmarks-l3.md),
-  hence off by default. Where the pool's slots and the page size are 4 KiB
-  aligned, the GIL-free batch path (and with it span objects and deadlines)
-  runs with O_DIRECT too; a page it cannot move that way (the filesystem
-  refuses O_DIRECT after the probe) is retried page by page in Python, which
-  falls back to buffered I/O.
+  hence off by default. With 4 KiB aligned slots and pages the batch path
+  (spans, deadlines) runs with O_DIRECT too; a page it cannot move that way is
+  retried in Python, which falls back to buffered I/O.
 - Every read checks the header, its zero padding and the checksum; a
   mismatch, a short or long file or an unreadable file is a miss, counted as
   corrupt, and the file is moved to ``<dir>/quarantine/`` for inspection (not served again). A file
@@ -166,7 +164,6 @@ class FileBackend(StorageBackend):
         else:
             self._pool_view = None
         self._pool_np = None
-        # O_DIRECT batches need 4 KiB aligned slots (records are: header 4 KiB, payload).
         self._native_direct = self.direct_io and self._pool_view is not None and \
             native_io.direct_ok(self._pool_addr, self._page_bytes)
         if (self._pool_view is not None and native_io.available()
@@ -313,32 +310,22 @@ class FileBackend(StorageBackend):
             bases=bases, ends=ends, direct=self._native_direct)
         problems: list[str | None] = []
         for i, code in enumerate(status.tolist()):
-            if code == native_io.OK:
-                problems.append(None)
-            elif code == native_io.NOT_READ:
+            if code == native_io.NOT_READ:
                 problems.append(_NOT_READ)
-            elif code == native_io.MISSING:
-                # Rare: tell a missing file from one that cannot be opened (a page file
-                # O_DIRECT could not open is read again in Python, buffered if need be).
-                exists = os.path.exists(self._pages + names[i])
-                if exists and self._native_direct and records is None:
-                    (payload, addr), = self._slot_views([slots[i]])
-                    problems.append(self._read_one(names[i], keys[i], payload, addr,
-                                                   self._buffers))
-                else:
-                    problems.append("unreadable: open failed" if exists else MISSING)
-            elif code == native_io.UNREADABLE:
-                problems.append("unreadable: read failed")
-            elif code == native_io.WRONG_SIZE:
-                problems.append(f"wrong size ({int(sizes[i])} bytes read)")
-            elif code == native_io.BAD_PADDING:
-                problems.append("header padding is not zero")
-            elif code == native_io.BAD_CHECKSUM:
-                problems.append("checksum mismatch")
-            else:  # the header's own words for which field differs
-                problems.append(integrity.verify(
-                    bytes(headers[i, :integrity.HEADER_BYTES]), page_keys[i],
-                    self._fingerprint, b"", layout=FILE_LAYOUT) or "header mismatch")
+            elif code != native_io.MISSING:
+                problems.append(page_io.batch_problem(
+                    code, int(sizes[i]), bytes(headers[i, :integrity.HEADER_BYTES]),
+                    page_keys[i], self._fingerprint))
+            # Rare: tell a missing file from one that cannot be opened (a page file
+            # O_DIRECT could not open is read again in Python, buffered if need be).
+            elif not os.path.exists(self._pages + names[i]):
+                problems.append(MISSING)
+            elif self._native_direct and records is None:
+                (payload, addr), = self._slot_views([slots[i]])
+                problems.append(self._read_one(names[i], keys[i], payload, addr,
+                                               self._buffers))
+            else:
+                problems.append("unreadable: open failed")
         if records is not None:
             return self._settle_reads(keys, problems, names, records[1])
         return self._settle_reads(keys, problems, names)
@@ -437,8 +424,7 @@ class FileBackend(StorageBackend):
         results: list[bool] = []
         stored: list[str] = []
         skipped = failed = 0
-        # Retried here, in Python: a page whose sub-directory does not exist yet and,
-        # with O_DIRECT, one the filesystem refused (page_io falls back to buffered).
+        # Retried in Python: no sub-directory yet; with O_DIRECT, refused (-> buffered).
         retry = {native_io.RENAME_FAILED}
         if self._native_direct:
             retry |= {native_io.OPEN_FAILED, native_io.WRITE_FAILED}
@@ -469,12 +455,8 @@ class FileBackend(StorageBackend):
         return results
 
     def _header_rows(self, keys: list[str]) -> np.ndarray:
-        """The pages' file headers, one 4 KiB row each (checksums filled in by the
-        write), aligned for O_DIRECT where the batch path uses it."""
-        rows = integrity.header_rows([self.page_key_bytes(k) for k in keys],
-                                     self._fingerprint, self._page_bytes,
-                                     layout=FILE_LAYOUT, width=FILE_HEADER_BYTES)
-        return native_io.aligned(rows) if self._native_direct else rows
+        return page_io.header_rows([self.page_key_bytes(k) for k in keys],
+                                   self._fingerprint, self._page_bytes, self._native_direct)
 
     def _report_writes(self, skipped: int, failed: int) -> None:
         self.report.skipped(skipped)

@@ -13,6 +13,11 @@ Contract:
   between file and slot when the slot is 4 KiB aligned and the page a
   multiple of 4 KiB, else through the bounce buffer. None / False when the
   filesystem refused it (the caller goes buffered for that page).
+- ``header_rows(keys, fingerprint, page_bytes, direct)``: the batch path's file
+  headers, one ``FILE_HEADER_BYTES`` row per page (the write fills in checksums),
+  aligned for O_DIRECT when ``direct``.
+- ``batch_problem(code, size, header, key, fingerprint)``: why native_io's batch
+  read failed a page, in ``read_page``'s words (None for ``OK``).
 - ``write_file(tmp, flags, chunks, fsync)``: one ``writev`` of ``chunks``
   (``OSError`` on a short write), fsync'ed when asked.
 - ``read_page``: one page file into ``payload``, checked (size, header, zero
@@ -33,7 +38,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
-from hicache.tiers.l3 import integrity
+from hicache.tiers.l3 import integrity, native_io
 from hicache.tiers.l3.base import StorageConfigError
 from hicache.tiers.l3.page_dir import FILE_HEADER_BYTES, FILE_LAYOUT, PADDING
 
@@ -192,6 +197,28 @@ def read_page(path: str, key: bytes, fingerprint: bytes, payload: memoryview, ad
     if problem is None and header[integrity.HEADER_BYTES:] != PADDING:
         problem = "header padding is not zero"
     return problem
+
+
+def header_rows(keys: list[bytes], fingerprint: bytes, page_bytes: int,
+                direct: bool) -> Any:
+    """See the module docstring."""
+    rows = integrity.header_rows(keys, fingerprint, page_bytes, layout=FILE_LAYOUT,
+                                 width=FILE_HEADER_BYTES)
+    return native_io.aligned(rows) if direct else rows
+
+
+def batch_problem(code: int, size: int, header: bytes, key: bytes,
+                  fingerprint: bytes) -> str | None:
+    """See the module docstring (``MISSING`` and ``NOT_READ`` are the caller's)."""
+    words = {native_io.OK: None, native_io.UNREADABLE: "unreadable: read failed",
+             native_io.WRONG_SIZE: f"wrong size ({size} bytes read)",
+             native_io.BAD_PADDING: "header padding is not zero",
+             native_io.BAD_CHECKSUM: "checksum mismatch"}
+    if code in words:
+        return words[code]
+    # BAD_HEADER: the header's own words for which field differs
+    return integrity.verify(header, key, fingerprint, b"", layout=FILE_LAYOUT) \
+        or "header mismatch"
 
 
 def write_page(tmp: str, path: str, header: bytes, payload: memoryview, addr: int,
