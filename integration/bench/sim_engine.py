@@ -57,7 +57,6 @@ from hicache.tiers.l2.geometry import PoolGeometry
 WRITE_POLICIES = WRITE_POLICY_NAMES
 EVICTIONS = ("lru", "tlru", "oracle")
 # Event kinds, in the order they run at one instant.
-# Event kinds, in the order they run at one instant.
 _FINISH, _PREFETCH, _BOOKED, _ARRIVAL = 0, 1, 2, 3
 
 

@@ -128,7 +128,8 @@ class FileBackend(StorageBackend):
         self.index.rebuild(self.dir.page_files())
         # stat() per page, the index under its lock: safe on any number of threads;
         # reads open their own file descriptor. Span files and deadlines need the
-        # GIL-free batch path (contiguous slots, buffered I/O); deadlines also a pool.
+        # GIL-free batch path (contiguous slots; with O_DIRECT, 4 KiB aligned ones), which
+        # register_host_pool settles.
         self.capabilities = Capabilities(
             concurrent_lookups=True, concurrent_io=True,
             spans=config.mem_layout != "layer_first" and native_io.available())
@@ -298,8 +299,7 @@ class FileBackend(StorageBackend):
         assert self._pool_np is not None
         names = names or [self._name(key) for key in keys]
         page_keys = [self.page_key_bytes(k) for k in keys]
-        headers = (native_io.aligned_rows(len(keys), FILE_HEADER_BYTES) if self._native_direct
-                   else np.empty((len(keys), FILE_HEADER_BYTES), np.uint8))
+        headers = native_io.aligned_rows(len(keys), FILE_HEADER_BYTES)  # O_DIRECT-ready
         expect = integrity.header_rows(page_keys, self._fingerprint, self._page_bytes,
                                        layout=FILE_LAYOUT, width=integrity.CHECKSUM_AT)
         bases, ends = records if records is not None else (None, None)
