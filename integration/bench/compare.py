@@ -40,6 +40,7 @@ from hicache.integration.bench.systems import (
     LaunchPlan,
     SystemSpec,
     plan,
+    remove_stores,
     server_env,
 )
 from hicache.integration.vllm.engine import note_engine_start
@@ -190,12 +191,15 @@ def run_compare(cfg: CompareConfig, *, out: Path | None = None,
     out = Path(out or cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for i, spec in enumerate(cfg.systems, 1):
-        console.rule(f"[{i}/{len(cfg.systems)}] {spec.name} ({spec.kind})")
-        row = run_system(cfg, spec, out, progress)
-        if row["status"] == "not run":
-            console.print(f"[yellow]not run:[/] {row['reason']}")
-        rows.append(row)
+    try:
+        for i, spec in enumerate(cfg.systems, 1):
+            console.rule(f"[{i}/{len(cfg.systems)}] {spec.name} ({spec.kind})")
+            row = run_system(cfg, spec, out, progress)
+            if row["status"] == "not run":
+                console.print(f"[yellow]not run:[/] {row['reason']}")
+            rows.append(row)
+    finally:
+        remove_stores(out / "work")
     add_ratios(rows)
     report = {"config": _jsonable(asdict(cfg)), "rows": rows,
               "load_average": os.getloadavg()}

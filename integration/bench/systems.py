@@ -8,7 +8,8 @@ the workload — and lists the systems:
 
 - ``vllm``: vLLM with its own prefix cache only (the baseline);
 - ``hicache``: vLLM + HiCacheConnector, ``write_policy`` and optional ``l3``
-  (``file`` or ``nixl``, in a fresh directory per run). ``l3_read`` (config
+  (``file`` or ``nixl``, in a new directory per run, removed by
+  :func:`remove_stores` once the benchmark is over). ``l3_read`` (config
   level, default ``cold``) makes the file L3 read from storage, not from the
   page cache: its ``direct_io`` is ``on`` (O_DIRECT; a filesystem that
   refuses it fails the server's start, named). ``cached`` leaves reads to
@@ -31,6 +32,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -216,6 +218,8 @@ def load_config(path: str | Path) -> CompareConfig:
 
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+# The L3 directories of hicache systems under a run's workdir (plan, remove_stores).
+L3_DIR_PREFIX = "l3-"
 
 
 def preset_path(name: str) -> Path:
@@ -316,10 +320,10 @@ def plan(cfg: CompareConfig, spec: SystemSpec, *, port: int, admin_port: int,
             "hicache_write_policy": spec.write_policy, "hicache_admin_port": admin_port,
         }
         if spec.l3 is not None:
-            # A fresh store per run: pages of an earlier run would be hits.
-            l3_dir = workdir / f"l3-{spec.name}"
-            shutil.rmtree(l3_dir, ignore_errors=True)
-            l3_dir.mkdir(parents=True)
+            # A new store per run (pages of an earlier run would be hits), in a new
+            # directory: see remove_stores for why an earlier one is not emptied now.
+            workdir.mkdir(parents=True, exist_ok=True)
+            l3_dir = Path(tempfile.mkdtemp(prefix=f"{L3_DIR_PREFIX}{spec.name}-", dir=workdir))
             extra["hicache_storage_backend"] = spec.l3
             store: dict[str, Any] = {"path": str(l3_dir)}
             if spec.l3 == "file" and cfg.l3_read == "cold":
@@ -350,6 +354,18 @@ def _vllm_cli(python: str) -> list[str]:
             return [python, "-m", "hicache.integration.vllm.cli_shim"]
     script = Path(python).parent / "vllm"
     return [str(script)] if script.exists() else [python, "-m", "vllm.entrypoints.cli.main"]
+
+
+def remove_stores(workdir: Path) -> None:
+    """Delete the L3 directories :func:`plan` made under ``workdir``: once, after the
+    benchmark's last run, never between runs. On ext4 without a journal (this
+    project's CI VM) the inodes of files deleted in the last minutes are skipped
+    one by one when a new file is created (the kernel's ``recently_deleted``), so
+    a run that starts right after an earlier run's store was deleted pays for
+    every file of it: measured, a HiCache server's L3 thread spent 6-20 ms of CPU
+    a step instead of 1-3 ms (docs/benchmarks-trace.md)."""
+    for path in sorted(workdir.glob(f"{L3_DIR_PREFIX}*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def server_env(lp: LaunchPlan) -> dict[str, str]:

@@ -58,7 +58,13 @@ from hicache.integration.bench.replay import (
     load_trace,
     replay_sync,
 )
-from hicache.integration.bench.systems import CompareConfig, SystemSpec, plan, server_env
+from hicache.integration.bench.systems import (
+    CompareConfig,
+    SystemSpec,
+    plan,
+    remove_stores,
+    server_env,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -283,8 +289,11 @@ def main(argv: list[str] | None = None) -> None:
           f"floor L1 {all_blocks} blocks", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = alternate(names, args.rounds, lambda round_, name: run_case(
-        known[name], round_, args, trace, out, all_blocks))
+    try:
+        rows = alternate(names, args.rounds, lambda round_, name: run_case(
+            known[name], round_, args, trace, out, all_blocks))
+    finally:
+        remove_stores(out / "work")
     add_ratios(rows)
     summary = medians(rows)
     (out / "trace_replay.json").write_text(json.dumps(

@@ -19,11 +19,13 @@ from hicache.integration.bench.compare import (
 from hicache.integration.bench.systems import (
     SYSTEM_KINDS,
     ConfigError,
+    LaunchPlan,
     load_config,
     parse_config,
     plan,
     preset_path,
     probe,
+    remove_stores,
 )
 from hicache.integration.bench.trace_workload import TRACE_DIR_ENV, TraceWorkload
 
@@ -120,6 +122,29 @@ def test_hicache_plan_is_one_vllm_flag_on_loopback(tmp_path):
     # An admin token of its own, in the environment only (the client's writes need it).
     token = lp.env["HICACHE_ADMIN_TOKEN"]
     assert len(token) == 32 and token not in " ".join(lp.cmd)
+
+
+def test_each_run_gets_a_new_empty_store_and_earlier_ones_wait_for_remove_stores(tmp_path):
+    """A run's L3 is never an earlier run's directory emptied (on ext4 without a
+    journal, files created just after thousands were deleted cost a scan each):
+    every plan gets a new empty one, and remove_stores deletes them all at the end."""
+    cfg = parse_config({**MINIMAL, "systems": [{"name": "h", "kind": "hicache", "l3": "file"}]})
+
+    def store_of(lp: LaunchPlan) -> Path:
+        kv = json.loads(lp.cmd[lp.cmd.index("--kv-transfer-config") + 1])
+        return Path(kv["kv_connector_extra_config"]["hicache_storage_backend_extra_config"]
+                    ["path"])
+
+    first = store_of(plan(cfg, cfg.systems[0], port=1, admin_port=2, workdir=tmp_path))
+    (first / "page").write_bytes(b"x")  # what the first run wrote
+    second = store_of(plan(cfg, cfg.systems[0], port=1, admin_port=2, workdir=tmp_path))
+    assert second != first and second.parent == first.parent == tmp_path
+    assert list(second.iterdir()) == []  # no page of the first run is a hit
+    assert (first / "page").read_bytes() == b"x"  # not deleted between runs
+    (tmp_path / "results.json").write_text("{}")
+    remove_stores(tmp_path)
+    assert not first.exists() and not second.exists()
+    assert (tmp_path / "results.json").exists()  # only the stores go
 
 
 def test_cached_l3_reads_leave_the_page_cache_on_and_nixl_needs_them(tmp_path):
