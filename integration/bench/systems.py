@@ -363,7 +363,8 @@ def remove_stores(workdir: Path) -> None:
     one by one when a new file is created (the kernel's ``recently_deleted``), so
     a run that starts right after an earlier run's store was deleted pays for
     every file of it: measured, a HiCache server's L3 thread spent 6-20 ms of CPU
-    a step instead of 1-3 ms (docs/benchmarks-trace.md)."""
+    a step instead of 1-3 ms. A benchmark started within minutes of this call
+    pays the same, in any directory of that file system (docs/benchmarks-trace.md)."""
     for path in sorted(workdir.glob(f"{L3_DIR_PREFIX}*")):
         shutil.rmtree(path, ignore_errors=True)
 
