@@ -126,13 +126,13 @@ class FileBackend(StorageBackend):
         self._verify_helper: ThreadPoolExecutor | None = None
         self.index = PageIndex(self._pages, self.capacity_bytes, self.report_evicted)
         self.index.rebuild(self.dir.page_files())
-        # stat() per page, the index under its lock: safe on any number of threads;
-        # reads open their own file descriptor. Span files and deadlines need the
-        # GIL-free batch path (contiguous slots; with O_DIRECT, 4 KiB aligned ones), which
+        # stat() per page, the index under its lock: safe on any number of threads; reads
+        # open their own file descriptor. Span files and deadlines need the GIL-free batch
+        # path: contiguous slots (not layer_first), with O_DIRECT 4 KiB aligned ones, which
         # register_host_pool settles.
-        self.capabilities = Capabilities(
-            concurrent_lookups=True, concurrent_io=True,
-            spans=config.mem_layout != "layer_first" and native_io.available())
+        self._contiguous = config.mem_layout != "layer_first"
+        self.capabilities = Capabilities(concurrent_lookups=True, concurrent_io=True,
+                                         spans=self._contiguous and native_io.available())
 
     def report_evicted(self, pages: int) -> None:
         self.report.evicted(pages)
@@ -174,9 +174,8 @@ class FileBackend(StorageBackend):
             if self._verify_helper is None:
                 self._verify_helper = verify_helpers(self.verify, pool)
         native = self._pool_np is not None
-        self.capabilities = replace(
-            self.capabilities, timed=native,
-            spans=self.config.mem_layout != "layer_first" and native)
+        self.capabilities = replace(self.capabilities, timed=native,
+                                    spans=self._contiguous and native)
 
     # ---- the verbs ------------------------------------------------------------------
 
