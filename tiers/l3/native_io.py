@@ -108,6 +108,9 @@ READ_CHUNK = 256 << 10
 # Address, length and file offset alignment of O_DIRECT transfers (512 B and 4 KiB
 # sectors); no O_DIRECT on this platform: 0.
 DIRECT_ALIGN = 4096
+# Bytes one pwritev of write_pages moves at most: Linux moves at most 2 GiB - 4 KiB in
+# one call, and a short write would fail the whole file.
+WRITE_CALL_BYTES = 1 << 30
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
@@ -265,7 +268,8 @@ def write_pages(tmp_paths: np.ndarray, paths: np.ndarray, src: Any, offsets: Any
                        headers.shape[1], length, at)
     status: np.ndarray = _kernels()["write_pages"](
         tmp_paths, paths, flat, offsets, int(length), headers,
-        int(sum_at), bool(fsync), bool(skip_existing), at, ends, O_DIRECT if direct else 0)
+        int(sum_at), bool(fsync), bool(skip_existing), at, ends, O_DIRECT if direct else 0,
+        WRITE_CALL_BYTES)
     return status
 
 

@@ -335,9 +335,10 @@ def kernels() -> dict[str, Any]:
     @jit
     def write_pages(tmp_paths: Any, paths: Any, src: Any, offsets: Any, length: int,
                     headers: Any, sum_at: int, fsync: bool, skip_existing: bool,
-                    bases: Any, last: Any, flags: int) -> Any:
+                    bases: Any, last: Any, flags: int, call_bytes: int) -> Any:
         # Rows i..j (``last[j]``) are the records of one file, at ``bases``; its
-        # paths are row j's. One temp file, one rename per file.
+        # paths are row j's. One temp file, one rename per file. ``call_bytes``: the
+        # most one pwritev moves (after the first record of a call).
         n = paths.shape[0]
         status = np.zeros(n, np.int64)
         head = headers.shape[1]
@@ -362,12 +363,14 @@ def kernels() -> dict[str, Any]:
                 for b in range(8):
                     headers[r, sum_at + b] = np.uint8((digest >> np.uint64(8 * b))
                                                       & np.uint64(255))
-            # The file's records back to back: one pwritev per IOV_RECORDS records (one
-            # system call, and with O_DIRECT one I/O, instead of two per record).
+            # The file's records back to back: one pwritev per IOV_RECORDS records or
+            # call_bytes (one system call, and with O_DIRECT one I/O, instead of two per
+            # record).
             r = i
             while ok and r <= j:
                 k = r
                 while (k < j and k - r + 1 < IOV_RECORDS
+                       and (k - r + 2) * (head + length) <= call_bytes
                        and bases[k + 1] == bases[k] + head + length):
                     k += 1
                 for q in range(r, k + 1):
