@@ -7,6 +7,8 @@ integration/bench/gpu checks the real one: the Triton kernel reads the pool).
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
@@ -47,6 +49,33 @@ def test_pageable_buffer_registers_nothing():
     assert not buf.pinned and buf.nbytes == 1000
     assert buf.tensor.data_ptr() % 4096 == 0  # an OS page boundary: O_DIRECT-ready slots
     buf.release()
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping that holds ``address``, from /proc/self/smaps (Linux)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_pageable_buffer_is_resident_before_it_serves():
+    """Every page of a CPU pool is backed at allocation, not at its first copy in the
+    forward thread (a fresh mapping of the same size is not: the check can fail)."""
+    nbytes = 48 * 2**20
+    fresh = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    fresh_view = torch.frombuffer(fresh, dtype=torch.uint8)
+    assert _resident_bytes(fresh_view.data_ptr()) < nbytes // 2
+    buf = host_memory.allocate(nbytes, pin=False)
+    assert _resident_bytes(buf.tensor.data_ptr()) >= nbytes
+    assert int(buf.tensor.count_nonzero()) == 0  # touched, not written over
+    del fresh_view
+    fresh.close()
 
 
 def test_failed_registration_names_the_error_and_the_size():
