@@ -170,12 +170,12 @@ def block_page_keys(
     if hashes_per_page <= 0:
         raise ValueError(f"hashes_per_page must be positive, got {hashes_per_page}")
     keys: list[PageKey] = []
+    seeded = hashlib.sha256(seed)  # sha256(seed || len || digest), the seed hashed once
     for end in range((first_page + 1) * hashes_per_page - 1, len(block_hashes),
                      hashes_per_page):
         digest = bytes(block_hashes[end])
-        h = hashlib.sha256(seed)
-        h.update(len(digest).to_bytes(4, "little"))
-        h.update(digest)
+        h = seeded.copy()
+        h.update(len(digest).to_bytes(4, "little") + digest)
         keys.append(PageKey(h.digest()))
     return keys
 
