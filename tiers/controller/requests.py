@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from hicache.tiers.controller.hints import DEFAULT_HINTS, RequestHints, parse_hints
 from hicache.tiers.controller.stats import SchedulerStats
-from hicache.tiers.index.page_keys import PageKey, PageKeyChain
+from hicache.tiers.index.page_keys import KeyMemo, PageKey, PageKeyChain
 from hicache.tiers.index.radix_tree import MatchResult
 
 
@@ -128,6 +128,8 @@ class RequestTable:
         # A new request's hints with what its session carries (sessions.py).
         self._hints_for = hints_for
         self._hashes_per_page = hashes_per_page
+        # Keys of pages some request already keyed (shared prefixes hash once).
+        self._memo = KeyMemo(seed, hashes_per_page)
         self._stats = stats
         self._states: dict[str, RequestState] = {}
 
@@ -141,7 +143,7 @@ class RequestTable:
         """The request's state, created at its first lookup."""
         state = self._states.get(request.request_id)
         if state is None:
-            chain = PageKeyChain(self._seed, self._hashes_per_page)
+            chain = PageKeyChain(self._seed, self._hashes_per_page, self._memo)
             hints, error = parse_hints(_params(request))
             if self._hints_for is not None:
                 hints = self._hints_for(hints)

@@ -9,7 +9,8 @@ Contract:
   prefix cache keys cover (tokens, multimodal features, prompt embeddings,
   LoRA, cache salt) and the whole prefix before it. A page's key is
   ``SHA-256(seed || len || hash of the page's last block)``
-  (:func:`block_page_keys`, :class:`PageKeyChain`). A key therefore identifies
+  (:func:`block_page_keys`, :class:`PageKeyChain`; :class:`KeyMemo` keeps keys
+  already derived, by block hash). A key therefore identifies
   the page *and* everything before it, so comparing key sequences is
   comparing prefixes, and the radix tree can work on keys alone.
 - The seed is derived from a :class:`KeyNamespace` (model, KV dtype, byte
@@ -180,25 +181,70 @@ def block_page_keys(
     return keys
 
 
+class KeyMemo:
+    """Page keys already derived, by the block hash they came from, for one seed and
+    one ``hashes_per_page`` (a block hash covers its whole prefix, so the same hash
+    always gives the same key): requests that share a prefix hash it once.
+
+    Bounded: past ``max_entries`` it starts over empty (a miss only costs a hash).
+    """
+
+    def __init__(self, seed: bytes, hashes_per_page: int, max_entries: int = 1 << 16) -> None:
+        if hashes_per_page <= 0:
+            raise ValueError(f"hashes_per_page must be positive, got {hashes_per_page}")
+        self.seed = seed
+        self.hashes_per_page = hashes_per_page
+        self.max_entries = max_entries
+        self._keys: dict[bytes, PageKey] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def keys_of(self, block_hashes: Sequence[bytes], first_page: int) -> list[PageKey]:
+        """``block_page_keys(seed, block_hashes, hashes_per_page, first_page)``."""
+        per_page, known = self.hashes_per_page, self._keys
+        ends = [block_hashes[end] for end in
+                range((first_page + 1) * per_page - 1, len(block_hashes), per_page)]
+        missing = [end for end in ends if end not in known]
+        if missing:
+            if len(known) + len(missing) > self.max_entries:
+                known.clear()
+                missing = ends
+            seeded = hashlib.sha256(self.seed)
+            for end in missing:
+                digest = bytes(end)
+                h = seeded.copy()
+                h.update(len(digest).to_bytes(4, "little") + digest)
+                known[end] = PageKey(h.digest())
+        return [known[end] for end in ends]
+
+
 class PageKeyChain:
     """Page keys of one request whose block hashes only grow (vLLM appends them
     as tokens are generated).
 
     Each :meth:`extend` call gets the request's block hashes so far and keys
     only the full pages beyond those already keyed: one hash per page over a
-    request's life.
+    request's life (none for pages a shared ``KeyMemo`` already holds).
     """
 
-    def __init__(self, seed: bytes, hashes_per_page: int) -> None:
+    def __init__(self, seed: bytes, hashes_per_page: int, memo: KeyMemo | None = None) -> None:
         if hashes_per_page <= 0:
             raise ValueError(f"hashes_per_page must be positive, got {hashes_per_page}")
+        if memo is not None and (memo.seed != seed or memo.hashes_per_page != hashes_per_page):
+            raise ValueError("a KeyMemo serves only the seed and hashes_per_page it was made for")
         self._seed = seed
         self._hashes_per_page = hashes_per_page
+        self._memo = memo
         self._keys: list[PageKey] = []
 
     def extend(self, block_hashes: Sequence[bytes]) -> list[PageKey]:
         """Key the newly completed pages of ``block_hashes``; returns only the new keys."""
-        new = block_page_keys(self._seed, block_hashes, self._hashes_per_page, len(self._keys))
+        if self._memo is not None:
+            new = self._memo.keys_of(block_hashes, len(self._keys))
+        else:
+            new = block_page_keys(self._seed, block_hashes, self._hashes_per_page,
+                                  len(self._keys))
         self._keys.extend(new)
         return new
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.tiers.index.page_keys import (
+    KeyMemo,
     KeyNamespace,
     PageKeyChain,
     block_page_keys,
@@ -168,3 +169,36 @@ def test_chain_matches_block_page_keys_in_random_increments(tokens, cuts, hashes
         assert chain.keys == got
     assert got == block_page_keys(seed, hashes, hashes_per_page)
     assert chain.extend(hashes) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 9), max_size=12)),
+                     min_size=1, max_size=6),
+    hashes_per_page=st.integers(1, 3),
+    max_entries=st.integers(1, 40),
+)
+def test_a_shared_memo_gives_every_chain_the_keys_it_would_hash_itself(
+        prompts, hashes_per_page, max_entries):
+    """Requests that share prefixes (one of four heads, then their own tokens) keyed
+    through one memo, grown in two steps each: the keys of block_page_keys, and the
+    memo never holds more than it may (it starts over when full)."""
+    seed = NS.seed()
+    heads = [[h] * 7 for h in range(4)]
+    memo = KeyMemo(seed, hashes_per_page, max_entries=max_entries)
+    for head, tail in prompts:
+        tokens = heads[head] + tail
+        chain = PageKeyChain(seed, hashes_per_page, memo)
+        chain.extend(token_block_hashes(tokens[:5], 1))
+        chain.extend(token_block_hashes(tokens, 1))
+        assert chain.keys == block_page_keys(seed, token_block_hashes(tokens, 1),
+                                             hashes_per_page)
+        assert len(memo) <= max(max_entries, len(tokens))
+
+
+def test_a_memo_serves_only_its_own_seed_and_page_size():
+    memo = KeyMemo(NS.seed(), 2)
+    with pytest.raises(ValueError, match="KeyMemo serves only"):
+        PageKeyChain(NS.seed(), 1, memo)
+    with pytest.raises(ValueError, match="KeyMemo serves only"):
+        PageKeyChain(b"other seed", 2, memo)
