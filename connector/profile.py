@@ -35,7 +35,7 @@ import functools
 import time
 from typing import Any
 
-from hicache.tiers.profile import HookClock, ProfileWriter, ThreadClock, profile_path
+from hicache.tiers.profile import GcClock, HookClock, ProfileWriter, ThreadClock, profile_path
 
 SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "on_new_request", "update_state_after_alloc",
                    "update_connector_output", "request_finished_all_groups", "take_events",
@@ -64,6 +64,7 @@ class _Profile:
         self.writer = ProfileWriter(path, role, connector)
         self.hooks = HookClock()
         self.threads = ThreadClock()
+        self.gc = GcClock()
 
     def _wrap(self, connector: Any, name: str, before: Any = None, after: Any = None) -> None:
         original = getattr(connector, name, None)
@@ -152,7 +153,7 @@ class _SchedulerProfile(_Profile):
         self.writer.write({
             "seq": self.seq, "t0": round(self.t0, 6), "t1": round(now, 6),
             "output_at": None if self.output_at is None else round(self.output_at, 6),
-            "hooks": self.hooks.take(), "cpu": self.threads.delta(),
+            "hooks": self.hooks.take(), "cpu": self.threads.delta(), "gc": self.gc.take(),
             "scheduled": {"requests": len(out.num_scheduled_tokens),
                           "tokens": out.total_num_scheduled_tokens},
             "batch": dict(out.num_scheduled_tokens),
@@ -223,4 +224,4 @@ class _WorkerProfile(_Profile):
         self.writer.write({
             "seq": self.seq, "t0": round(self.t0, 6), "t1": round(time.time(), 6),
             "forward_s": forward, "hooks": self.hooks.take(), "cpu": self.threads.delta(),
-            "cpu_between": self.cpu_between, "counters": self.counters})
+            "cpu_between": self.cpu_between, "gc": self.gc.take(), "counters": self.counters})

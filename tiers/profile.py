@@ -12,6 +12,11 @@ Contract:
   ...)`` runs a hook and adds its seconds and calls; ``take()`` returns and
   resets what was added since. The connector adapter (connector/profile.py)
   wraps vLLM's hooks with it; this module never sees vLLM's objects.
+- ``GcClock`` adds up the seconds Python's garbage collector ran in this process
+  (any thread) and how many collections of each generation it made, from
+  ``gc.callbacks``; ``take()`` returns ``{"s": seconds, "collections": [gen0,
+  gen1, gen2]}`` since the last take. A full collection walks every object the
+  process tracks, so a cache that holds many live objects makes it longer.
 - ``ThreadClock`` reads, without stopping anything, the CPU seconds of the
   calling thread (the forward thread in a worker, the scheduling thread in
   the engine core), of HiCache's own threads (named ``hicache-*``) and of
@@ -23,7 +28,7 @@ Contract:
   own), ``pid``,
   ``seq`` (the step's plan number, the same in both halves' records of a
   step), wall-clock ``t0``/``t1``, ``hooks`` ({name: [calls, seconds]}),
-  ``cpu`` (ThreadClock's delta) and the role's own fields (the adapter's
+  ``cpu`` (ThreadClock's delta), ``gc`` (GcClock's take) and the role's own fields (the adapter's
   docstring lists them). Readers (integration/bench/profile_report.py) join
   the halves by ``seq``.
 - Profiling never changes what the connector does; a record that cannot be
@@ -32,6 +37,7 @@ Contract:
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -74,6 +80,36 @@ class HookClock:
     def take(self) -> dict[str, list[float]]:
         spent, self._spent = self._spent, {}
         return {k: [int(n), round(s, 6)] for k, (n, s) in spent.items()}
+
+
+class GcClock:
+    """Seconds in garbage collection and collections per generation since ``take``."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._started: float | None = None
+        self._seconds = 0.0
+        self._collections = [0, 0, 0]
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = self.clock()
+        elif self._started is not None:
+            self._seconds += self.clock() - self._started
+            self._started = None
+            generation = int(info.get("generation", 0))
+            if 0 <= generation < len(self._collections):
+                self._collections[generation] += 1
+
+    def take(self) -> dict[str, Any]:
+        out = {"s": round(self._seconds, 6), "collections": list(self._collections)}
+        self._seconds, self._collections = 0.0, [0, 0, 0]
+        return out
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
 
 def _schedstat_wait_s() -> float:

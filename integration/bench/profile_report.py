@@ -16,7 +16,13 @@ fields are listed in connector/profile.py) into scheduler and worker records.
   a CPU (another thread had it);
 - ``helper_cpu_ms``: CPU of HiCache's own threads (copy, L3 I/O, ...) during
   the step, and ``helper_cpu_between_ms`` between steps;
-- ``scheduler_hooks_ms``: the connector's scheduler hooks per step;
+- ``scheduler_hooks_ms``: the connector's scheduler hooks per step, and
+  ``scheduler_thread_cpu_ms`` the engine core's scheduling thread's CPU per step
+  (vLLM's own work included);
+- ``scheduler_gc_ms`` / ``worker_gc_ms``: Python's garbage collection in the
+  engine core / the first worker per step, and ``full_collections`` the
+  generation-2 collections of both over the profile (None for profiles
+  written before the records carried ``gc``);
   ``deferred_per_step``: lookups answered "not yet";
 
 and per request (admitted in the profile): ``queued_ms`` (arrival to the
@@ -93,6 +99,17 @@ def _hook_s(rec: Mapping[str, Any], names: Sequence[str] | None = None,
 LAYER_HOOKS = ("wait_for_layer_load", "save_kv_layer")
 
 
+def _gc_ms(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Mean GC seconds per record, in ms (None: profiles written before ``gc``)."""
+    xs = [r["gc"]["s"] for r in records if "gc" in r]
+    return _ms(xs)
+
+
+def _full_collections(records: Sequence[Mapping[str, Any]]) -> int | None:
+    counts = [r["gc"]["collections"][2] for r in records if "gc" in r]
+    return sum(counts) if counts else None
+
+
 def _busy(prof: Profile, skip_idle: bool) -> list[dict[str, Any]]:
     """Worker steps of the first rank (the steps all ranks run), in order; with
     ``skip_idle`` only those that ran a forward pass."""
@@ -144,6 +161,13 @@ def summarize(prof: Profile) -> dict[str, Any]:
                                       for r in steps]),
         "scheduler_steps": len(prof.scheduler),
         "scheduler_hooks_ms": _ms([_hook_s(r) for r in prof.scheduler]),
+        "scheduler_thread_cpu_ms": _ms([r["cpu"]["thread"] for r in prof.scheduler
+                                         if "cpu" in r]),
+        "scheduler_gc_ms": _gc_ms(prof.scheduler),
+        "worker_gc_ms": _gc_ms(every),
+        "full_collections": (None if _full_collections(prof.scheduler) is None else
+                             (_full_collections(prof.scheduler) or 0)
+                             + (_full_collections(every) or 0)),
         "deferred_per_step": (round(statistics.fmean(r.get("deferred", 0)
                                                      for r in prof.scheduler), 3)
                               if prof.scheduler else None),
@@ -164,6 +188,10 @@ ROWS = (("worker steps", "worker_steps", "d"), ("tokens / step", "tokens_per_ste
         ("layer hooks ms (in forward)", "layer_hooks_ms", ".3f"),
         ("worker hooks ms (outside)", "worker_hooks_ms", ".3f"),
         ("scheduler hooks ms", "scheduler_hooks_ms", ".3f"),
+        ("scheduler thread CPU ms", "scheduler_thread_cpu_ms", ".2f"),
+        ("GC ms, engine core", "scheduler_gc_ms", ".3f"),
+        ("GC ms, worker", "worker_gc_ms", ".3f"),
+        ("full GC collections (both)", "full_collections", "d"),
         ("forward thread CPU ms", "forward_thread_cpu_ms", ".2f"),
         ("forward thread waited ms", "forward_thread_waited_ms", ".3f"),
         ("HiCache threads CPU ms (in step)", "helper_cpu_ms", ".3f"),

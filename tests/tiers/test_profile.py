@@ -3,6 +3,7 @@ CPU clocks, and records appended as whole lines by several writers at once."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import threading
 
 from hicache.tiers.profile import (
     PROFILE_ENV,
+    GcClock,
     HookClock,
     ProfileWriter,
     ThreadClock,
@@ -47,6 +49,28 @@ def test_hook_clock_sums_calls_and_seconds_until_taken():
     except ZeroDivisionError:
         pass
     assert hooks.take() == {"c": [1, 0.0]}  # a hook that raised is still counted
+
+
+def test_gc_clock_counts_collections_per_generation_and_their_seconds():
+    """Real collections (automatic ones off meanwhile, so the counts are exact), timed
+    on an injected clock that moves 1 s per reading."""
+    ticks = iter(range(1000))
+    clock = GcClock(lambda: float(next(ticks)))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect(2)
+        gc.collect(0)
+        assert clock.take() == {"s": 2.0, "collections": [1, 0, 1]}
+        assert clock.take() == {"s": 0.0, "collections": [0, 0, 0]}
+    finally:
+        if enabled:
+            gc.enable()
+        clock.close()
+    assert clock._on_gc not in gc.callbacks
+    gc.collect(1)
+    assert clock.take()["collections"] == [0, 0, 0]  # closed: no longer counting
+    clock.close()  # twice is harmless
 
 
 def test_thread_clock_tells_hicache_threads_from_the_calling_thread():

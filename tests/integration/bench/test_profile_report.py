@@ -15,9 +15,11 @@ from hicache.integration.bench.profile_report import load, requests, summarize
 from hicache.integration.cli.main import app
 
 
-def write(path: Path, forward_s: float, hook_s: float) -> Path:
+def write(path: Path, forward_s: float, hook_s: float, gc_s: float | None = None) -> Path:
     """Two steps: request r arrives at 10.0, is admitted in step 1 (built at 10.5) and
-    gets its first token at the end of step 2's worker step (11.3)."""
+    gets its first token at the end of step 2's worker step (11.3). ``gc_s``: the
+    engine core's first record and the worker's second carry that much garbage
+    collection, one full collection each (None: records written before ``gc``)."""
     recs = [
         {"role": "scheduler", "connector": "C", "pid": 1, "seq": 1, "t0": 10.0, "t1": 10.5,
          "hooks": {"build_connector_meta": [1, hook_s]}, "deferred": 0,
@@ -36,6 +38,10 @@ def write(path: Path, forward_s: float, hook_s: float) -> Path:
          "cpu": {"thread": 0.2, "hicache_threads": 0.01, "process": 0.21, "thread_waited": 0},
          "cpu_between": {"hicache_threads": 0.002}},
     ]
+    if gc_s is not None:
+        for rec in recs:
+            full = rec["seq"] == (1 if rec["role"] == "scheduler" else 2)
+            rec["gc"] = {"s": gc_s if full else 0.0, "collections": [2, 0, int(full)]}
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
 
@@ -59,6 +65,20 @@ def test_summary_joins_the_halves_and_compares_with_the_baseline(tmp_path):
                                     "--names", "null,hicache"])
     assert done.exit_code == 0, done.output
     assert png.stat().st_size > 5000
+
+
+def test_garbage_collection_per_step_and_full_collections(tmp_path):
+    old = summarize(load(write(tmp_path / "old.profile.jsonl", 0.2, 0.0)))
+    assert old["scheduler_gc_ms"] is None and old["full_collections"] is None
+    base = write(tmp_path / "null.profile.jsonl", 0.2, 0.0, gc_s=0.004)
+    mine = write(tmp_path / "hicache.profile.jsonl", 0.2, 0.0, gc_s=0.06)
+    s = summarize(load(mine))
+    assert s["scheduler_gc_ms"] == pytest.approx(30)  # 60 ms in one of two records
+    assert s["worker_gc_ms"] == pytest.approx(30) and s["full_collections"] == 2
+    done = CliRunner().invoke(app, ["profile", "summary", str(base), str(mine)])
+    assert done.exit_code == 0, done.output
+    assert "| GC ms, engine core | 2.000 | 30.000 | 15.00 |" in done.output
+    assert "| full GC collections (both) | 2 | 2 | 1.00 |" in done.output
 
 
 def test_a_file_that_is_not_a_profile_is_an_error_naming_the_line(tmp_path):
