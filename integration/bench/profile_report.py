@@ -21,8 +21,9 @@ fields are listed in connector/profile.py) into scheduler and worker records.
   (vLLM's own work included);
 - ``scheduler_gc_ms`` / ``worker_gc_ms``: Python's garbage collection in the
   engine core / the first worker per step, and ``full_collections`` the
-  generation-2 collections of both over the profile (None for profiles
-  written before the records carried ``gc``);
+  generation-2 collections of both, each process's first record (the
+  engine's start) left out (None for profiles written before the records
+  carried ``gc``);
   ``deferred_per_step``: lookups answered "not yet";
 
 and per request (admitted in the profile): ``queued_ms`` (arrival to the
@@ -99,14 +100,19 @@ def _hook_s(rec: Mapping[str, Any], names: Sequence[str] | None = None,
 LAYER_HOOKS = ("wait_for_layer_load", "save_kv_layer")
 
 
+def _serving(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records after a process's first (which covers the engine's start)."""
+    return sorted(records, key=lambda r: r["t0"])[1:]
+
+
 def _gc_ms(records: Sequence[Mapping[str, Any]]) -> float | None:
-    """Mean GC seconds per record, in ms (None: profiles written before ``gc``)."""
-    xs = [r["gc"]["s"] for r in records if "gc" in r]
-    return _ms(xs)
+    """Mean GC seconds per record while serving, in ms (None: profiles written before
+    records carried ``gc``)."""
+    return _ms([r["gc"]["s"] for r in _serving(records) if "gc" in r])
 
 
 def _full_collections(records: Sequence[Mapping[str, Any]]) -> int | None:
-    counts = [r["gc"]["collections"][2] for r in records if "gc" in r]
+    counts = [r["gc"]["collections"][2] for r in _serving(records) if "gc" in r]
     return sum(counts) if counts else None
 
 

@@ -17,9 +17,10 @@ from hicache.integration.cli.main import app
 
 def write(path: Path, forward_s: float, hook_s: float, gc_s: float | None = None) -> Path:
     """Two steps: request r arrives at 10.0, is admitted in step 1 (built at 10.5) and
-    gets its first token at the end of step 2's worker step (11.3). ``gc_s``: the
-    engine core's first record and the worker's second carry that much garbage
-    collection, one full collection each (None: records written before ``gc``)."""
+    gets its first token at the end of step 2's worker step (11.3). ``gc_s``: each
+    half's second record carries that much garbage collection and one full
+    collection, its first (the engine's start) 9 s and one more (None: records
+    written before ``gc``)."""
     recs = [
         {"role": "scheduler", "connector": "C", "pid": 1, "seq": 1, "t0": 10.0, "t1": 10.5,
          "hooks": {"build_connector_meta": [1, hook_s]}, "deferred": 0,
@@ -40,8 +41,7 @@ def write(path: Path, forward_s: float, hook_s: float, gc_s: float | None = None
     ]
     if gc_s is not None:
         for rec in recs:
-            full = rec["seq"] == (1 if rec["role"] == "scheduler" else 2)
-            rec["gc"] = {"s": gc_s if full else 0.0, "collections": [2, 0, int(full)]}
+            rec["gc"] = {"s": gc_s if rec["seq"] == 2 else 9.0, "collections": [2, 0, 1]}
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
 
@@ -73,11 +73,12 @@ def test_garbage_collection_per_step_and_full_collections(tmp_path):
     base = write(tmp_path / "null.profile.jsonl", 0.2, 0.0, gc_s=0.004)
     mine = write(tmp_path / "hicache.profile.jsonl", 0.2, 0.0, gc_s=0.06)
     s = summarize(load(mine))
-    assert s["scheduler_gc_ms"] == pytest.approx(30)  # 60 ms in one of two records
-    assert s["worker_gc_ms"] == pytest.approx(30) and s["full_collections"] == 2
+    # The second record of each half only: the first covers the engine's start.
+    assert s["scheduler_gc_ms"] == pytest.approx(60)
+    assert s["worker_gc_ms"] == pytest.approx(60) and s["full_collections"] == 2
     done = CliRunner().invoke(app, ["profile", "summary", str(base), str(mine)])
     assert done.exit_code == 0, done.output
-    assert "| GC ms, engine core | 2.000 | 30.000 | 15.00 |" in done.output
+    assert "| GC ms, engine core | 4.000 | 60.000 | 15.00 |" in done.output
     assert "| full GC collections (both) | 2 | 2 | 1.00 |" in done.output
 
 
