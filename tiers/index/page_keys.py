@@ -170,11 +170,23 @@ def block_page_keys(
     """
     if hashes_per_page <= 0:
         raise ValueError(f"hashes_per_page must be positive, got {hashes_per_page}")
+    return _keys_of_ends(seed, _page_ends(block_hashes, hashes_per_page, first_page))
+
+
+def _page_ends(block_hashes: Sequence[bytes], hashes_per_page: int,
+               first_page: int) -> list[bytes]:
+    """The block hash that ends each full page from ``first_page`` on."""
+    return [block_hashes[end] for end in range((first_page + 1) * hashes_per_page - 1,
+                                               len(block_hashes), hashes_per_page)]
+
+
+def _keys_of_ends(seed: bytes, ends: Sequence[bytes]) -> list[PageKey]:
+    """``SHA-256(seed || len || digest)`` of each page's last block hash (the seed
+    hashed once, its state copied per page)."""
+    seeded = hashlib.sha256(seed)
     keys: list[PageKey] = []
-    seeded = hashlib.sha256(seed)  # sha256(seed || len || digest), the seed hashed once
-    for end in range((first_page + 1) * hashes_per_page - 1, len(block_hashes),
-                     hashes_per_page):
-        digest = bytes(block_hashes[end])
+    for end in ends:
+        digest = bytes(end)
         h = seeded.copy()
         h.update(len(digest).to_bytes(4, "little") + digest)
         keys.append(PageKey(h.digest()))
@@ -202,20 +214,14 @@ class KeyMemo:
 
     def keys_of(self, block_hashes: Sequence[bytes], first_page: int) -> list[PageKey]:
         """``block_page_keys(seed, block_hashes, hashes_per_page, first_page)``."""
-        per_page, known = self.hashes_per_page, self._keys
-        ends = [block_hashes[end] for end in
-                range((first_page + 1) * per_page - 1, len(block_hashes), per_page)]
+        known = self._keys
+        ends = _page_ends(block_hashes, self.hashes_per_page, first_page)
         missing = [end for end in ends if end not in known]
         if missing:
             if len(known) + len(missing) > self.max_entries:
                 known.clear()
                 missing = ends
-            seeded = hashlib.sha256(self.seed)
-            for end in missing:
-                digest = bytes(end)
-                h = seeded.copy()
-                h.update(len(digest).to_bytes(4, "little") + digest)
-                known[end] = PageKey(h.digest())
+            known.update(zip(missing, _keys_of_ends(self.seed, missing), strict=True))
         return [known[end] for end in ends]
 
 
