@@ -7,7 +7,7 @@ same process neither waits for it nor makes it wait at every system call. Each t
 thread gives the GIL up beside a busy thread, it waits up to the interpreter's switch
 interval (5 ms) to get it back: that is why the checks happen here too, not in NumPy
 afterwards (NumPy releases the GIL in its loops over larger arrays). libc's
-``open``/``pread``/``pwritev``/``fsync``/``rename``/``access``/``close`` and xxHash's
+``open``/``pread``/``preadv``/``pwritev``/``fsync``/``rename``/``access``/``close`` and xxHash's
 XXH3-64, one-shot and streaming (the C library inside the ``xxhash`` package this
 project already uses for page checksums: digests are those of
 ``xxhash.xxh3_64_intdigest``, so pages stored before stay valid) are called straight
@@ -21,7 +21,8 @@ Contract:
 - ``read_pages(paths, dest, offsets, head, length, headers, expect, pad_from)``: for
   each row of ``paths`` (a NUL-terminated path in a uint8 row): the file's first
   ``head`` bytes go to ``headers[i, :head]``, the next ``length`` bytes to
-  ``dest[offsets[i]:][:length]``. Returns (``status``, ``sizes``) per page: ``OK`` when
+  ``dest[offsets[i]:][:length]`` (the header and the payload's first chunk in one
+  ``preadv``: with O_DIRECT one I/O). Returns (``status``, ``sizes``) per page: ``OK`` when
   the file is exactly ``head + length`` bytes, its header starts with ``expect[i]``
   (``CHECKSUM_AT`` bytes), the little-endian uint64 after that prefix is the
   ``xxh3_64`` of the payload read, and header bytes ``[pad_from, head)`` are zero;

@@ -123,6 +123,34 @@ def test_a_file_of_many_records_is_written_whole_in_bounded_calls(tmp_path, monk
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def _read_calls() -> int:
+    """Read system calls of this thread so far (Linux: /proc/thread-self/io)."""
+    with open("/proc/thread-self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscr:"))
+
+
+def test_a_record_is_read_in_two_calls_header_and_payload_together(tmp_path):
+    """The header and the payload's first chunk come in one preadv (with O_DIRECT one
+    I/O, not two), then one read past the file's end: two read calls per one-chunk
+    record, counted by the kernel (three before the header joined the payload)."""
+    if not os.path.exists("/proc/thread-self/io"):
+        pytest.skip("no per-thread I/O accounting here")
+    n = 16
+    src, headers, paths, _, status = _write(tmp_path, n, np.random.default_rng(8))
+    assert status.tolist() == [native_io.OK] * n
+    dest = np.zeros(n * LENGTH, np.uint8)
+    got = np.zeros((n, HEAD), np.uint8)
+    native_io.read_pages(paths[:1], dest, [0], HEAD, LENGTH, got[:1],
+                         headers[:1, :PREFIX].copy(), PAD_FROM)  # compiled, warm
+    idle = -_read_calls() + _read_calls()  # what asking costs
+    before = _read_calls()
+    status, _ = native_io.read_pages(paths, dest, np.arange(n) * LENGTH, HEAD, LENGTH, got,
+                                     headers[:, :PREFIX].copy(), PAD_FROM)
+    calls = _read_calls() - before - idle
+    assert status.tolist() == [native_io.OK] * n and np.array_equal(dest, src)
+    assert calls == 2 * n, calls
+
+
 def test_a_write_into_a_missing_folder_fails_that_page_only_and_leaves_no_temp(tmp_path):
     src = np.random.default_rng(2).integers(0, 256, 2 * LENGTH, dtype=np.uint8)
     paths = native_io.path_rows([str(tmp_path / "p0"), str(tmp_path / "gone" / "p1")])
