@@ -220,6 +220,8 @@ def read_pages(paths: np.ndarray, dest: Any, offsets: Any, head: int, length: in
     done, they are hashed here. ``direct``: open with ``O_DIRECT`` (see ``aligned``)."""
     kernels = _kernels()
     n = paths.shape[0]
+    if n == 0:  # nothing to read (an empty header array has no aligned address)
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     flat = _flat(dest)  # alive through the call: the pages land at its addresses
     addresses = (np.asarray(offsets, np.int64) + flat.ctypes.data).astype(np.uint64)
     if direct:
@@ -260,6 +262,8 @@ def write_pages(tmp_paths: np.ndarray, paths: np.ndarray, src: Any, offsets: Any
     are row j's; all rows of a file get one status). ``direct``: open with
     ``O_DIRECT`` (see ``aligned``)."""
     n = paths.shape[0]
+    if n == 0:  # nothing to write (an empty header array has no aligned address)
+        return np.zeros(0, np.int64)
     at = np.zeros(n, np.int64) if bases is None else np.asarray(bases, np.int64)
     ends = np.ones(n, np.uint8) if last is None else np.asarray(last, np.uint8)
     flat = _flat(src)

@@ -336,6 +336,22 @@ def _accepts_o_direct(path) -> bool:
     return True
 
 
+def test_empty_batches_are_empty_results_with_direct_io_too():
+    """An empty batch moves nothing and checks nothing: its (0, width) header array has
+    no aligned address, which once made an empty direct write raise."""
+    rows = np.zeros((0, native_io.DIRECT_ALIGN), np.uint8)
+    none = native_io.path_rows([])
+    for direct in (False, True):
+        status = native_io.write_pages(none, none, np.zeros(8, np.uint8), [],
+                                       native_io.DIRECT_ALIGN, rows, PREFIX, direct=direct)
+        assert status.tolist() == []
+        status, sizes = native_io.read_pages(none, np.zeros(8, np.uint8), [],
+                                             native_io.DIRECT_ALIGN, native_io.DIRECT_ALIGN,
+                                             rows, rows[:, :PREFIX], PREFIX + 8,
+                                             direct=direct)
+        assert status.tolist() == [] and sizes.tolist() == []
+
+
 def test_direct_batches_open_with_o_direct_and_refuse_unaligned_memory(tmp_path):
     if not native_io.O_DIRECT or not _accepts_o_direct(tmp_path):
         pytest.skip(f"{tmp_path} does not accept O_DIRECT")
