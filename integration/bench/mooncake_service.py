@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,11 +44,41 @@ CLIENT_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 HOST = "127.0.0.1"
 
 
+# Ports free_port draws from start here (below them: well-known and registered ones).
+FREE_PORT_FLOOR = 10_000
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the usual small race applies)."""
+    """A TCP port free on 127.0.0.1 right now, drawn below the kernel's ephemeral range.
+
+    A port the kernel hands out for port 0 is an ephemeral one: any outgoing
+    connection (an HTTP client, vLLM's own sockets) may be given it before the
+    caller binds it, and a test then talks to the wrong listener (seen: an admin
+    server refused its port, the test's request hung on whatever held it). Below
+    the range nobody is given a port unasked; the race left is with another
+    process that picks explicit ports the same way."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200 if low > FREE_PORT_FLOOR + 1000 else 0):
+        port = draw.randrange(FREE_PORT_FLOOR, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _port_open(port: int, timeout_s: float = 0.2) -> bool:

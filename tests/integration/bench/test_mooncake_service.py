@@ -1,0 +1,26 @@
+"""``free_port``: a port nobody is handed unasked (below the kernel's ephemeral range),
+free when returned; the OS's own pick where that range leaves no room."""
+
+from __future__ import annotations
+
+import socket
+
+from hicache.integration.bench import mooncake_service
+from hicache.integration.bench.mooncake_service import FREE_PORT_FLOOR, HOST, free_port
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound():
+    low = mooncake_service._ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert FREE_PORT_FLOOR <= port < low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, port))  # free when returned
+
+
+def test_without_room_below_the_range_the_os_picks(monkeypatch):
+    monkeypatch.setattr(mooncake_service, "_ephemeral_low", lambda: FREE_PORT_FLOOR + 10)
+    port = free_port()
+    assert not FREE_PORT_FLOOR <= port < FREE_PORT_FLOOR + 10
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, port))
