@@ -53,10 +53,10 @@ def free_port() -> int:
 
     A port the kernel hands out for port 0 is an ephemeral one: any outgoing
     connection (an HTTP client, vLLM's own sockets) may be given it before the
-    caller binds it, and a test then talks to the wrong listener (seen: an admin
-    server refused its port, the test's request hung on whatever held it). Below
-    the range nobody is given a port unasked; the race left is with another
-    process that picks explicit ports the same way."""
+    caller binds it, and the caller's server then cannot bind while its clients
+    talk to whatever holds the port. Below the range nobody is given a port
+    unasked; the race left is with another process that picks explicit ports
+    the same way."""
     low = _ephemeral_low()
     draw = random.SystemRandom()
     for _ in range(200 if low > FREE_PORT_FLOOR + 1000 else 0):

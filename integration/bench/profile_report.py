@@ -116,6 +116,11 @@ def _full_collections(records: Sequence[Mapping[str, Any]]) -> int | None:
     return sum(counts) if counts else None
 
 
+def _sum_known(scheduler: int | None, worker: int | None) -> int | None:
+    """Both halves' counts added, None when the scheduler's records carry none."""
+    return None if scheduler is None else scheduler + (worker or 0)
+
+
 def _busy(prof: Profile, skip_idle: bool) -> list[dict[str, Any]]:
     """Worker steps of the first rank (the steps all ranks run), in order; with
     ``skip_idle`` only those that ran a forward pass."""
@@ -171,9 +176,8 @@ def summarize(prof: Profile) -> dict[str, Any]:
                                          if "cpu" in r]),
         "scheduler_gc_ms": _gc_ms(prof.scheduler),
         "worker_gc_ms": _gc_ms(every),
-        "full_collections": (None if _full_collections(prof.scheduler) is None else
-                             (_full_collections(prof.scheduler) or 0)
-                             + (_full_collections(every) or 0)),
+        "full_collections": _sum_known(_full_collections(prof.scheduler),
+                                       _full_collections(every)),
         "deferred_per_step": (round(statistics.fmean(r.get("deferred", 0)
                                                      for r in prof.scheduler), 3)
                               if prof.scheduler else None),

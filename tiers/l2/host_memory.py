@@ -9,10 +9,9 @@ Contract:
 - ``pin=False``: that memory, pageable, as on a CPU-only host, with every page
   faulted in before ``allocate`` returns (``prefault``), as vLLM's own CPU KV
   cache (``torch.zeros``) is. Left to fault lazily, the first copy into each
-  page paid for it in the forward thread while serving: a 1 MB store into a
-  fresh pool took 2.1 ms on average (max 5 ms) against 0.08 ms into touched
-  pages on the 2-core CI machine (huge-page zeroing and compaction), and a
-  pool larger than the traffic never stopped paying it (docs/benchmarks.md).
+  page would pay the fault (huge-page zeroing, at times compaction) in the
+  forward thread while serving, and a pool larger than the traffic would keep
+  paying it (docs/benchmarks.md measures both).
 - ``pin=True``: then ``cudaHostRegister`` (portable + mapped), so the DMA engines and the
   Triton copy kernel (unified addressing: the host pointer is valid on the
   device) reach it directly. Exactly ``nbytes`` rounded up to the OS page is

@@ -132,7 +132,7 @@ def _read_calls() -> int:
 def test_a_record_is_read_in_two_calls_header_and_payload_together(tmp_path):
     """The header and the payload's first chunk come in one preadv (with O_DIRECT one
     I/O, not two), then one read past the file's end: two read calls per one-chunk
-    record, counted by the kernel (three before the header joined the payload)."""
+    record, counted by the kernel."""
     if not os.path.exists("/proc/thread-self/io"):
         pytest.skip("no per-thread I/O accounting here")
     n = 16
@@ -338,7 +338,7 @@ def _accepts_o_direct(path) -> bool:
 
 def test_empty_batches_are_empty_results_with_direct_io_too():
     """An empty batch moves nothing and checks nothing: its (0, width) header array has
-    no aligned address, which once made an empty direct write raise."""
+    no aligned address, so a direct batch must not get as far as the alignment check."""
     rows = np.zeros((0, native_io.DIRECT_ALIGN), np.uint8)
     none = native_io.path_rows([])
     for direct in (False, True):

@@ -533,7 +533,7 @@ def test_direct_io_moves_aligned_pages_straight_between_file_and_slot(tmp_path, 
         assert batches == [] and calls == [3] * 4  # header, the slot, one block past the end
     assert torch.equal(dst.buffer[4:8], src.buffer[0:4])
     assert reader.stats().get_hits == 4 and reader.stats().corrupt_pages == 0
-    # Empty batches are empty answers, not errors (they once raised with O_DIRECT).
+    # Empty batches are empty answers, not errors, with O_DIRECT too.
     assert writer.write(WriteBatch([], [])) == [] and reader.read(ReadBatch([], [])) == []
 
 
