@@ -7,6 +7,8 @@ or session-scoped, and the baseline workload runs once per session.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -106,6 +108,21 @@ def one_worker_per_core():
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     else:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+
+
+def pytest_configure(config) -> None:
+    """vLLM's ZMQ IPC sockets (about eight per multi-process engine, left behind when it
+    stops) go into a folder of this run, removed at its end, not into the temp folder."""
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        config._hicache_rpc_dir = tempfile.mkdtemp(prefix="hicache-test-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = config._hicache_rpc_dir
+
+
+def pytest_unconfigure(config) -> None:
+    path = getattr(config, "_hicache_rpc_dir", None)
+    if path is not None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -15,7 +15,8 @@ Contract:
   other adapter's JSON). It returns once the HTTP API answers, or raises
   ``RuntimeError`` with the log tail.
 - ``LMCacheService`` is a context manager: ``stop()`` sends SIGTERM, then
-  SIGKILL after a grace period; ``kill()`` SIGKILLs it (fault tests) and
+  SIGKILL after a grace period, and removes the log folder when
+  ``start_lmcache`` made it (no ``log_dir``); ``kill()`` SIGKILLs it (fault tests) and
   ``restart()`` starts it again on the same ports and L2 (an empty DRAM
   tier, the same L2). ``extra_config()`` is the lmcache backend's extra
   config for it; ``command`` the command line, for the docs' recipe.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -68,6 +70,7 @@ class LMCacheService:
     log_path: Path
     proc: subprocess.Popen[bytes]
     l2_dir: Path | None = None  # the fs adapter's folder, when it has one
+    owns_log_dir: bool = False  # made by start_lmcache: removed by stop
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -96,6 +99,7 @@ class LMCacheService:
         """Start the server again on the same ports and L2 after ``kill`` or ``stop``."""
         if self.proc.poll() is None:
             raise RuntimeError("the LMCache server is still running; kill() first")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)  # stop may have removed it
         self.proc = _spawn(self.command, self.log_path)
         self._stopped = False
         _wait_ready(self, timeout_s)
@@ -112,6 +116,8 @@ class LMCacheService:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         _unlink_shm(self.shm_name)
+        if self.owns_log_dir:
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -153,7 +159,8 @@ def start_lmcache(l2_dir: str | Path | None = None, *, l2_adapter: dict[str, Any
     service = LMCacheService(port, http_port, shm_name, command, log_path,
                              _spawn(command, log_path),
                              Path(l2_dir) if l2_dir is not None and l2_adapter is not None
-                             and l2_adapter.get("type") == "fs" else None)
+                             and l2_adapter.get("type") == "fs" else None,
+                             owns_log_dir=not log_dir)
     atexit.register(service.stop)
     try:
         _wait_ready(service, timeout_s)

@@ -12,7 +12,8 @@ Contract:
   loopback only. (Store clients still bind their transfer ports on 0.0.0.0;
   ``client_env()`` makes them advertise 127.0.0.1.)
 - ``MooncakeService`` is a context manager; ``stop()`` sends SIGTERM to the
-  PIDs it started, then SIGKILL after a grace period; ``kill_master()``
+  PIDs it started, then SIGKILL after a grace period, and removes the log
+  folder when ``start_mooncake`` made it (no ``log_dir``); ``kill_master()``
   SIGKILLs the master and ``restart_master()`` starts an empty one on the
   same ports, for fault tests. Processes are also stopped at
   interpreter exit.
@@ -30,6 +31,7 @@ import atexit
 import importlib.util
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -117,6 +119,7 @@ class MooncakeService:
     master_cmd: list[str]
     metadata: subprocess.Popen[bytes] | None = None
     holder: subprocess.Popen[bytes] | None = None
+    owns_log_dir: bool = False  # made by start_mooncake: removed by stop
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -206,6 +209,8 @@ class MooncakeService:
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        if self.owns_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def log_tail(self, lines: int = 30) -> str:
         path = self.log_dir / "mooncake_master.log"
@@ -249,7 +254,8 @@ def start_mooncake(
     """Start a master on 127.0.0.1 (``metadata``: "P2PHANDSHAKE" or "http")."""
     if metadata not in ("P2PHANDSHAKE", "http"):
         raise ValueError(f"metadata={metadata!r}; allowed values: 'P2PHANDSHAKE', 'http'")
-    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="mooncake-"))
+    owned = log_dir is None
+    logs = Path(tempfile.mkdtemp(prefix="mooncake-") if log_dir is None else log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     binary = mooncake_master_binary()
     last_error = ""
@@ -270,7 +276,8 @@ def start_mooncake(
             master.wait(timeout=10)
             last_error = (logs / "mooncake_master.log").read_text(errors="replace")[-2000:]
             continue
-        service = MooncakeService(rpc_port, metrics_port, "P2PHANDSHAKE", logs, master, cmd)
+        service = MooncakeService(rpc_port, metrics_port, "P2PHANDSHAKE", logs, master, cmd,
+                                  owns_log_dir=owned)
         atexit.register(service.stop)
         if metadata == "http":
             meta_port = free_port()

@@ -26,6 +26,7 @@ the runner reports that reason instead of a number.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
@@ -369,7 +370,24 @@ def remove_stores(workdir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+_RPC_DIR: list[Path] = []  # this process's folder for vLLM's IPC sockets, once made
+
+
+def rpc_dir() -> Path:
+    """A folder for the ZMQ IPC sockets of the vLLM servers this process starts
+    (``VLLM_RPC_BASE_PATH``, vLLM's default the temp folder): vLLM leaves them behind
+    when a server stops, about eight per server; this folder is removed at exit."""
+    if not _RPC_DIR:
+        _RPC_DIR.append(Path(tempfile.mkdtemp(prefix="hicache-rpc-")))
+        atexit.register(shutil.rmtree, _RPC_DIR[0], True)
+    return _RPC_DIR[0]
+
+
 def server_env(lp: LaunchPlan) -> dict[str, str]:
+    """The server's environment: ours, ``rpc_dir()`` unless the operator named a
+    ``VLLM_RPC_BASE_PATH``, then the plan's."""
     env = dict(os.environ)
+    if "VLLM_RPC_BASE_PATH" not in env:
+        env["VLLM_RPC_BASE_PATH"] = str(rpc_dir())
     env.update(lp.env)
     return env

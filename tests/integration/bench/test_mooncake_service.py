@@ -24,3 +24,13 @@ def test_without_room_below_the_range_the_os_picks(monkeypatch):
     assert not FREE_PORT_FLOOR <= port < FREE_PORT_FLOOR + 10
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, port))
+
+
+def test_stop_removes_the_log_folder_it_made_and_keeps_one_it_was_given(tmp_path):
+    with mooncake_service.start_mooncake() as made:
+        assert (made.log_dir / "mooncake_master.log").exists()
+    assert not made.log_dir.exists()
+    given = tmp_path / "logs"
+    with mooncake_service.start_mooncake(log_dir=given):
+        pass
+    assert (given / "mooncake_master.log").exists()

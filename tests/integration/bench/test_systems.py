@@ -26,6 +26,8 @@ from hicache.integration.bench.systems import (
     preset_path,
     probe,
     remove_stores,
+    rpc_dir,
+    server_env,
 )
 from hicache.integration.bench.trace_workload import TRACE_DIR_ENV, TraceWorkload
 
@@ -122,6 +124,16 @@ def test_hicache_plan_is_one_vllm_flag_on_loopback(tmp_path):
     # An admin token of its own, in the environment only (the client's writes need it).
     token = lp.env["HICACHE_ADMIN_TOKEN"]
     assert len(token) == 32 and token not in " ".join(lp.cmd)
+
+
+def test_servers_keep_vllms_ipc_sockets_in_a_folder_of_this_process(tmp_path, monkeypatch):
+    cfg = parse_config({**MINIMAL, "systems": [{"name": "v", "kind": "vllm"}]})
+    lp = plan(cfg, cfg.systems[0], port=1234, admin_port=4321, workdir=tmp_path)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    first, second = server_env(lp)["VLLM_RPC_BASE_PATH"], server_env(lp)["VLLM_RPC_BASE_PATH"]
+    assert first == second == str(rpc_dir()) and Path(first).is_dir()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))  # the operator's choice stands
+    assert server_env(lp)["VLLM_RPC_BASE_PATH"] == str(tmp_path)
 
 
 def test_each_run_gets_a_new_empty_store_and_earlier_ones_wait_for_remove_stores(tmp_path):

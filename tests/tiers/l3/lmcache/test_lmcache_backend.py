@@ -269,3 +269,17 @@ def test_hung_server_is_bounded_by_the_request_timeout_and_recovers(make, servic
     wait_reachable(backend)
     assert backend.exists_prefix(ks) == 2
     assert backend.read(ReadBatch(ks, [2, 3])) == [True, True]
+
+
+def test_stop_removes_the_log_folder_start_made_and_restart_makes_it_again():
+    svc = start_lmcache()
+    try:
+        logs = svc.log_path.parent
+        assert svc.log_path.exists()
+        svc.stop()
+        assert not logs.exists()
+        svc.restart()
+        assert svc.alive() and svc.log_path.exists()
+    finally:
+        svc.stop()
+    assert not logs.exists()
