@@ -9,6 +9,9 @@ without the GIL, each with the C library's memcpy (cpu_copy_kernel.py).
 Per-copy cost is a few nanoseconds instead of the microseconds a torch slice
 ``copy_`` costs to dispatch, which is what kept the torch path at ~60% of
 memcpy for 64-256 KiB copies.
+The byte views of the storages and each layer's offsets are made on the first
+copy between a layer list and a pool and kept as an attribute of the pool
+tensor (they go with it); a copy then builds only its runs.
 ``available()`` is False without numba (the torch path then serves).
 
 The kernel is serial on purpose, never ``parallel=True``: numba's parallel
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,22 +64,69 @@ def _storage_bytes(t: torch.Tensor) -> np.ndarray:
     return raw.numpy()
 
 
-def _runs(pool: torch.Tensor, transfer: BlockTransfer) -> tuple[np.ndarray, np.ndarray,
-                                                                   np.ndarray]:
+@dataclass
+class _Views:
+    """What a copy between ``layers`` and ``pool`` needs that never changes: the byte
+    views of their storages, the pool's strides, and per tuple of layer indices each
+    storage group's (layer bytes, base offsets, strides, pool row offsets). Kept as
+    an attribute of the pool tensor (a worker copies between the same layer list and
+    pool for its life), so it goes with the pool."""
+
+    layers: Sequence[torch.Tensor]
+    pool_bytes: np.ndarray
+    pool_offset: int
+    s_slot: int
+    s_layer: int
+    s_block: int
+    block_bytes: int
+    adjacent: bool  # a run's blocks are adjacent in the pool
+    groups: dict[tuple[int, ...], list[tuple[np.ndarray, np.ndarray, np.ndarray,
+                                             np.ndarray]]] = field(default_factory=dict)
+
+    def of(self, indices: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                       np.ndarray]]:
+        key = tuple(indices)
+        found = self.groups.get(key)
+        if found is None:
+            layers = self.layers
+            found = [(_storage_bytes(layers[group[0]]),
+                      np.array([layers[i].storage_offset() for i in group], dtype=np.int64),
+                      np.array([layers[i].stride(0) for i in group], dtype=np.int64),
+                      np.array(group, dtype=np.int64) * self.s_layer)
+                     for group in _by_storage(layers, key)]
+            self.groups[key] = found
+        return found
+
+
+_VIEWS_ATTR = "_hicache_cpu_copy_views"
+
+
+def _views(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> _Views:
+    """``pool``'s views for ``layers``, made on the first copy between them."""
+    views: _Views | None = getattr(pool, _VIEWS_ATTR, None)
+    if views is None or views.layers is not layers:
+        s_slot, s_layer, s_block, _ = pool.stride()
+        block_bytes = pool.shape[3]
+        views = _Views(layers, _storage_bytes(pool), int(pool.storage_offset()), s_slot, s_layer,
+                       s_block, block_bytes, s_block == block_bytes or pool.shape[2] == 1)
+        setattr(pool, _VIEWS_ATTR, views)
+    return views
+
+
+def _runs(views: _Views, transfer: BlockTransfer) -> tuple[np.ndarray, np.ndarray,
+                                                            np.ndarray]:
     """(engine block of each run, its byte offset in the pool's storage for layer row 0,
     its bytes): a run is one contiguous copy per layer."""
-    block_bytes = pool.shape[3]
-    s_slot, _, s_block, _ = pool.stride()
-    if s_block == block_bytes or pool.shape[2] == 1:  # a run's blocks are adjacent there
+    if views.adjacent:
         start, slot, offset, length = transfer.run_array
-        nbytes = length * block_bytes
+        nbytes = length * views.block_bytes
     else:
         start, slot, offset = transfer.units
-        nbytes = np.full(len(start), block_bytes, dtype=np.int64)
+        nbytes = np.full(len(start), views.block_bytes, dtype=np.int64)
     # Fresh, writable and contiguous (``run_array`` rows are read-only strided views):
     # the kernel then runs under the one signature ``precompile`` compiled.
-    return (np.array(start, dtype=np.int64), pool.storage_offset() + slot * s_slot
-            + offset * s_block, nbytes)
+    return (np.array(start, dtype=np.int64),
+            views.pool_offset + slot * views.s_slot + offset * views.s_block, nbytes)
 
 
 def _by_storage(layers: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[int]]:
@@ -96,17 +147,13 @@ def _copy(
 ) -> None:
     if not len(transfer):
         return
-    pool_bytes = _storage_bytes(pool)
-    start, pool_at, nbytes = _runs(pool, transfer)
-    s_layer = pool.stride()[1]
+    views = _views(layers, pool)
+    start, pool_at, nbytes = _runs(views, transfer)
     indices = range(len(layers)) if layer_indices is None else layer_indices
     kernel = _copy_runs()
-    for group in _by_storage(layers, indices):
-        base = np.array([layers[i].storage_offset() for i in group], dtype=np.int64)
-        stride = np.array([layers[i].stride(0) for i in group], dtype=np.int64)
-        rows = np.array(group, dtype=np.int64) * s_layer
-        kernel(_storage_bytes(layers[group[0]]), base, stride, pool_bytes, pool_at, rows,
-               start, nbytes, bool(load))
+    for kv_bytes, base, stride, rows in views.of(indices):
+        kernel(kv_bytes, base, stride, views.pool_bytes, pool_at, rows, start, nbytes,
+               bool(load))
 
 
 def precompile(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> int:

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.kernels import gpu_copy, io_backend
+from hicache.kernels import cpu_copy, gpu_copy, io_backend
 from hicache.kernels.block_copy import BlockTransfer, block_byte_view, load_blocks, save_blocks
 from hicache.tiers.l2.host_pool import LAYOUT_DIMS, HostPagePool, PoolGeometry
 
@@ -166,3 +166,32 @@ def test_cpu_precompile_builds_the_kernel_the_first_copy_runs():
     assert done.stdout.split() == ["ok", "1"]
     assert io_backend.CPU_BATCH.precompile is not None
     assert io_backend.CPU_BATCH.precompile([], torch.empty(0)) == 0
+
+
+@pytest.mark.skipif(not cpu_copy.available(), reason="needs numba")
+def test_cpu_copies_make_the_views_once_per_layer_list_and_pool(monkeypatch):
+    """The storages' byte views and the layers' offsets are made on the first copy
+    between a layer list and a pool and reused after; another list makes its own;
+    every copy still lands bit-exact; the views go with the pool."""
+    import gc
+    import weakref
+
+    backing, kv = vllm_like_kv(2, 8, 2, 16, 64, torch.bfloat16)
+    layers = [block_byte_view(t, 8) for t in kv]
+    pool = HostPagePool(PoolGeometry(4, 2, 1, layers[0].shape[1]), layout="page_first",
+                        pin_memory=False)
+    made = []
+    real = cpu_copy._storage_bytes
+    monkeypatch.setattr(cpu_copy, "_storage_bytes", lambda t: made.append(id(t)) or real(t))
+    raw = backing.view(torch.uint8).view(2, 8, -1)
+    for i in range(3):  # blocks 1..3 -> slots 0..2 -> blocks 5..7
+        cpu_copy.save_blocks(layers, pool.canonical, BlockTransfer.from_lists([1 + i], [i], [0]))
+        cpu_copy.load_blocks(pool.canonical, layers, BlockTransfer.from_lists([5 + i], [i], [0]))
+    assert len(made) == 2  # the pool's storage and the layers' one, once
+    assert torch.equal(raw[:, 5:8], raw[:, 1:4])
+    cpu_copy.save_blocks(list(layers), pool.canonical, BlockTransfer.from_lists([4], [3], [0]))
+    assert len(made) == 4  # a new list: its own views
+    views = weakref.ref(getattr(pool.canonical, cpu_copy._VIEWS_ATTR))
+    del pool
+    gc.collect()
+    assert views() is None
