@@ -21,14 +21,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
-class CopyRun:
-    """``length`` consecutive engine blocks <-> consecutive block offsets of one slot."""
+class CopyRun(NamedTuple):
+    """``length`` consecutive engine blocks <-> consecutive block offsets of one slot
+    (a named tuple: a step's store builds one per run, right after a forward pass)."""
 
     block_start: int
     slot: int

@@ -116,17 +116,24 @@ def _views(layers: Sequence[torch.Tensor], pool: torch.Tensor) -> _Views:
 def _runs(views: _Views, transfer: BlockTransfer) -> tuple[np.ndarray, np.ndarray,
                                                             np.ndarray]:
     """(engine block of each run, its byte offset in the pool's storage for layer row 0,
-    its bytes): a run is one contiguous copy per layer."""
+    its bytes): a run is one contiguous copy per layer. Built from plain ints, three
+    arrays of one kind: right after a forward pass every other NumPy path runs cold
+    (docs/benchmarks.md, "What moves a round's TTFT")."""
     if views.adjacent:
-        start, slot, offset, length = transfer.run_array
-        nbytes = length * views.block_bytes
-    else:
-        start, slot, offset = transfer.units
-        nbytes = np.full(len(start), views.block_bytes, dtype=np.int64)
-    # Fresh, writable and contiguous (``run_array`` rows are read-only strided views):
-    # the kernel then runs under the one signature ``precompile`` compiled.
-    return (np.array(start, dtype=np.int64),
-            views.pool_offset + slot * views.s_slot + offset * views.s_block, nbytes)
+        runs = transfer.runs
+        at, s_slot, s_block = views.pool_offset, views.s_slot, views.s_block
+        start = [r.block_start for r in runs]
+        pool_at = [at + r.slot * s_slot + r.offset * s_block for r in runs]
+        nbytes = [r.length * views.block_bytes for r in runs]
+        return (np.array(start, dtype=np.int64), np.array(pool_at, dtype=np.int64),
+                np.array(nbytes, dtype=np.int64))
+    # One run per block where a page's blocks are not adjacent in the pool. Fresh,
+    # writable and contiguous (``units`` rows are read-only strided views): the
+    # kernel then runs under the one signature ``precompile`` compiled.
+    first, slot, offset = transfer.units
+    return (np.array(first, dtype=np.int64),
+            views.pool_offset + slot * views.s_slot + offset * views.s_block,
+            np.full(len(first), views.block_bytes, dtype=np.int64))
 
 
 def _by_storage(layers: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[int]]:
