@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.connector import gc_heap
 from hicache.connector.metadata import HiCacheStepMetadata, HiCacheWorkerReport
 from hicache.connector.profile import instrument
 from hicache.connector.vllm_events import kv_events_enabled, to_vllm
@@ -90,6 +91,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # handed to vLLM (see connector/vllm_metrics.py).
         self._kv_stats = HiCacheKVStats()
         self._admin_server: Any = None
+        self._froze_gc = False  # this worker froze its process's GC heap (gc_heap.py)
         if role == KVConnectorRole.SCHEDULER:
             self._start_scheduler(vllm_config, kv_cache_config)
         else:
@@ -267,6 +269,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.hicache_worker.register_kv_caches(kv_caches)
+        frozen = gc_heap.freeze_worker_heap(
+            kv_caches, self._vllm_config.parallel_config.distributed_executor_backend)
+        if frozen:
+            self._froze_gc = True
+            logger.info("HiCache: froze this CPU worker's GC heap after start (%d objects), "
+                        "as vLLM's GPU workers do", frozen)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward pass: finish the stores that read a preempted request's
@@ -305,6 +313,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._froze_gc:
+            gc_heap.unfreeze()
+            self._froze_gc = False
         if self._admin_server is not None:
             self._admin_server.stop()
             self._admin_server = None

@@ -72,6 +72,9 @@ def test_serves_completions_and_chat_with_connector_active(server, tiny_model):
     })
     assert chat.status_code == 200, chat.text
     assert "HiCache scheduler: page_size=32" in log.read_text()
+    # vLLM's CPU worker runs in a process of its own and does not freeze its heap itself
+    # (connector/gc_heap.py).
+    assert "froze this CPU worker's GC heap" in log.read_text()
 
 
 def test_bad_config_stops_the_server_with_a_message_naming_the_key(tiny_model, tmp_path):
