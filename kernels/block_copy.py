@@ -72,15 +72,6 @@ class BlockTransfer:
         return sum(run.length for run in self.runs)
 
     @functools.cached_property
-    def run_array(self) -> np.ndarray:
-        """(4, runs) int64, read-only: engine block start, slot, block offset and
-        length of every run (computed once per transfer)."""
-        out = (np.array([(r.block_start, r.slot, r.offset, r.length) for r in self.runs],
-                        dtype=np.int64).T if self.runs else np.empty((4, 0), dtype=np.int64))
-        out.flags.writeable = False
-        return out
-
-    @functools.cached_property
     def units(self) -> np.ndarray:
         """(3, blocks) int64, read-only: engine block, slot and block offset of every
         block moved, in run order. Computed once per transfer with whole-array

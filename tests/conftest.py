@@ -7,8 +7,6 @@ or session-scoped, and the baseline workload runs once per session.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +18,7 @@ from hicache.integration.bench.multi_turn import (
     next_turn_prompts,
     run_turns,
 )
+from hicache.integration.bench.systems import rpc_dir
 from hicache.integration.models.tiny_model import ensure_tiny_model
 from hicache.integration.vllm.engine import EngineSpec, close_llm, open_llm
 
@@ -112,17 +111,10 @@ def one_worker_per_core():
 
 def pytest_configure(config) -> None:
     """vLLM's ZMQ IPC sockets (about eight per multi-process engine, left behind when it
-    stops) go into a folder of this run, removed at its end, not into the temp folder."""
+    stops) go into the benchmark servers' folder of this process (``rpc_dir``, removed
+    at exit), not into the temp folder."""
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        config._hicache_rpc_dir = tempfile.mkdtemp(prefix="hicache-test-rpc-")
-        os.environ["VLLM_RPC_BASE_PATH"] = config._hicache_rpc_dir
-
-
-def pytest_unconfigure(config) -> None:
-    path = getattr(config, "_hicache_rpc_dir", None)
-    if path is not None:
-        os.environ.pop("VLLM_RPC_BASE_PATH", None)
-        shutil.rmtree(path, ignore_errors=True)
+        os.environ["VLLM_RPC_BASE_PATH"] = str(rpc_dir())
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
