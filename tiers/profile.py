@@ -22,7 +22,10 @@ Contract:
   the engine core), of HiCache's own threads (named ``hicache-*``) and of
   the whole process, and the seconds the calling thread waited, runnable,
   for a CPU (``/proc/thread-self/schedstat``, Linux; 0 elsewhere).
-  ``delta()`` is what changed since the previous call.
+  ``delta()`` is what changed since the previous call, with
+  ``hicache_by_thread``: the helper threads' CPU seconds per family (the
+  name without its pool index: ``hicache-l3``, ``hicache-l3-fetch``,
+  ``hicache-copy``...), families that used none left out.
 - A record is a plain dict: ``role`` ("scheduler" | "worker"), ``connector``
   (the instrumented class: inside vLLM's MultiConnector each child writes its
   own), ``pid``,
@@ -41,6 +44,7 @@ import gc
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +57,9 @@ PROFILE_ENV = "HICACHE_PROFILE"
 THREAD_PREFIX = "hicache-"
 
 T = TypeVar("T")
+
+# A pool's index at the end of a thread name: "hicache-copy_0", "hicache-l3-fetch-1".
+_POOL_INDEX = re.compile(r"[-_]\d+$")
 
 
 def profile_path() -> str | None:
@@ -128,25 +135,37 @@ class ThreadClock:
         self._last = self._read()
 
     @staticmethod
-    def _helper_cpu_s() -> float:
-        total = 0.0
+    def _helper_cpu_s() -> dict[str, float]:
+        by_family: dict[str, float] = {}
         for t in threading.enumerate():
             if not t.name.startswith(THREAD_PREFIX) or t.ident is None:
                 continue
             try:
-                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
             except (OSError, AttributeError):
                 continue  # ended meanwhile, or no per-thread clocks here
-        return total
+            family = _POOL_INDEX.sub("", t.name)
+            by_family[family] = by_family.get(family, 0.0) + cpu
+        return by_family
 
-    def _read(self) -> dict[str, float]:
+    def _read(self) -> dict[str, Any]:
         return {"thread": time.thread_time(), "hicache_threads": self._helper_cpu_s(),
                 "process": time.process_time(), "thread_waited": _schedstat_wait_s()}
 
-    def delta(self) -> dict[str, float]:
+    def delta(self) -> dict[str, Any]:
         now = self._read()
-        out = {k: round(now[k] - self._last[k], 6) for k in now}
-        self._last = now
+        last, self._last = self._last, now
+        out: dict[str, Any] = {k: round(now[k] - last[k], 6)
+                               for k in ("thread", "process", "thread_waited")}
+        families = {}
+        for family, cpu in now["hicache_threads"].items():
+            # A thread that ended since the last read takes its seconds with it;
+            # a family never goes below zero.
+            used = round(max(0.0, cpu - last["hicache_threads"].get(family, 0.0)), 6)
+            if used > 0:
+                families[family] = used
+        out["hicache_threads"] = round(sum(families.values()), 6)
+        out["hicache_by_thread"] = families
         return out
 
 

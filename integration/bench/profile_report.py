@@ -15,7 +15,9 @@ fields are listed in connector/profile.py) into scheduler and worker records.
 - ``forward_thread_waited_ms``: the forward thread's time runnable but off
   a CPU (another thread had it);
 - ``helper_cpu_ms``: CPU of HiCache's own threads (copy, L3 I/O, ...) during
-  the step, and ``helper_cpu_between_ms`` between steps;
+  the step, and ``helper_cpu_between_ms`` between steps; ``helper_cpu_by_thread_ms``
+  the same two per thread family (``{"hicache-l3": [in, between], ...}``; empty
+  for profiles written before the records carried ``hicache_by_thread``);
 - ``scheduler_hooks_ms``: the connector's scheduler hooks per step, and
   ``scheduler_thread_cpu_ms`` the engine core's scheduling thread's CPU per step
   (vLLM's own work included);
@@ -151,6 +153,18 @@ def requests(prof: Profile) -> list[dict[str, float]]:
     return out
 
 
+def _by_thread_ms(steps: Sequence[Mapping[str, Any]]) -> dict[str, list[float | None]]:
+    """Mean CPU ms per step of each helper-thread family, in the step and between."""
+    if not steps:
+        return {}
+    families = sorted({f for r in steps for part in ("cpu", "cpu_between")
+                       for f in r.get(part, {}).get("hicache_by_thread", {})})
+    return {f: [_ms([r["cpu"].get("hicache_by_thread", {}).get(f, 0.0) for r in steps]),
+                _ms([r.get("cpu_between", {}).get("hicache_by_thread", {}).get(f, 0.0)
+                     for r in steps])]
+            for f in families}
+
+
 def summarize(prof: Profile) -> dict[str, Any]:
     """Per-step means and per-request latencies (see the module docstring)."""
     steps = _busy(prof, skip_idle=True)
@@ -170,6 +184,7 @@ def summarize(prof: Profile) -> dict[str, Any]:
         "helper_cpu_ms": _ms([r["cpu"]["hicache_threads"] for r in steps]),
         "helper_cpu_between_ms": _ms([r.get("cpu_between", {}).get("hicache_threads", 0.0)
                                       for r in steps]),
+        "helper_cpu_by_thread_ms": _by_thread_ms(steps),
         "scheduler_steps": len(prof.scheduler),
         "scheduler_hooks_ms": _ms([_hook_s(r) for r in prof.scheduler]),
         "scheduler_thread_cpu_ms": _ms([r["cpu"]["thread"] for r in prof.scheduler
@@ -223,6 +238,12 @@ def compare_table(summaries: Sequence[Mapping[str, Any]]) -> str:
         return "-" if not a or b is None else f"{b / a:.2f}"
 
     rows = [(label, [s.get(key) for s in summaries], fmt) for label, key, fmt in ROWS]
+    families = sorted({f for s in summaries for f in s.get("helper_cpu_by_thread_ms", {})})
+    for family in families:
+        for i, where in enumerate(("in step", "between")):
+            rows.append((f"{family} CPU ms ({where})",
+                         [(s.get("helper_cpu_by_thread_ms", {}).get(family) or [0.0, 0.0])[i]
+                          for s in summaries], ".3f"))
     for key, label in (("queued_ms", "request: queued ms"),
                        ("to_first_token_ms", "request: admitted → first token ms"),
                        ("ttft_ms", "request: arrival → first token ms")):

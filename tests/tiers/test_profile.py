@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from hicache.tiers.profile import (
     PROFILE_ENV,
     GcClock,
@@ -92,6 +94,7 @@ def test_thread_clock_tells_hicache_threads_from_the_calling_thread():
     sum(range(300_000))  # the calling thread works too
     d = clock.delta()  # the helper is alive (waiting): its CPU is counted
     assert d["hicache_threads"] > 0 and d["thread"] > 0
+    assert d["hicache_by_thread"] == {"hicache-test-helper": d["hicache_threads"]}
     assert d["process"] >= d["thread"] + d["hicache_threads"] - 1e-3
     worked.clear()
     other.start()
@@ -101,7 +104,36 @@ def test_thread_clock_tells_hicache_threads_from_the_calling_thread():
     stop.set()
     helper.join()
     other.join()
-    assert set(d) == {"thread", "hicache_threads", "process", "thread_waited"}
+    assert set(d) == {"thread", "hicache_threads", "hicache_by_thread", "process",
+                      "thread_waited"}
+
+
+def test_thread_clock_groups_a_pools_threads_into_one_family():
+    clock = ThreadClock()
+    go, stop = threading.Event(), threading.Event()
+    done = [threading.Event(), threading.Event()]
+
+    def spin(i: int) -> None:
+        go.wait(30)
+        x = 0
+        while x < 1_000_000:
+            x += 1
+        done[i].set()
+        stop.wait(30)
+
+    pool = [threading.Thread(target=spin, args=(i,), name=f"hicache-pool-fetch_{i}")
+            for i in range(2)]
+    for t in pool:
+        t.start()
+    clock.delta()
+    go.set()
+    assert all(e.wait(60) for e in done)
+    d = clock.delta()
+    stop.set()
+    for t in pool:
+        t.join()
+    assert set(d["hicache_by_thread"]) == {"hicache-pool-fetch"}
+    assert d["hicache_by_thread"]["hicache-pool-fetch"] == pytest.approx(d["hicache_threads"])
 
 
 APPEND = """

@@ -36,8 +36,9 @@ def write(path: Path, forward_s: float, hook_s: float, gc_s: float | None = None
          "batch": {"r": 36}, "admitted": [], "first_token": ["r"]},
         {"role": "worker", "connector": "C", "pid": 2, "seq": 2, "t0": 11.0, "t1": 11.3,
          "forward_s": forward_s, "hooks": {},
-         "cpu": {"thread": 0.2, "hicache_threads": 0.01, "process": 0.21, "thread_waited": 0},
-         "cpu_between": {"hicache_threads": 0.002}},
+         "cpu": {"thread": 0.2, "hicache_threads": 0.01, "process": 0.21, "thread_waited": 0,
+                 "hicache_by_thread": {"hicache-l3": 0.008, "hicache-copy": 0.002}},
+         "cpu_between": {"hicache_threads": 0.002, "hicache_by_thread": {"hicache-l3": 0.002}}},
     ]
     if gc_s is not None:
         for rec in recs:
@@ -57,9 +58,13 @@ def test_summary_joins_the_halves_and_compares_with_the_baseline(tmp_path):
     assert s["worker_steps"] == 2 and s["forward_ms"] == pytest.approx(300)
     assert s["gap_ms"] == pytest.approx(100) and s["deferred_per_step"] == 0.5
     assert s["helper_cpu_ms"] == pytest.approx(5)  # (0 + 10 ms) / 2 steps
+    # Per thread family, in the step and between (the first record has no breakdown).
+    assert s["helper_cpu_by_thread_ms"] == {"hicache-copy": [pytest.approx(1), 0.0],
+                                            "hicache-l3": [pytest.approx(4), pytest.approx(1)]}
     done = CliRunner().invoke(app, ["profile", "summary", str(base), str(mine)])
     assert done.exit_code == 0, done.output
     assert "| forward ms | 200.00 | 300.00 | 1.50 |" in done.output
+    assert "| hicache-l3 CPU ms (in step) | 4.000 | 4.000 | 1.00 |" in done.output
     png = tmp_path / "p.png"
     done = CliRunner().invoke(app, ["profile", "plot", str(base), str(mine), "--out", str(png),
                                     "--names", "null,hicache"])
