@@ -39,6 +39,7 @@ per-step split, the figure a person reads before the table.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,10 +58,14 @@ class Profile:
     worker: list[dict[str, Any]] = field(default_factory=list)
 
 
+logger = logging.getLogger(__name__)
+
+
 def load(path: str | Path, name: str | None = None) -> Profile:
     """Read a profile; lines that are not records are an error naming the line."""
     path = Path(path)
     prof = Profile(name or path.stem.removesuffix(".profile"))
+    records: list[tuple[int, dict[str, Any]]] = []
     with path.open() as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -70,18 +75,29 @@ def load(path: str | Path, name: str | None = None) -> Profile:
                 role = rec["role"]
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: not a profile record ({exc})") from None
-            if role == "scheduler":
-                prof.scheduler.append(rec)
-            elif role == "worker":
-                prof.worker.append(rec)
-            else:
+            if role not in ("scheduler", "worker"):
                 raise ValueError(f"{path}:{n}: role must be scheduler or worker, got {role!r}")
+            records.append((n, rec))
+    # Servers append: of a file that several servers wrote one after another, the
+    # last one's records (its engine core's and its workers').
+    engines = list(dict.fromkeys(r.get("pid") for _, r in records if r["role"] == "scheduler"))
+    if len(engines) > 1:
+        first = next(n for n, r in records
+                     if r["role"] == "scheduler" and r.get("pid") == engines[-1])
+        # Its workers may write a record before its engine core's first one.
+        last = {engines[-1]} | {r.get("pid") for n, r in records
+                                if r["role"] == "worker" and n > first}
+        logger.warning("%s holds the records of %d servers; reading the last one's", path,
+                       len(engines))
+        records = [(n, r) for n, r in records if r.get("pid") in last]
+    for _, rec in records:
+        (prof.scheduler if rec["role"] == "scheduler" else prof.worker).append(rec)
     # Inside vLLM's MultiConnector every child writes records: keep HiCache's (else the
     # first child's), one record per step and rank.
-    for records in (prof.scheduler, prof.worker):
-        names = list(dict.fromkeys(r.get("connector", "") for r in records))
+    for half in (prof.scheduler, prof.worker):
+        names = list(dict.fromkeys(r.get("connector", "") for r in half))
         keep = "HiCacheConnector" if "HiCacheConnector" in names else (names or [""])[0]
-        records[:] = [r for r in records if r.get("connector", "") == keep]
+        half[:] = [r for r in half if r.get("connector", "") == keep]
     return prof
 
 

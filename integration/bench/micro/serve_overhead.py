@@ -136,7 +136,9 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, out: Path) -> di
     cfg = config(args, args.small_l1_blocks if case.small_l1 else args.l1_blocks)
     env: dict[str, str] = {}
     if args.profile:
-        env["HICACHE_PROFILE"] = str((out / f"{case.name}-r{round_}.profile.jsonl").resolve())
+        profile = (out / f"{case.name}-r{round_}.profile.jsonl").resolve()
+        profile.unlink(missing_ok=True)  # servers append: a rerun into OUT starts afresh
+        env["HICACHE_PROFILE"] = str(profile)
     if case.kind == "null":
         spec = SystemSpec(name=case.name, kind="vllm", env=env, extra_args=(
             "--kv-transfer-config", json.dumps(TRANSFER_CONFIG, separators=(",", ":"))))

@@ -137,7 +137,9 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
     tag = f"{case.name}-r{round_}"
     env: dict[str, str] = {}
     if args.profile:
-        env["HICACHE_PROFILE"] = str((out / f"{tag}.profile.jsonl").resolve())
+        profile = (out / f"{tag}.profile.jsonl").resolve()
+        profile.unlink(missing_ok=True)  # servers append: a rerun into OUT starts afresh
+        env["HICACHE_PROFILE"] = str(profile)
     if case.kind == "null":
         spec = SystemSpec(name=case.name, kind="vllm", env=env, extra_args=(
             "--kv-transfer-config", json.dumps(TRANSFER_CONFIG, separators=(",", ":"))))

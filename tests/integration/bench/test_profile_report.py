@@ -72,6 +72,22 @@ def test_summary_joins_the_halves_and_compares_with_the_baseline(tmp_path):
     assert png.stat().st_size > 5000
 
 
+def test_a_file_two_servers_appended_to_reads_as_the_last_one(tmp_path, caplog):
+    old = write(tmp_path / "old.profile.jsonl", 0.2, 0.0)
+    new = write(tmp_path / "new.profile.jsonl", 0.3, 0.01)
+    renumbered = [json.loads(line) for line in new.read_text().splitlines()]
+    for rec in renumbered:  # the second server's processes have other pids
+        rec["pid"] += 100
+    both = tmp_path / "both.profile.jsonl"
+    both.write_text(old.read_text() + "".join(json.dumps(r) + "\n" for r in renumbered))
+    with caplog.at_level("WARNING"):
+        prof = load(both)
+    assert "holds the records of 2 servers" in caplog.text
+    assert {r["pid"] for r in prof.scheduler + prof.worker} == {101, 102}
+    assert summarize(prof)["forward_ms"] == pytest.approx(300)
+    assert len(requests(prof)) == 1
+
+
 def test_garbage_collection_per_step_and_full_collections(tmp_path):
     old = summarize(load(write(tmp_path / "old.profile.jsonl", 0.2, 0.0)))
     assert old["scheduler_gc_ms"] is None and old["full_collections"] is None
