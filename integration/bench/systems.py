@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -368,6 +369,26 @@ def remove_stores(workdir: Path) -> None:
     pays the same, in any directory of that file system (docs/benchmarks-trace.md)."""
     for path in sorted(workdir.glob(f"{L3_DIR_PREFIX}*")):
         shutil.rmtree(path, ignore_errors=True)
+
+
+# A new file costs ~20 us on this VM's ext4 when no inode near it was deleted lately;
+# far above this, the kernel is skipping recently deleted inodes (remove_stores).
+SLOW_CREATE_US = 100.0
+
+
+def create_cost_us(workdir: Path, files: int = 200) -> float:
+    """Mean microseconds to create an empty file in a new directory under ``workdir``,
+    where a run's file L3 would be made. Far above ``SLOW_CREATE_US``, a file
+    system without a journal is skipping the inodes of files deleted in the last
+    minutes (see :func:`remove_stores`), and an L3 that writes page files pays it
+    on every page. The directory is one of :func:`remove_stores`'s: it goes with
+    the benchmark's stores, not now."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe = Path(tempfile.mkdtemp(prefix=f"{L3_DIR_PREFIX}probe-", dir=workdir))
+    start = time.perf_counter()
+    for i in range(files):
+        os.close(os.open(probe / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    return (time.perf_counter() - start) / files * 1e6
 
 
 _RPC_DIR: list[Path] = []  # this process's folder for vLLM's IPC sockets, once made

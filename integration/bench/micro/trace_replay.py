@@ -59,8 +59,10 @@ from hicache.integration.bench.replay import (
     replay_sync,
 )
 from hicache.integration.bench.systems import (
+    SLOW_CREATE_US,
     CompareConfig,
     SystemSpec,
+    create_cost_us,
     plan,
     remove_stores,
     server_env,
@@ -152,6 +154,14 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
     admin_port = free_port() if case.kind == "hicache" else 0
     lp = plan(cfg, spec, port=free_port(), admin_port=admin_port, workdir=out / "work")
     log = out / f"{tag}.log"
+    create_us = None
+    if spec.l3 == "file":
+        create_us = round(create_cost_us(out / "work"), 1)
+        if create_us > SLOW_CREATE_US:
+            print(f"    warning: a new file costs {create_us:.0f} us in {out / 'work'} (about "
+                  "20 us when the file system is settled): files deleted there in the last "
+                  "minutes make every L3 page write dearer; this round's HiCache figures "
+                  "carry that cost", flush=True)
     note_engine_start(f"{case.name} server")
     with log.open("wb") as f:
         proc = subprocess.Popen(lp.cmd, stdout=f, stderr=subprocess.STDOUT,
@@ -182,7 +192,8 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
                 "seconds": round(time.monotonic() - t0, 1), "errors": s["n_errors"],
                 "req_per_s": s["request_throughput"], "ttft_mean_ms": s["ttft_ms"]["mean"],
                 "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-                "cached_share": s["cached_share"], "tiers": result.get("tiers"),
+                "cached_share": s["cached_share"], "fs_create_us": create_us,
+                "tiers": result.get("tiers"),
                 "worker": (result.get("admin_stats") or {}).get("worker")}
     finally:
         stop_server(proc)

@@ -20,6 +20,7 @@ from hicache.integration.bench.systems import (
     SYSTEM_KINDS,
     ConfigError,
     LaunchPlan,
+    create_cost_us,
     load_config,
     parse_config,
     plan,
@@ -157,6 +158,17 @@ def test_each_run_gets_a_new_empty_store_and_earlier_ones_wait_for_remove_stores
     remove_stores(tmp_path)
     assert not first.exists() and not second.exists()
     assert (tmp_path / "results.json").exists()  # only the stores go
+
+
+def test_the_file_creation_probe_leaves_its_files_to_remove_stores(tmp_path):
+    """The probe's files stay until remove_stores (deleting them at once would itself
+    make the next run's files dearer on such a file system)."""
+    cost = create_cost_us(tmp_path / "work", files=50)
+    assert cost > 0
+    (probe,) = (tmp_path / "work").iterdir()
+    assert len(list(probe.iterdir())) == 50
+    remove_stores(tmp_path / "work")
+    assert list((tmp_path / "work").iterdir()) == []
 
 
 def test_cached_l3_reads_leave_the_page_cache_on_and_nixl_needs_them(tmp_path):
