@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -140,19 +141,28 @@ def path_rows(paths: Sequence[str]) -> np.ndarray:
     return np.frombuffer(joined, np.uint8).reshape(len(raw), width).copy()
 
 
+@functools.cache
 def warm_up() -> None:
-    """Compile every batch function now (an empty batch each), not on the first page."""
-    empty = np.zeros((0, 1), np.uint8)
+    """Compile every batch function now, once per process, not on the first page.
+    ``read_pages`` and ``write_pages`` return before their kernels on an empty batch,
+    so they write and read one small page in a temporary folder (unaligned, without
+    ``O_DIRECT``: the kernels take the same types either way)."""
     buf = np.zeros(8, np.uint8)
     none = np.zeros(0, np.int64)
-    read_pages(empty, buf, none, 1, 1, empty, empty, 1)
-    read_pages(empty, buf, none, 1, 1, empty, empty, 1, bases=none, ends=none)
     _kernels()["follow_hashes"](np.zeros(0, np.uint64), 1, none, np.zeros(0, np.uint64),
                                 np.zeros(2, np.int64))
-    write_pages(empty, empty, buf, none, 1, empty, 0)
     checksums(buf, none, 1)
     checksums_at(np.zeros(0, np.uint64), 1)
     copy_records([], [], [], 1, 1)
+    head, length = 16, 8
+    page = np.arange(2 * length, dtype=np.uint8)
+    headers = aligned_rows(1, head)
+    with tempfile.TemporaryDirectory(prefix="hicache-native-io-") as d:
+        paths = path_rows([os.path.join(d, "page")])
+        write_pages(path_rows([os.path.join(d, "page.tmp")]), paths, page,
+                    np.zeros(1, np.int64), length, headers, 0)
+        read_pages(paths, page, np.full(1, length, np.int64), head, length,
+                   aligned_rows(1, head), np.zeros((1, 0), np.uint8), head)
 
 
 def checksums(buf: Any, offsets: Any, length: int) -> np.ndarray:

@@ -389,3 +389,53 @@ def test_direct_batches_open_with_o_direct_and_refuse_unaligned_memory(tmp_path)
                              np.zeros(align + 1, np.uint8)[1:].reshape(1, align),
                              headers[:1, :PREFIX].copy(),
                              PREFIX + 8, direct=True)
+
+
+WARM_CHILD = """
+import sys, time
+import torch
+from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.index.spans import SpanLayout
+from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.l3 import native_io
+from hicache.tiers.l3.base import ReadBatch, StorageConfig, WriteBatch
+from hicache.tiers.l3.factory import create_backend
+
+geom = PoolGeometry(num_slots=16, num_layers=1, blocks_per_page=1, block_bytes=4096)
+pool = HostPagePool(geom, layout="page_first_direct", pin_memory=False)
+pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
+ns = KeyNamespace("warm", "uint8", "warm", 64, 1)
+ids = page_keys(ns.seed(), list(range(64 * 8)), 64)
+keys = [k.hex() for k in ids]
+cfg = StorageConfig(0, 1, ns.fingerprint(), "page_first_direct", geom.page_bytes,
+                    extra_config={"path": sys.argv[1]})
+backend = create_backend("file", cfg)
+backend.register_host_pool(pool)  # warms the kernels up
+assert backend.capabilities.spans, "the batch path does not run here"
+print({name: len(f.signatures) for name, f in native_io._kernels().items()})
+spans = SpanLayout(4).refs(ids, 0, 8)
+assert all(backend.write(WriteBatch(keys[:4], [0, 1, 2, 3])))  # a file per page
+assert all(backend.write(WriteBatch(keys[4:], [4, 5, 6, 7], spans[4:])))  # one span file
+assert all(backend.read(ReadBatch(keys[:4], [8, 9, 10, 11])))
+assert all(backend.read(ReadBatch(keys[4:], [12, 13, 14, 15], spans[4:],
+                                  time.monotonic() + 60)))
+assert torch.equal(pool.buffer[:8], pool.buffer[8:])
+print({name: len(f.signatures) for name, f in native_io._kernels().items()})
+"""
+
+
+def test_warm_up_compiles_what_a_file_store_then_runs(tmp_path):
+    """numba compiles a kernel for each new set of argument types: a batch whose types
+    warm_up did not see compiles on the L3 thread of a serving engine (measured: 0.75 s
+    of CPU on the first backup). In a fresh process, a file store's warm-up compiles
+    every kernel once, and after its pages and span files went both ways each still has
+    that one compiled version."""
+    if not native_io.available():
+        pytest.skip("the GIL-free batch path does not run here (numba or libc missing)")
+    proc = subprocess.run([sys.executable, "-c", WARM_CHILD, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warmed, used = (eval(line)  # noqa: S307 - our own child's dicts
+                    for line in proc.stdout.strip().splitlines()[-2:])
+    assert warmed == {name: 1 for name in warmed} and "write_pages" in warmed, warmed
+    assert used == warmed
