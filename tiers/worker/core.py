@@ -19,6 +19,9 @@ Contract:
   a store change, every store in flight is finished, so no backup of a page
   it deletes is queued after it. Attaching and detaching L3 happen only
   here, never in the load and store hooks.
+- On a CPU engine, L3 backups yield to the forward pass: ``begin_step``
+  closes their gate and ``finish_step`` (vLLM's wait_for_save, after the
+  pass) opens it (tiers/worker/l3_io.py ``yield_to_forward``).
 - ``start_load``: fetches first (an L2-only fetch is served at once; an L3
   fetch goes to the I/O thread, after the stores into its slots), then the
   step's L2 -> L1 loads. ``wait_for_layer``, ``save_layer`` and
@@ -120,7 +123,10 @@ class HiCacheWorker:
         self.loads = L2Loads(copies, self.outcome, self.stats, self.stores.owner_of)
         self.fetches = FetchEndings(copies, self.outcome, self.stats,
                                     per_request_failures=self.per_request_failures)
-        self.l3.start(copies.pool, copies.load_pages)
+        # vLLM's CPU forward pass keeps every core busy (OpenMP): backups wait for
+        # the gaps between passes. On a GPU the host is free while it computes.
+        on_cpu = bool(copies.layers) and copies.layers[0].device.type == "cpu"
+        self.l3.start(copies.pool, copies.load_pages, yield_to_forward=on_cpu)
 
     def _jobs(self) -> tuple[L2Loads, StoreQueue, FetchEndings]:
         if self.loads is None or self.stores is None or self.fetches is None:
@@ -131,6 +137,7 @@ class HiCacheWorker:
 
     def begin_step(self, meta: StepPlan) -> None:
         """A new step's plan: apply its storage commands on this rank, once."""
+        self.l3.forward_started()
         if not meta.storage_commands:
             return
         changes = any(isinstance(c, L3_CHANGES) for c in meta.storage_commands)
@@ -171,9 +178,12 @@ class HiCacheWorker:
         and publish what is done (slot keys, load errors, bad slots, released
         requests); stores still running are finished by a later call."""
         loads, stores, _ = self._jobs()
-        stores.finish(meta)
-        loads.finish()
-        stores.end_step()
+        try:
+            stores.finish(meta)
+            loads.finish()
+            stores.end_step()
+        finally:
+            self.l3.forward_ended()
 
     def handle_preemptions(self, meta: StepPlan) -> None:
         """Before the forward pass: a preempted request's blocks may be reused in it,

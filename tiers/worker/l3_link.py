@@ -1,10 +1,12 @@
 """One rank's link to L3: the backend and its I/O thread, attached and detached at run time.
 
 Contract:
-- ``start(pool, load_fetched)`` binds the link to this rank's pool and the
-  worker's L2 -> L1 copy of fetched pages, builds this rank's backend from
-  the current spec, registers the pool with it (zero-copy slots) and starts
-  the I/O thread (tiers/worker/l3_io.py). An attach command later builds
+- ``start(pool, load_fetched, yield_to_forward)`` binds the link to this rank's
+  pool and the worker's L2 -> L1 copy of fetched pages, builds this rank's
+  backend from the current spec, registers the pool with it (zero-copy slots)
+  and starts the I/O thread (tiers/worker/l3_io.py; ``yield_to_forward``: its
+  backups wait for the gaps between forward passes, which ``forward_started``
+  and ``forward_ended`` mark). An attach command later builds
   with the same pool and copy. A backend that cannot start leaves the
   rank without L3 (logged, False): its fetches fail and vLLM recomputes.
 - ``apply(command)`` runs one admin storage command
@@ -65,6 +67,7 @@ class L3Link:
         # What start() bound: the pool and the worker's copy of fetched pages.
         self._pool: HostPagePool | None = None
         self._load_fetched: Callable[[list[PagePlan]], Any] | None = None
+        self._yield_to_forward = False
         self.changes = 0  # L3-changing commands applied
 
     @property
@@ -72,9 +75,11 @@ class L3Link:
         """Whether this rank backs pages up to L3 now."""
         return self.io is not None and self.writer
 
-    def start(self, pool: HostPagePool,
-              load_fetched: Callable[[list[PagePlan]], Any]) -> bool:
+    def start(self, pool: HostPagePool, load_fetched: Callable[[list[PagePlan]], Any],
+              yield_to_forward: bool | None = None) -> bool:
         self._pool, self._load_fetched = pool, load_fetched
+        if yield_to_forward is not None:
+            self._yield_to_forward = yield_to_forward
         if self.spec is None or self.builder is None:
             return False
         try:
@@ -85,8 +90,17 @@ class L3Link:
                              "without L3 (its hits will be recomputed)")
             return False
         self.backend = backend
-        self.io = StorageIO(backend, pool, load_fetched)
+        self.io = StorageIO(backend, pool, load_fetched,
+                            yield_to_forward=self._yield_to_forward)
         return True
+
+    def forward_started(self) -> None:
+        if self.io is not None:
+            self.io.forward_started()
+
+    def forward_ended(self) -> None:
+        if self.io is not None:
+            self.io.forward_ended()
 
     def apply(self, command: object) -> None:
         self.changes += isinstance(command, L3_CHANGES)

@@ -24,7 +24,8 @@ NS = KeyNamespace("m", "f32", "cpu", 4, 1)
 KEYS = page_keys(NS.seed(), list(range(4 * 40)), 4)
 
 
-def make(tmp_path, fetch_threads=1, backend_class=FaultyFileBackend, **faults):
+def make(tmp_path, fetch_threads=1, backend_class=FaultyFileBackend, io_options=None,
+         **faults):
     """One I/O thread unless asked (the ordering tests hold it with a slow fetch)."""
     cfg = StorageConfig(0, 1, NS.fingerprint(), "page_first", GEOM.page_bytes,
                         extra_config={"path": str(tmp_path), **faults})
@@ -32,7 +33,8 @@ def make(tmp_path, fetch_threads=1, backend_class=FaultyFileBackend, **faults):
     backend = guarded(backend_class(cfg))
     backend.register_host_pool(pool)
     loaded: list[list[PagePlan]] = []
-    io = StorageIO(backend, pool, loaded.append, fetch_threads=fetch_threads)
+    io = StorageIO(backend, pool, loaded.append, fetch_threads=fetch_threads,
+                   **(io_options or {}))
     return io, pool, backend, loaded
 
 
@@ -441,3 +443,54 @@ def test_spans_are_backed_up_whole_and_fetched_with_page_objects_where_they_lack
     backend.inner.page_path(layout.object_keys(KEYS)[1].hex()).unlink()
     result, pool = fetch("r2")
     assert result.fetched_pages == 4 and torch.equal(pool.buffer[40:44], stored[:4])
+
+
+def test_backups_wait_for_the_forward_pass_and_fetches_do_not(tmp_path):
+    """On a CPU engine (``yield_to_forward``) backups run between forward passes:
+    queued during one, none is written until it ends; a fetch runs meanwhile."""
+    seed_l3(tmp_path / "seeded", 4)
+    io, pool, backend, _ = make(tmp_path, io_options={"yield_to_forward": True,
+                                                      "max_defer_s": 3600.0})
+    for i in range(8):
+        pool.set_key(i, KEYS[10 + i])
+    io.forward_started()
+    io.submit_backup([(KEYS[10 + i], i, KEYS[10 + i]) for i in range(8)])
+    io.submit_fetch(RequestFetch("during", (), plan(70, 2, first_key=30), (), None))
+    (result,) = wait_result(io)  # the fetch went ahead of the gate (a miss: not stored)
+    assert result.req_id == "during"
+    assert not io.wait_backups(0.2)  # still queued: the pass has not ended
+    assert io.stats.backup_pages == 0 and io.queue_depths()[1] == 8
+    io.forward_ended()
+    assert io.wait_backups(60)
+    assert io.stats.backup_pages == 8
+    assert backend.exists_prefix([KEYS[10 + i].hex() for i in range(8)]) == 8
+    io.shutdown()
+
+
+def test_backups_go_ahead_in_a_forward_pass_longer_than_max_defer_and_at_shutdown(tmp_path):
+    io, pool, backend, _ = make(tmp_path, io_options={"yield_to_forward": True,
+                                                      "max_defer_s": 0.05})
+    for i in range(4):
+        pool.set_key(i, KEYS[i])
+    io.forward_started()  # and never ended
+    io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(2)])
+    assert io.wait_backups(60)  # the pass ran past max_defer_s
+    slow, pool2, backend2, _ = make(tmp_path / "second", io_options={
+        "yield_to_forward": True, "max_defer_s": 3600.0})
+    for i in range(4):
+        pool2.set_key(i, KEYS[i])
+    slow.forward_started()
+    slow.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(4)])
+    slow.shutdown()  # finishes queued backups whatever the gate says
+    assert backend2.exists_prefix([KEYS[i].hex() for i in range(4)]) == 4
+    io.shutdown()
+
+
+def test_without_yield_to_forward_the_step_hooks_change_nothing(tmp_path):
+    io, pool, backend, _ = make(tmp_path)
+    for i in range(2):
+        pool.set_key(i, KEYS[i])
+    io.forward_started()
+    io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(2)])
+    assert io.wait_backups(60)  # a GPU engine's host is free while the pass runs
+    io.shutdown()

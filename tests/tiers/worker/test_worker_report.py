@@ -72,3 +72,30 @@ def test_backups_travel_with_the_count_of_l3_changes_applied_before_them(tmp_pat
         assert stored_after(4, 1, key_b) == {"stored": {0: [key_b]}, "changes": {0: 1}}
     finally:
         w.shutdown()
+
+
+def test_a_cpu_worker_runs_its_backups_between_forward_passes(tmp_path: Path):
+    """vLLM's CPU forward pass runs between ``begin_step`` (bind_connector_metadata) and
+    ``finish_step`` (wait_for_save): a backup queued in it waits for its end."""
+    def build(name: str, extra: dict) -> FileBackend:
+        return guarded(FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first",
+                                                 GEOM.page_bytes, extra_config=extra)))
+
+    (key_a,) = page_keys(NS.seed(), list(range(9)), 8)
+    w = HiCacheWorker(GEOM, 8, layout="page_first", storage_builder=build,
+                      storage_spec=("file", {"path": str(tmp_path)}),
+                      group_layer_names=[[LAYER]])
+    w.register_kv_caches({LAYER: torch.randn(8, 16)})  # CPU tensors: a CPU engine
+    io = w.storage_io
+    assert io is not None and io.yield_to_forward
+    try:
+        w.finish_step(StepPlan(stores=[PagePlan(0, key_a, 0, (2, 3))], seq=1))
+        assert io.wait_backups(60)  # stored, then backed up once the step ended
+        w.begin_step(StepPlan(seq=2))  # the next forward pass starts
+        assert w.pool is not None
+        io.submit_backup([(key_a, 0, b"\x01" * len(key_a))])  # queued during the pass
+        assert not io.wait_backups(0.2) and io.stats.backup_pages == 1
+        w.finish_step(StepPlan(seq=2))
+        assert io.wait_backups(60) and io.stats.backup_pages == 2
+    finally:
+        w.shutdown()
