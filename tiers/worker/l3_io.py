@@ -44,10 +44,10 @@ Contract:
   the backup queue. With ``yield_to_forward`` (a CPU engine, whose forward
   pass keeps every core busy with OpenMP threads that stall at each barrier
   for one taken away), no backup starts between ``forward_started()`` and
-  ``forward_ended()`` (the worker's step hooks) unless the pass has run for
-  ``max_defer_s``: backups run in the gaps between forward passes, a job
-  already running finishes (it may hold slots ``release_slots`` waits for).
-  Fetches and removals never wait for the gate. With a backend that allows concurrent reads
+  ``forward_ended()`` (the worker's step hooks; tiers/worker/forward_gate.py)
+  unless the pass has run for ``max_defer_s``: backups run in the gaps
+  between forward passes, a job already running finishes (it may hold slots
+  ``release_slots`` waits for). Fetches and removals never wait for the gate. With a backend that allows concurrent reads
   (``capabilities.concurrent_io``), up to ``FETCH_THREADS`` fetches run at once (helper
   threads take fetches only, each after any running backup of its slots),
   so the prefetches of many queued requests overlap their store latency.
@@ -83,6 +83,7 @@ from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import ReadBatch, StorageBackend, WriteBatch
+from hicache.tiers.worker.forward_gate import MAX_DEFER_S, ForwardGate
 from hicache.tiers.worker.l3_jobs import Backup, FetchResult, Job, Retention, StorageIOStats
 
 logger = logging.getLogger(__name__)
@@ -99,9 +100,6 @@ FETCH_THREADS = 4
 # Longest an idle engine step waits for a fetch: bounds how late the engine
 # notices a new request arriving meanwhile.
 IDLE_WAIT_S = 0.005
-# Longest backups wait for a forward pass to end (``yield_to_forward``): a pass
-# this long leaves its own gap too far off.
-MAX_DEFER_S = 1.0
 
 
 class StorageIO:
@@ -117,13 +115,11 @@ class StorageIO:
         max_defer_s: float = MAX_DEFER_S,
     ) -> None:
         self.backend = backend
-        self.yield_to_forward = yield_to_forward
-        self.max_defer_s = max_defer_s
-        self._forward_since: float | None = None  # monotonic start of the running pass
         self.pool = pool
         self._load_pages = load_pages
         self.stats = StorageIOStats()
         self._cv = threading.Condition()
+        self.gate = ForwardGate(self._cv, yield_to_forward, max_defer_s)
         self._fetch_q: deque[Job] = deque()
         self._backup_q: deque[list[Backup]] = deque()
         self._running_backup: set[int] = set()
@@ -164,23 +160,11 @@ class StorageIO:
 
     def forward_started(self) -> None:
         """A forward pass begins: backups wait for its end (``yield_to_forward``)."""
-        if self.yield_to_forward:
-            with self._cv:
-                self._forward_since = time.monotonic()
+        self.gate.started()
 
     def forward_ended(self) -> None:
         """The forward pass is over: queued backups may run."""
-        if self.yield_to_forward:
-            with self._cv:
-                self._forward_since = None
-                self._cv.notify_all()
-
-    def _backup_wait_s(self) -> float:
-        """Seconds queued backups still wait for the forward pass (0: they may run);
-        caller holds _cv."""
-        if self._forward_since is None or self._stopping:
-            return 0.0
-        return max(0.0, self._forward_since + self.max_defer_s - time.monotonic())
+        self.gate.ended()
 
     def release_slots(self, slots: Iterable[int]) -> None:
         """Make ``slots`` safe to overwrite: drop queued backups of them, wait for a running one."""
@@ -303,7 +287,7 @@ class StorageIO:
                     if not self._backup_q:
                         self._cv.wait()
                         continue
-                    wait_s = self._backup_wait_s()
+                    wait_s = self.gate.wait_s(self._stopping)
                     if wait_s <= 0:
                         break
                     self._cv.wait(wait_s)
@@ -318,7 +302,7 @@ class StorageIO:
                         wanted = None if removal is None else set(removal)
                         self._backed_up = [k for k in self._backed_up
                                            if wanted is not None and k not in wanted]
-                elif self._backup_q and self._backup_wait_s() <= 0:
+                elif self._backup_q and self.gate.wait_s(self._stopping) <= 0:
                     job, backup = None, self._backup_q.popleft()
                     self._running_backup = {b[1] for b in backup}
                 else:

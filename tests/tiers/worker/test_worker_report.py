@@ -87,7 +87,7 @@ def test_a_cpu_worker_runs_its_backups_between_forward_passes(tmp_path: Path):
                       group_layer_names=[[LAYER]])
     w.register_kv_caches({LAYER: torch.randn(8, 16)})  # CPU tensors: a CPU engine
     io = w.storage_io
-    assert io is not None and io.yield_to_forward
+    assert io is not None and io.gate.enabled
     try:
         w.finish_step(StepPlan(stores=[PagePlan(0, key_a, 0, (2, 3))], seq=1))
         assert io.wait_backups(60)  # stored, then backed up once the step ended
