@@ -395,10 +395,11 @@ class SchedulerAdmin:
         self.returns.close()
 
     def prefetch_status(self, op_id: str) -> dict[str, Any]:
-        with self.scheduler.lock:
-            op = self.prefetches.status(op_id)
-        if op is None:
-            op = self.returns.view(op_id)
+        # Bookings first: one being started is known there until the operations know it.
+        op = self.returns.view(op_id)
+        if op is None or op["status"] == "failed":
+            with self.scheduler.lock:
+                op = self.prefetches.status(op_id) or op
         if op is None:
             raise NotFound(f"no prefetch with id {op_id!r} (ended ones are kept for the "
                            f"last {self.prefetches.keep} that ended)")

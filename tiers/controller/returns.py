@@ -16,10 +16,14 @@ Contract:
   logged and kept as ``failed`` (with ``error``; the last ``KEEP_FAILED``):
   a booking is a hint, never a failure of anything else.
 - ``view(op_id)``: a booking not yet started, as a prefetch status
-  (``booked``, with ``due_in_s``), or one that could not start (``failed``);
-  None once started or unknown.
+  (``booked``, with ``due_in_s``), one being started (``queued``: ``start``
+  runs; once it returns, the prefetch operations know the id), or one that
+  could not start (``failed``); None once started or unknown. A caller asks
+  this before the prefetch operations, so an id is never unknown in between.
   ``cancel(op_id)`` drops a booking not started yet (its view, ``cancelled``);
-  ``pending()`` counts the bookings.
+  for one being started it first waits for ``start`` to return, then answers
+  None (cancel the started operation instead); ``pending()`` counts the
+  bookings.
 - A daemon thread (``start_thread``) runs ``run_due`` when the earliest
   booking is due, woken early by each new booking; ``close()`` ends it.
   Without the thread (tests, with an injected clock) the caller runs
@@ -68,6 +72,7 @@ class ReturnPrefetches:
         # (due, sequence, op id); the live booking of an id is in _booked.
         self._heap: list[tuple[float, int, str]] = []
         self._booked: dict[str, tuple[float, int, tuple[PageKey, ...], float]] = {}
+        self._starting: dict[str, float] = {}  # op id -> when it was booked
         self._seq = 0
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -93,6 +98,7 @@ class ReturnPrefetches:
             live = self._booked.get(op_id)
             if live is not None and live[1] == seq:  # not replaced or cancelled
                 del self._booked[op_id]
+                self._starting[op_id] = live[3]
                 out.append((op_id, live[2]))
         return out
 
@@ -113,10 +119,17 @@ class ReturnPrefetches:
                         "ttl_s": None, "age_s": 0.0, "error": f"not started: {exc}"}
                     while len(self._failed) > KEEP_FAILED:
                         self._failed.popitem(last=False)
+            finally:
+                with self._cond:
+                    self._starting.pop(op_id, None)
+                    self._cond.notify_all()
         return len(due)
 
     def view(self, op_id: str) -> dict[str, Any] | None:
         with self._cond:
+            if op_id in self._starting:
+                return {"id": op_id, "status": "queued", "pages": 0, "fetched_pages": None,
+                        "ttl_s": None, "age_s": round(self.clock() - self._starting[op_id], 3)}
             return self._booked_view(op_id) or self._failed.get(op_id)
 
     def _booked_view(self, op_id: str) -> dict[str, Any] | None:
@@ -130,8 +143,10 @@ class ReturnPrefetches:
 
     def cancel(self, op_id: str) -> dict[str, Any] | None:
         """Drop a booking not yet started: its view as ``cancelled``; None when there
-        was none (started, failed or unknown)."""
+        was none (started, failed or unknown), after waiting for a start in progress."""
         with self._cond:
+            while op_id in self._starting and not self._closed:
+                self._cond.wait(1.0)
             view = self._booked_view(op_id)
             if view is None:
                 return None

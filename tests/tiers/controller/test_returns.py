@@ -72,6 +72,34 @@ def test_a_start_that_raises_is_counted_and_the_others_still_start():
     assert returns.view("return-good") is None  # started: the prefetch operations' now
 
 
+def test_a_booking_being_started_is_queued_and_a_cancel_waits_for_its_start():
+    """Between leaving the bookings and reaching the prefetch operations (its start asks
+    L3 what it holds first) an id is ``queued``, never unknown (an engine test's poll
+    once found it unknown there); a cancel meanwhile waits, then leaves it to the
+    operations."""
+    clock, entered, release = Clock(), threading.Event(), threading.Event()
+
+    def start(op_id, keys):
+        entered.set()
+        assert release.wait(60)
+
+    returns = ReturnPrefetches(start, clock=clock)
+    returns.book("a", KEYS, 0.0)
+    runner = threading.Thread(target=returns.run_due)
+    runner.start()
+    assert entered.wait(60)
+    view = returns.view("return-a")
+    assert view is not None and view["status"] == "queued"
+    cancelled: list[object] = []
+    canceller = threading.Thread(target=lambda: cancelled.append(returns.cancel("return-a")))
+    canceller.start()
+    assert not cancelled  # waiting for the start (it cannot end: release is not set)
+    release.set()
+    runner.join(60)
+    canceller.join(60)
+    assert cancelled == [None] and returns.view("return-a") is None
+
+
 def test_the_thread_starts_a_due_booking_and_stops_on_close():
     done = threading.Event()
     returns = ReturnPrefetches(lambda op, keys: done.set())
