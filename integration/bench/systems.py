@@ -371,8 +371,8 @@ def remove_stores(workdir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-# A new file costs ~20 us on this VM's ext4 when no inode near it was deleted lately;
-# far above this, the kernel is skipping recently deleted inodes (remove_stores).
+# Microseconds a new file may cost before the probe says the kernel is skipping
+# recently deleted inodes (remove_stores); a settled file system is well below it.
 SLOW_CREATE_US = 100.0
 
 

@@ -21,7 +21,7 @@ Contract:
   here, never in the load and store hooks.
 - On a CPU engine, L3 backups yield to the forward pass: ``begin_step``
   closes their gate and ``finish_step`` (vLLM's wait_for_save, after the
-  pass) opens it (tiers/worker/l3_io.py ``yield_to_forward``).
+  pass) opens it (tiers/worker/forward_gate.py).
 - ``start_load``: fetches first (an L2-only fetch is served at once; an L3
   fetch goes to the I/O thread, after the stores into its slots), then the
   step's L2 -> L1 loads. ``wait_for_layer``, ``save_layer`` and

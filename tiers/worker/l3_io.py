@@ -47,7 +47,8 @@ Contract:
   ``forward_ended()`` (the worker's step hooks; tiers/worker/forward_gate.py)
   unless the pass has run for ``max_defer_s``: backups run in the gaps
   between forward passes, a job already running finishes (it may hold slots
-  ``release_slots`` waits for). Fetches and removals never wait for the gate. With a backend that allows concurrent reads
+  ``release_slots`` waits for). Fetches and removals never wait for the gate.
+  With a backend that allows concurrent reads
   (``capabilities.concurrent_io``), up to ``FETCH_THREADS`` fetches run at once (helper
   threads take fetches only, each after any running backup of its slots),
   so the prefetches of many queued requests overlap their store latency.
@@ -302,7 +303,7 @@ class StorageIO:
                         wanted = None if removal is None else set(removal)
                         self._backed_up = [k for k in self._backed_up
                                            if wanted is not None and k not in wanted]
-                elif self._backup_q and self.gate.wait_s(self._stopping) <= 0:
+                elif self._backup_q:  # the wait above let it through the gate
                     job, backup = None, self._backup_q.popleft()
                     self._running_backup = {b[1] for b in backup}
                 else:
