@@ -137,6 +137,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = HiCacheWorker(
             shape.geometry, shape.l1_num_blocks, layout=shape.mem_layout,
             io=shape.io_backend, rank=rank, async_stores=shape.async_stores,
+            helper_cpus=self.config.hicache_helper_cpus,
             storage_builder=lambda name, extra: shape.storage(rank, name, extra),
             storage_spec=(backend, self.config.backend_extra_config()) if backend else None,
             # MLA's latent pages are the same on every rank: rank 0 writes them.

@@ -40,6 +40,7 @@ from hicache.tiers.index.kv_groups import KVGroups
 from hicache.tiers.l2.geometry import MemLayoutName
 from hicache.tiers.l3.factory import StorageBackendName
 from hicache.tiers.settings import Settings, explain
+from hicache.tiers.worker.helper_cpus import check_setting
 
 # vLLM's kv_transfer_config.kv_load_failure_policy values.
 LoadFailurePolicyName = Literal["recompute", "fail"]
@@ -151,6 +152,11 @@ class HiCacheConfig(Settings):
     hicache_async_stores: bool = Field(
         False, description="let L1 -> L2 stores finish during later engine steps "
         "(full-attention models)")
+    # Where the worker's L3 threads run (tiers/worker/helper_cpus.py).
+    hicache_helper_cpus: str = Field(
+        "auto", description="CPUs of HiCache's L3 threads in each worker: 'auto' (on a "
+        "CPU engine, the cores vLLM leaves beside its forward pass, none on a GPU "
+        "engine), 'inherit' (the forward thread's), or a CPU list such as '2-3,6'")
     hicache_admin_host: NonEmptyStr = Field(
         "127.0.0.1", description="address of the admin HTTP endpoint")
     hicache_admin_port: int = Field(
@@ -158,6 +164,11 @@ class HiCacheConfig(Settings):
         "scheduler process; 0 turns it off; engine core i (data parallel) listens on port + i")
     hicache_admin_token: Annotated[SecretStr, Field(min_length=1)] | None = Field(
         None, description="bearer token for the admin endpoint (else $HICACHE_ADMIN_TOKEN)")
+
+    @field_validator("hicache_helper_cpus")
+    @classmethod
+    def _helper_cpus_known(cls, value: str) -> str:
+        return check_setting(value)
 
     @field_validator("hicache_admin_host", mode="before")
     @classmethod

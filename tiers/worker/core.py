@@ -19,9 +19,12 @@ Contract:
   a store change, every store in flight is finished, so no backup of a page
   it deletes is queued after it. Attaching and detaching L3 happen only
   here, never in the load and store hooks.
-- On a CPU engine, L3 backups yield to the forward pass: ``begin_step``
-  closes their gate and ``finish_step`` (vLLM's wait_for_save, after the
-  pass) opens it (tiers/worker/forward_gate.py).
+- ``register_kv_caches`` places the L3 threads (``helper_cpus``: the
+  ``hicache_helper_cpus`` setting, tiers/worker/helper_cpus.py) from the
+  thread vLLM calls it on, its forward thread. Where they share the cores of
+  a CPU engine's forward pass, L3 backups yield to it: ``begin_step`` closes
+  their gate and ``finish_step`` (vLLM's wait_for_save, after the pass) opens
+  it (tiers/worker/forward_gate.py).
 - ``start_load``: fetches first (an L2-only fetch is served at once; an L3
   fetch goes to the I/O thread, after the stores into its slots), then the
   step's L2 -> L1 loads. ``wait_for_layer``, ``save_layer`` and
@@ -35,6 +38,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +51,7 @@ from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.metrics import WorkerKey as K
 from hicache.tiers.worker.copies import KVCopies
 from hicache.tiers.worker.fetch_endings import FetchEndings
+from hicache.tiers.worker.helper_cpus import HelperPlacement, format_cpus, host_placement
 from hicache.tiers.worker.l3_io import StorageIO
 from hicache.tiers.worker.l3_link import L3Link, StorageBuilder
 from hicache.tiers.worker.loads import L2Loads
@@ -54,6 +59,8 @@ from hicache.tiers.worker.outcome import StepOutcome
 from hicache.tiers.worker.report import StepReporter
 from hicache.tiers.worker.stats import WorkerStats
 from hicache.tiers.worker.store_queue import StoreQueue
+
+logger = logging.getLogger(__name__)
 
 
 class HiCacheWorker:
@@ -72,8 +79,11 @@ class HiCacheWorker:
         group_layer_names: Sequence[Sequence[str]] | None = None,
         rank: int = 0,
         async_stores: bool = False,
+        helper_cpus: str = "auto",
     ) -> None:
         self.geometry = geometry
+        self.helper_cpus = helper_cpus
+        self.placement: HelperPlacement | None = None  # where the L3 threads run
         self.rank = rank
         self.async_stores = async_stores
         self.l1_num_blocks = l1_num_blocks
@@ -123,10 +133,19 @@ class HiCacheWorker:
         self.loads = L2Loads(copies, self.outcome, self.stats, self.stores.owner_of)
         self.fetches = FetchEndings(copies, self.outcome, self.stats,
                                     per_request_failures=self.per_request_failures)
-        # vLLM's CPU forward pass keeps every core busy (OpenMP): backups wait for
-        # the gaps between passes. On a GPU the host is free while it computes.
+        # vLLM's CPU forward pass keeps its cores busy (OpenMP): the L3 threads run
+        # on other cores or, where there are none, back up in the gaps between
+        # passes. On a GPU the host is free while it computes.
         on_cpu = bool(copies.layers) and copies.layers[0].device.type == "cpu"
-        self.l3.start(copies.pool, copies.load_pages, yield_to_forward=on_cpu)
+        placement = host_placement(self.helper_cpus, on_cpu)
+        self.placement = placement
+        if placement.cpus or on_cpu:
+            logger.info("HiCache: L3 threads on CPUs %s (%s); the forward pass on %s",
+                        format_cpus(placement.cpus) or "of the forward pass",
+                        placement.why, format_cpus(placement.forward))
+        self.l3.start(copies.pool, copies.load_pages,
+                      yield_to_forward=on_cpu and placement.shares_forward,
+                      helper_cpus=placement.cpus)
 
     def _jobs(self) -> tuple[L2Loads, StoreQueue, FetchEndings]:
         if self.loads is None or self.stores is None or self.fetches is None:

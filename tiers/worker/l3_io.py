@@ -40,10 +40,11 @@ Contract:
 - ``submit_retention(keys, until)`` (a request's ``retain_s``, an admin pin):
   the backend's ``retain``, in order with removals, counted in
   ``stats.retained_pages``.
+- Its threads run on ``helper_cpus`` (helper_cpus.py; empty: where started).
 - Fetches run first, then removals, then backups; a fetch never waits for
-  the backup queue. With ``yield_to_forward`` (a CPU engine, whose forward
-  pass keeps every core busy with OpenMP threads that stall at each barrier
-  for one taken away), no backup starts between ``forward_started()`` and
+  the backup queue. With ``yield_to_forward`` (a CPU engine whose forward
+  pass shares its cores with these threads: OpenMP threads stall at each
+  barrier for one taken away), no backup starts between ``forward_started()`` and
   ``forward_ended()`` (the worker's step hooks; tiers/worker/forward_gate.py)
   unless the pass has run for ``max_defer_s``: backups run in the gaps
   between forward passes, a job already running finishes (it may hold slots
@@ -85,6 +86,7 @@ from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import ReadBatch, StorageBackend, WriteBatch
 from hicache.tiers.worker.forward_gate import MAX_DEFER_S, ForwardGate
+from hicache.tiers.worker.helper_cpus import pin_current_thread
 from hicache.tiers.worker.l3_jobs import Backup, FetchResult, Job, Retention, StorageIOStats
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class StorageIO:
         fetch_threads: int = FETCH_THREADS,
         yield_to_forward: bool = False,
         max_defer_s: float = MAX_DEFER_S,
+        helper_cpus: frozenset[int] = frozenset(),
     ) -> None:
         self.backend = backend
         self.pool = pool
@@ -129,6 +132,7 @@ class StorageIO:
         self._jobs: list[Job] = []  # submitted, not yet returned by poll
         self._backed_up: list[bytes] = []  # L3 keys stored, not yet taken
         self._stopping = False
+        self.helper_cpus = helper_cpus  # where its threads run (empty: where started)
         self._thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self._thread.start()
         helpers = fetch_threads - 1 if backend.capabilities.concurrent_io else 0
@@ -282,6 +286,7 @@ class StorageIO:
         self._backup_q = kept
 
     def _run(self) -> None:
+        pin_current_thread(self.helper_cpus)
         while True:
             with self._cv:
                 while not (self._fetch_q or self._removals or self._stopping):
@@ -326,6 +331,7 @@ class StorageIO:
 
     def _run_fetches(self) -> None:
         """A helper: fetches only, beside the I/O thread (``concurrent_io`` backends)."""
+        pin_current_thread(self.helper_cpus)
         while True:
             with self._cv:
                 while not (self._fetch_q or self._stopping):

@@ -1,13 +1,15 @@
 """One rank's link to L3: the backend and its I/O thread, attached and detached at run time.
 
 Contract:
-- ``start(pool, load_fetched, yield_to_forward)`` binds the link to this rank's
-  pool and the worker's L2 -> L1 copy of fetched pages, builds this rank's
-  backend from the current spec, registers the pool with it (zero-copy slots)
-  and starts the I/O thread (tiers/worker/l3_io.py; ``yield_to_forward``: its
-  backups wait for the gaps between forward passes, which ``forward_started``
-  and ``forward_ended`` mark). An attach command later builds
-  with the same pool and copy. A backend that cannot start leaves the
+- ``start(pool, load_fetched, yield_to_forward, helper_cpus)`` binds the link
+  to this rank's pool and the worker's L2 -> L1 copy of fetched pages, builds
+  this rank's backend from the current spec, registers the pool with it
+  (zero-copy slots) and starts the I/O thread (tiers/worker/l3_io.py;
+  ``yield_to_forward``: its backups wait for the gaps between forward passes,
+  which ``forward_started`` and ``forward_ended`` mark; ``helper_cpus``: where
+  its threads run, and the backend is built there, so that the threads its
+  client starts run there too). An attach command later builds with the same pool, copy
+  and placement. A backend that cannot start leaves the
   rank without L3 (logged, False): its fetches fail and vLLM recomputes.
 - ``apply(command)`` runs one admin storage command
   (tiers/index/commands.py) on this rank: retention and deletions go to the
@@ -43,6 +45,7 @@ from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.l3.guard import GuardedBackend, guarded
 from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
+from hicache.tiers.worker.helper_cpus import running_on
 from hicache.tiers.worker.l3_io import StorageIO
 from hicache.tiers.worker.l3_jobs import FetchResult
 
@@ -68,6 +71,7 @@ class L3Link:
         self._pool: HostPagePool | None = None
         self._load_fetched: Callable[[list[PagePlan]], Any] | None = None
         self._yield_to_forward = False
+        self._helper_cpus: frozenset[int] = frozenset()
         self.changes = 0  # L3-changing commands applied
 
     @property
@@ -76,22 +80,27 @@ class L3Link:
         return self.io is not None and self.writer
 
     def start(self, pool: HostPagePool, load_fetched: Callable[[list[PagePlan]], Any],
-              yield_to_forward: bool | None = None) -> bool:
+              yield_to_forward: bool | None = None,
+              helper_cpus: frozenset[int] | None = None) -> bool:
         self._pool, self._load_fetched = pool, load_fetched
         if yield_to_forward is not None:
             self._yield_to_forward = yield_to_forward
+        if helper_cpus is not None:
+            self._helper_cpus = helper_cpus
         if self.spec is None or self.builder is None:
             return False
         try:
-            backend = guarded(self.builder(*self.spec))
-            backend.register_host_pool(pool)
+            with running_on(self._helper_cpus):  # threads a client starts inherit them
+                backend = guarded(self.builder(*self.spec))
+                backend.register_host_pool(pool)
         except Exception:  # noqa: BLE001 - an unreachable L3 degrades to recompute
             logger.exception("HiCache: L3 backend unavailable on this rank; continuing "
                              "without L3 (its hits will be recomputed)")
             return False
         self.backend = backend
         self.io = StorageIO(backend, pool, load_fetched,
-                            yield_to_forward=self._yield_to_forward)
+                            yield_to_forward=self._yield_to_forward,
+                            helper_cpus=self._helper_cpus)
         return True
 
     def forward_started(self) -> None:

@@ -1,0 +1,170 @@
+"""tiers/worker/helper_cpus.py: where the worker's L3 threads run beside vLLM's forward
+pass; the placement rules on made-up hosts, and real threads pinned by a real worker
+(pool and file L3 under tmp_path) whose forward thread is pinned as vLLM pins it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.tiers.config import HiCacheConfig, HiCacheConfigError
+from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.l2.host_pool import PoolGeometry
+from hicache.tiers.l3.base import StorageConfig
+from hicache.tiers.l3.file.backend import FileBackend
+from hicache.tiers.l3.guard import guarded
+from hicache.tiers.worker.core import HiCacheWorker
+from hicache.tiers.worker.helper_cpus import (
+    format_cpus,
+    parse_cpu_list,
+    pin_current_thread,
+    place_helpers,
+    running_on,
+)
+
+CPUS16 = frozenset(range(16))
+NODES = {0: frozenset(range(8)), 1: frozenset(range(8, 16))}
+
+
+def test_cpu_lists_read_and_write_linux_cpulist_form():
+    assert parse_cpu_list("0-3,8") == {0, 1, 2, 3, 8}
+    assert parse_cpu_list(" 5 \n") == {5}
+    assert format_cpus({8, 0, 1, 2, 3, 10, 11}) == "0-3,8,10-11"
+    assert format_cpus(set()) == ""
+    for bad in ("x", "3-1", "-2", "1,,2"):
+        with pytest.raises(ValueError, match="not a CPU number or range"):
+            parse_cpu_list(bad)
+
+
+def test_the_setting_is_checked_naming_the_key_and_what_it_allows():
+    assert HiCacheConfig.from_extra_config({}).hicache_helper_cpus == "auto"
+    assert HiCacheConfig.from_extra_config(
+        {"hicache_helper_cpus": "2-3,6"}).hicache_helper_cpus == "2-3,6"
+    with pytest.raises(HiCacheConfigError, match=r"hicache_helper_cpus.*auto, inherit or a "
+                                                 r"CPU list.*'two'"):
+        HiCacheConfig.from_extra_config({"hicache_helper_cpus": "two"})
+
+
+def test_auto_takes_the_cores_vllm_left_beside_this_ranks_forward_pass():
+    # This VM: vLLM binds the forward to CPU 0 and leaves CPU 1 to the other processes.
+    p = place_helpers("auto", frozenset({0}), None, frozenset({0, 1}), {0: frozenset({0, 1})})
+    assert p.cpus == {1} and not p.shares_forward
+    # "auto" on two NUMA nodes, TP=2: rank 0 on node 0 less the core reserved there.
+    p = place_helpers("auto", frozenset(range(7)), "auto", CPUS16, NODES)
+    assert p.cpus == {7}  # not node 1's cores: rank 1 computes there
+    # An explicit bind: no rank's cores, whichever node.
+    p = place_helpers("auto", frozenset(range(6)), "0-5|8-13", CPUS16, {})
+    assert p.cpus == {6, 7, 14, 15} and not p.shares_forward
+
+
+def test_auto_pins_nothing_where_no_core_is_left_or_vllm_binds_none():
+    tp2_on_two_cores = place_helpers("auto", frozenset({0}), "0|1", frozenset({0, 1}), {})
+    unbound = place_helpers("auto", frozenset({0, 1}), "nobind", frozenset({0, 1}), {})
+    everywhere = place_helpers("auto", CPUS16, None, CPUS16, NODES)
+    for p in (tp2_on_two_cores, unbound, everywhere):
+        assert p.cpus == frozenset() and p.shares_forward  # backups wait for the gaps
+    assert "nobind" in unbound.why
+
+
+def test_a_list_is_taken_as_given_and_inherit_pins_nothing():
+    p = place_helpers("12-13", frozenset(range(8)), None, CPUS16, NODES)
+    assert p.cpus == {12, 13} and not p.shares_forward
+    assert place_helpers("6-9", frozenset(range(8)), None, CPUS16, NODES).shares_forward
+    p = place_helpers("inherit", frozenset({0}), None, frozenset({0, 1}), {})
+    assert p.cpus == frozenset() and p.shares_forward
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a fresh thread (its affinity changes die with it); its result."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_thread_is_pinned_where_the_cpuset_allows_and_left_alone_elsewhere():
+    mine = frozenset(os.sched_getaffinity(0))
+    one = frozenset({max(mine)})
+    assert _in_thread(lambda: (pin_current_thread(one), os.sched_getaffinity(0))) == (True, one)
+    absent = frozenset({max(range(os.cpu_count() or 1)) + 1})  # no such CPU here
+    assert _in_thread(lambda: (pin_current_thread(absent), os.sched_getaffinity(0))) \
+        == (False, mine)
+    assert _in_thread(lambda: pin_current_thread(frozenset())) is False
+
+
+GEOM = PoolGeometry(num_slots=4, num_layers=1, blocks_per_page=2, block_bytes=64)
+NS = KeyNamespace("tiny", "float32", "cpu", 8, 1)
+LAYER = "model.layers.0.self_attn.attn"
+
+
+def _worker(tmp_path: Path, helper_cpus: str, built_on: list | None = None) -> HiCacheWorker:
+    def build(name: str, extra: dict) -> FileBackend:
+        if built_on is not None:
+            built_on.append(os.sched_getaffinity(0))
+        return guarded(FileBackend(StorageConfig(0, 1, NS.fingerprint(), "page_first",
+                                                 GEOM.page_bytes, extra_config=extra)))
+
+    return HiCacheWorker(GEOM, 8, layout="page_first", storage_builder=build,
+                         storage_spec=("file", {"path": str(tmp_path)}),
+                         group_layer_names=[[LAYER]], helper_cpus=helper_cpus)
+
+
+def _register_on_a_pinned_forward_thread(w: HiCacheWorker, forward: frozenset[int]) -> None:
+    def register() -> None:
+        os.sched_setaffinity(0, forward)  # as vLLM's CPU worker pins its forward thread
+        w.register_kv_caches({LAYER: torch.zeros(8, 16)})  # CPU tensors: a CPU engine
+
+    _in_thread(register)
+
+
+def _l3_thread_cpus(w: HiCacheWorker) -> set[int]:
+    io = w.storage_io
+    assert io is not None
+    tid = io._thread.native_id
+    assert tid is not None
+    return os.sched_getaffinity(tid)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to leave one "
+                    "to the forward pass")
+def test_a_cpu_worker_runs_its_l3_threads_off_the_forward_core_without_the_gate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # vLLM's default: auto
+    cpus = sorted(os.sched_getaffinity(0))
+    forward = frozenset(cpus[:1])
+    built_on: list[set[int]] = []
+    w = _worker(tmp_path, "auto", built_on)
+    try:
+        _register_on_a_pinned_forward_thread(w, forward)
+        assert w.placement is not None and w.placement.forward == forward
+        assert _l3_thread_cpus(w) == set(cpus[1:])
+        assert built_on == [set(cpus[1:])]  # a client's own threads would run there too
+        io = w.storage_io
+        assert io is not None and not io.gate.enabled  # nothing to yield: its own cores
+    finally:
+        w.shutdown()
+    w = _worker(tmp_path, "inherit")
+    try:
+        _register_on_a_pinned_forward_thread(w, forward)
+        assert _l3_thread_cpus(w) == set(forward)
+        io = w.storage_io
+        assert io is not None and io.gate.enabled  # it shares the core: backups wait
+    finally:
+        w.shutdown()
+
+
+def test_a_block_runs_on_the_cpus_then_the_thread_gets_its_own_back():
+    mine = frozenset(os.sched_getaffinity(0))
+    one = frozenset({min(mine)})
+
+    def inside_and_after() -> tuple[set[int], set[int]]:
+        with running_on(one):
+            inside = os.sched_getaffinity(0)
+        return inside, os.sched_getaffinity(0)
+
+    assert _in_thread(inside_and_after) == (one, mine)
