@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -389,6 +390,21 @@ def create_cost_us(workdir: Path, files: int = 200) -> float:
     for i in range(files):
         os.close(os.open(probe / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     return (time.perf_counter() - start) / files * 1e6
+
+
+def settled_create_us(workdir: Path, wait_s: float, every_s: float = 15.0,
+                      probe: Callable[[Path], float] = create_cost_us,
+                      sleep: Callable[[float], None] = time.sleep) -> tuple[float, float]:
+    """``create_cost_us`` once it is at most ``SLOW_CREATE_US``, probing every
+    ``every_s`` for up to ``wait_s`` seconds (the file system forgets deleted
+    inodes within minutes): (the last cost, seconds waited)."""
+    waited = 0.0
+    cost = probe(workdir)
+    while cost > SLOW_CREATE_US and waited + every_s <= wait_s:
+        sleep(every_s)
+        waited += every_s
+        cost = probe(workdir)
+    return cost, waited
 
 
 _RPC_DIR: list[Path] = []  # this process's folder for vLLM's IPC sockets, once made

@@ -30,6 +30,9 @@ and a TTFT CDF of the last round. ``--profile`` turns on HiCache's step profile
 (``HICACHE_PROFILE``, connector/profile.py) in every server and keeps each
 case's timeline next to its result. ``--scrape-interval S`` reads vLLM's
 ``/metrics`` every S seconds during each replay, as a Prometheus server would.
+Before a round with a file L3 it waits (``--settle-s``, up to 6 minutes) until
+a new file in its work folder is cheap again: a previous round's deleted store
+makes every page file dearer for minutes (docs/benchmarks-trace.md section 7).
 
     python -m hicache.integration.bench.micro.trace_replay --rounds 2
 """
@@ -62,10 +65,10 @@ from hicache.integration.bench.systems import (
     SLOW_CREATE_US,
     CompareConfig,
     SystemSpec,
-    create_cost_us,
     plan,
     remove_stores,
     server_env,
+    settled_create_us,
 )
 
 if TYPE_CHECKING:
@@ -154,9 +157,12 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
     admin_port = free_port() if case.kind == "hicache" else 0
     lp = plan(cfg, spec, port=free_port(), admin_port=admin_port, workdir=out / "work")
     log = out / f"{tag}.log"
-    create_us = None
+    create_us = settle_s = None
     if spec.l3 == "file":
-        create_us = round(create_cost_us(out / "work"), 1)
+        cost, settle_s = settled_create_us(out / "work", args.settle_s)
+        create_us = round(cost, 1)
+        if settle_s:
+            print(f"    waited {settle_s:.0f} s for the file system to settle", flush=True)
         if create_us > SLOW_CREATE_US:
             print(f"    warning: a new file costs {create_us:.0f} us in {out / 'work'} (about "
                   "20 us when the file system is settled): files deleted there in the last "
@@ -193,6 +199,7 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
                 "req_per_s": s["request_throughput"], "ttft_mean_ms": s["ttft_ms"]["mean"],
                 "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
                 "cached_share": s["cached_share"], "fs_create_us": create_us,
+                "fs_settle_s": settle_s,
                 "tiers": result.get("tiers"),
                 "worker": (result.get("admin_stats") or {}).get("worker")}
     finally:
@@ -280,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="write each HiCache case's served requests as a trace for "
                         "`hicache simulate` (<case>-r<round>.trace.jsonl)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--settle-s", type=float, default=360.0,
+                   help="before a round with a file L3, wait up to this long for a new "
+                   "file to cost under 100 us in OUT/work (files deleted there in the "
+                   "last minutes make each one dearer); 0: do not wait")
     p.add_argument("--out", default="bench_results/trace-replay")
     args = p.parse_args(argv)
     known = {c.name: c for c in CASES}

@@ -29,6 +29,7 @@ from hicache.integration.bench.systems import (
     remove_stores,
     rpc_dir,
     server_env,
+    settled_create_us,
 )
 from hicache.integration.bench.trace_workload import TRACE_DIR_ENV, TraceWorkload
 
@@ -169,6 +170,21 @@ def test_the_file_creation_probe_leaves_its_files_to_remove_stores(tmp_path):
     assert len(list(probe.iterdir())) == 50
     remove_stores(tmp_path / "work")
     assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_a_round_waits_for_cheap_files_as_long_as_it_is_allowed(tmp_path):
+    """settled_create_us probes until a new file is cheap or the wait is spent (a
+    scripted probe and sleep: no clock)."""
+    def run(costs: list[float], wait_s: float) -> tuple[tuple[float, float], list[float]]:
+        left, slept = iter(costs), []
+        got = settled_create_us(tmp_path, wait_s, every_s=15, probe=lambda _: next(left),
+                                sleep=slept.append)
+        return got, slept
+
+    assert run([20.0], 360) == ((20.0, 0.0), [])
+    assert run([600.0, 300.0, 40.0], 360) == ((40.0, 30.0), [15, 15])
+    assert run([600.0, 500.0, 400.0], 30) == ((400.0, 30.0), [15, 15])  # gave up
+    assert run([600.0], 0) == ((600.0, 0.0), [])
 
 
 def test_cached_l3_reads_leave_the_page_cache_on_and_nixl_needs_them(tmp_path):
