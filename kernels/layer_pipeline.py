@@ -35,7 +35,8 @@ CPU mode (``LayerPipeline()``): one background thread runs the
 queued copies in order; ``wait_layer`` blocks the caller until the layer's
 copy returned. Copies release the GIL (torch ``copy_``, the numba kernel), so
 the thread runs while the forward pass computes (stores that finish across
-steps, ``hicache_async_stores``, need it).
+steps, ``hicache_async_stores``, need it). ``thread_init`` runs first in that
+thread (the worker pins it to cores the forward pass does not use).
 
 CUDA mode (``LayerPipeline(device)`` with a CUDA device): copies are enqueued
 on a dedicated side stream from the calling thread, and ordering is kept by
@@ -109,7 +110,8 @@ class LayerPipeline:
     """Runs queued copies in order (thread or side stream); per-layer completion for loads."""
 
     def __init__(self, device: torch.device | str | None = None, *,
-                 inline: bool = False) -> None:
+                 inline: bool = False,
+                 thread_init: Callable[[], object] | None = None) -> None:
         self._failures: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
         dev = torch.device(device) if device is not None else None
@@ -118,7 +120,8 @@ class LayerPipeline:
         # Inline: every copy in the caller's thread (CPU only; a GPU keeps its stream).
         self.inline = inline and self._cuda is None
         self._executor = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-copy")
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-copy",
+                               initializer=thread_init)
             if self._cuda is None and not self.inline else None
         )
         self._futures: list[Future[None]] = []

@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from hicache.kernels.io_backend import CopyPath
 from hicache.kernels.layer_pipeline import LayerPipeline
 from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
+from hicache.tiers.worker.helper_cpus import pin_current_thread
 from hicache.tiers.worker.kv_layers import KVLayers
 from hicache.tiers.worker.stats import CopyClock
 from hicache.tiers.worker.transfers import GroupTransfer, group_transfer
@@ -66,7 +68,9 @@ class KVCopies:
     @classmethod
     def bind(cls, kv_caches: dict[str, Any], geometry: PoolGeometry, l1_num_blocks: int, *,
              group_layer_names: Sequence[Sequence[str]] | None, layout: str, io: str,
-             async_stores: bool) -> KVCopies:
+             async_stores: bool, helper_cpus: frozenset[int] = frozenset()) -> KVCopies:
+        """``helper_cpus``: where the copy thread of ``async_stores`` runs on a CPU
+        engine (tiers/worker/helper_cpus.py; empty: where it is started)."""
         kv = KVLayers.of(kv_caches, group_layer_names, l1_num_blocks,
                          geometry.block_bytes, geometry.num_layers)
         layers = kv.rows
@@ -80,7 +84,9 @@ class KVCopies:
             pool, layers, kv.group_rows, kv.group_of_row, kv.row_of_layer,
             io_backend.select(io, device.type),
             # CUDA: side stream + per-layer events, copies only enqueue (never block the host).
-            LayerPipeline(device) if on_cuda else LayerPipeline(inline=not async_stores),
+            LayerPipeline(device) if on_cuda else LayerPipeline(
+                inline=not async_stores,
+                thread_init=functools.partial(pin_current_thread, helper_cpus)),
             PER_LAYER_SAVE_MIN_BYTES["cuda" if on_cuda else "cpu"],
             geometry.block_bytes,
             torch.cuda.Stream(device) if on_cuda else None)

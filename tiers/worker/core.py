@@ -19,9 +19,10 @@ Contract:
   a store change, every store in flight is finished, so no backup of a page
   it deletes is queued after it. Attaching and detaching L3 happen only
   here, never in the load and store hooks.
-- ``register_kv_caches`` places the L3 threads (``helper_cpus``: the
-  ``hicache_helper_cpus`` setting, tiers/worker/helper_cpus.py) from the
-  thread vLLM calls it on, its forward thread. Where they share the cores of
+- ``register_kv_caches`` places the L3 threads and the copy thread of
+  ``async_stores`` (``helper_cpus``: the ``hicache_helper_cpus`` setting,
+  tiers/worker/helper_cpus.py) from the thread vLLM calls it on, its forward
+  thread. Where they share the cores of
   a CPU engine's forward pass, L3 backups yield to it: ``begin_step`` closes
   their gate and ``finish_step`` (vLLM's wait_for_save, after the pass) opens
   it (tiers/worker/forward_gate.py).
@@ -61,6 +62,13 @@ from hicache.tiers.worker.stats import WorkerStats
 from hicache.tiers.worker.store_queue import StoreQueue
 
 logger = logging.getLogger(__name__)
+
+
+def _device_type(kv: Any) -> str:
+    """The device of one of vLLM's KV-cache entries (a tensor, or a list of them)."""
+    if isinstance(kv, (list, tuple)) and kv:
+        return _device_type(kv[0])
+    return kv.device.type if isinstance(kv, torch.Tensor) else "cpu"
 
 
 class HiCacheWorker:
@@ -123,26 +131,26 @@ class HiCacheWorker:
         return self.l3.io
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # vLLM's CPU forward pass keeps its cores busy (OpenMP): HiCache's threads run
+        # on other cores or, where there are none, the L3 thread backs up in the gaps
+        # between passes. On a GPU the host is free while it computes.
+        on_cpu = all(_device_type(t) == "cpu" for t in kv_caches.values())
+        placement = host_placement(self.helper_cpus, on_cpu)
+        self.placement = placement
+        if placement.cpus or on_cpu:
+            logger.info("HiCache: L3 and copy threads on CPUs %s (%s); the forward pass "
+                        "on %s", format_cpus(placement.cpus) or "of the forward pass",
+                        placement.why, format_cpus(placement.forward))
         copies = KVCopies.bind(
             kv_caches, self.geometry, self.l1_num_blocks,
             group_layer_names=self._group_layer_names, layout=self.layout, io=self.io,
-            async_stores=self.async_stores)
+            async_stores=self.async_stores, helper_cpus=placement.cpus)
         self.copies = copies
         self.stores = StoreQueue(copies, self.l3, self.outcome, self.stats,
                                  async_stores=self.async_stores)
         self.loads = L2Loads(copies, self.outcome, self.stats, self.stores.owner_of)
         self.fetches = FetchEndings(copies, self.outcome, self.stats,
                                     per_request_failures=self.per_request_failures)
-        # vLLM's CPU forward pass keeps its cores busy (OpenMP): the L3 threads run
-        # on other cores or, where there are none, back up in the gaps between
-        # passes. On a GPU the host is free while it computes.
-        on_cpu = bool(copies.layers) and copies.layers[0].device.type == "cpu"
-        placement = host_placement(self.helper_cpus, on_cpu)
-        self.placement = placement
-        if placement.cpus or on_cpu:
-            logger.info("HiCache: L3 threads on CPUs %s (%s); the forward pass on %s",
-                        format_cpus(placement.cpus) or "of the forward pass",
-                        placement.why, format_cpus(placement.forward))
         self.l3.start(copies.pool, copies.load_pages,
                       yield_to_forward=on_cpu and placement.shares_forward,
                       helper_cpus=placement.cpus)

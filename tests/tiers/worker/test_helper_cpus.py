@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hicache.tiers.config import HiCacheConfig, HiCacheConfigError
-from hicache.tiers.index.page_keys import KeyNamespace
+from hicache.tiers.index.page_keys import KeyNamespace, page_keys
+from hicache.tiers.index.plans import PagePlan, StepPlan
 from hicache.tiers.l2.host_pool import PoolGeometry
 from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file.backend import FileBackend
@@ -168,3 +169,24 @@ def test_a_block_runs_on_the_cpus_then_the_thread_gets_its_own_back():
         return inside, os.sched_getaffinity(0)
 
     assert _in_thread(inside_and_after) == (one, mine)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to leave one "
+                    "to the forward pass")
+def test_the_copy_thread_of_async_stores_runs_off_the_forward_core_too(
+        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cpus = sorted(os.sched_getaffinity(0))
+    (key,) = page_keys(NS.seed(), list(range(9)), 8)
+    w = HiCacheWorker(GEOM, 8, layout="page_first", group_layer_names=[[LAYER]],
+                      async_stores=True)
+    try:
+        _register_on_a_pinned_forward_thread(w, frozenset(cpus[:1]))
+        # The copy thread starts with the first copy queued on it.
+        _in_thread(lambda: w.finish_step(StepPlan(stores=[PagePlan(0, key, 0, (2, 3))],
+                                                  seq=1)))
+        (copy_thread,) = [t for t in threading.enumerate() if t.name.startswith("hicache-copy")]
+        assert copy_thread.native_id is not None
+        assert os.sched_getaffinity(copy_thread.native_id) == set(cpus[1:])
+    finally:
+        w.shutdown()
