@@ -12,7 +12,9 @@ vLLM's CPU path computes differently as soon as any connector is configured, so
   384 blocks of 32 tokens): L1 serves every
   hit, HiCache has nothing to add, and its cost is what is left. Cases: null
   connector; HiCache with its defaults (each step waits for its stores); HiCache
-  with ``hicache_async_stores`` false spelled out (``hicache-sync-stores``).
+  with ``hicache_async_stores`` false spelled out (``hicache-sync-stores``);
+  with it true (``hicache-async``: stores on the copy thread, on the cores vLLM
+  leaves beside its forward pass).
 - ``--small-l1-blocks`` (default 136): the prefixes do not fit L1; the null
   connector recomputes what L1 lost, HiCache loads it from L2 (inline, the
   CPU default, or with ``hicache_async_stores`` on a copy thread beside the
@@ -72,6 +74,8 @@ CASES = (
     Case("null", "null"),
     Case("hicache", "hicache"),
     Case("hicache-sync-stores", "hicache", extra_config={"hicache_async_stores": False}),
+    # Stores on the copy thread, on the cores vLLM leaves beside the forward pass.
+    Case("hicache-async", "hicache", extra_config={"hicache_async_stores": True}),
     Case("null-small-l1", "null", small_l1=True),
     Case("hicache-small-l1", "hicache", small_l1=True),
     # Copies on a thread beside the forward pass (loads layer by layer), not inline.
