@@ -154,8 +154,9 @@ class HiCacheConfig(Settings):
         "(full-attention models)")
     # Where the worker's L3 threads run (tiers/worker/helper_cpus.py).
     hicache_helper_cpus: str = Field(
-        "auto", description="CPUs of HiCache's L3 threads in each worker: 'auto' (on a "
-        "CPU engine, the cores vLLM leaves beside its forward pass, none on a GPU "
+        "auto", description="CPUs of HiCache's L3 and copy threads in each worker: 'auto' "
+        "(on a CPU engine, cores no forward pass uses, else the forward pass's cores "
+        "other than its forward thread's, backing up between passes; none on a GPU "
         "engine), 'inherit' (the forward thread's), or a CPU list such as '2-3,6'")
     hicache_admin_host: NonEmptyStr = Field(
         "127.0.0.1", description="address of the admin HTTP endpoint")

@@ -131,16 +131,17 @@ class HiCacheWorker:
         return self.l3.io
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        # vLLM's CPU forward pass keeps its cores busy (OpenMP): HiCache's threads run
-        # on other cores or, where there are none, the L3 thread backs up in the gaps
-        # between passes. On a GPU the host is free while it computes.
+        # vLLM's CPU forward pass keeps its cores busy (OpenMP) and its forward thread
+        # does the serial work between passes: HiCache's threads run off that thread's
+        # core and, on the pass's other cores, back up only between passes. On a GPU
+        # the host is free while it computes.
         on_cpu = all(_device_type(t) == "cpu" for t in kv_caches.values())
         placement = host_placement(self.helper_cpus, on_cpu)
         self.placement = placement
         if placement.cpus or on_cpu:
             logger.info("HiCache: L3 and copy threads on CPUs %s (%s); the forward pass "
                         "on %s", format_cpus(placement.cpus) or "of the forward pass",
-                        placement.why, format_cpus(placement.forward))
+                        placement.why, format_cpus(placement.team))
         copies = KVCopies.bind(
             kv_caches, self.geometry, self.l1_num_blocks,
             group_layer_names=self._group_layer_names, layout=self.layout, io=self.io,

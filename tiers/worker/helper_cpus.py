@@ -2,30 +2,36 @@
 
 See DESIGN.md "Processes and threads".
 
-vLLM's CPU engine pins each rank's forward thread (and its OpenMP team) to
+vLLM's CPU engine runs each rank's forward pass on an OpenMP team pinned to
 the cores of ``VLLM_CPU_OMP_THREADS_BIND`` ("auto": the cores of one NUMA node
-per rank, less those it reserves for the engine core and the API server). A
+per rank, less those it reserves for the engine core and the API server when
+it has enough), one thread per core; the team's master is vLLM's forward
+thread, which also does the step's serial Python work between passes. A
 thread inherits the affinity of the thread that starts it, so HiCache's L3
-threads, started by the forward thread, would share its cores and take them
-from the pass. They run on the cores vLLM leaves to the other processes
-instead; only where there are none do they share the forward's cores (and
-then their backups wait for the gaps between passes, forward_gate.py).
+threads, started by the forward thread, would share the master's core and
+delay each next step. They run on cores no forward pass uses where there are
+any; else on the team's other cores, which idle between passes (and then
+their backups wait for those gaps, forward_gate.py).
 
 Contract:
 - ``parse_cpu_list("0-3,8")`` -> frozenset of ints; ``ValueError`` naming the
   bad part. ``format_cpus`` writes a set back in that form ("" when empty).
-- ``place_helpers(setting, forward, omp_bind, online, node_cpus)`` (pure):
-  ``setting`` is ``hicache_helper_cpus``: "auto", "inherit" or a CPU list;
-  ``forward`` the forward thread's CPUs; ``omp_bind`` vLLM's
-  ``VLLM_CPU_OMP_THREADS_BIND`` (None: unset, i.e. "auto"); ``online`` the
-  host's CPUs; ``node_cpus`` each NUMA node's CPUs (empty: unknown). Returns a
-  ``HelperPlacement``: "inherit" pins nothing; a list pins there; "auto" pins
-  to the CPUs of the forward's NUMA nodes that no rank's forward is bound to
-  (every list of an explicit bind; this rank's own under "auto", the others
-  being on other nodes), and to nothing when vLLM does not bind ("nobind"),
-  the forward may run on every CPU, or none is left.
+- ``omp_team(environ)``: the CPUs of this rank's OpenMP team as vLLM wrote
+  them into the worker's environment (``GOMP_CPU_AFFINITY``, ``OMP_PLACES``
+  or ``KMP_AFFINITY``'s proclist); None when none is set or readable.
+- ``place_helpers(setting, master, team, omp_bind, online, node_cpus)``
+  (pure): ``setting`` is ``hicache_helper_cpus``: "auto", "inherit" or a CPU
+  list; ``master`` the forward thread's CPUs; ``team`` its OpenMP team's
+  (None: the master's); ``omp_bind`` vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
+  (None: unset, i.e. "auto"); ``online`` the host's CPUs; ``node_cpus`` each
+  NUMA node's CPUs (empty: unknown). Returns a ``HelperPlacement``:
+  "inherit" pins nothing; a list pins there; "auto" pins to the CPUs of the
+  team's NUMA nodes that no rank's team is bound to (every list of an
+  explicit bind; this rank's own under "auto", the others being on other
+  nodes), else to the team's CPUs other than the master's, else nothing;
+  nothing either when vLLM binds no thread ("nobind").
 - ``HelperPlacement.shares_forward``: whether the helper threads may run on a
-  CPU the forward pass uses (nothing pinned, or a list that overlaps it).
+  CPU of the forward pass (nothing pinned, or CPUs of its team).
 - ``host_placement(setting, on_cpu)``: ``place_helpers`` for this process, read
   from the calling thread (vLLM's forward thread), the environment and /sys; a
   GPU engine ("auto", ``on_cpu`` False) pins nothing: its forward pass is on the
@@ -41,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,22 +96,55 @@ def check_setting(value: str) -> str:
     return value
 
 
+def _cpu_terms(text: str) -> frozenset[int]:
+    """GOMP_CPU_AFFINITY's terms, space or comma separated: ``a``, ``a-b``, ``a-b:stride``."""
+    cpus: set[int] = set()
+    for term in re.split(r"[\s,]+", text.strip()):
+        if not term:
+            continue
+        span, _, stride = term.partition(":")
+        lo, sep, hi = span.partition("-")
+        first, last = int(lo), int(hi if sep else lo)
+        cpus.update(range(first, last + 1, int(stride) if stride else 1))
+    return frozenset(cpus)
+
+
+def omp_team(environ: Mapping[str, str]) -> frozenset[int] | None:
+    try:
+        if environ.get("GOMP_CPU_AFFINITY"):
+            return _cpu_terms(environ["GOMP_CPU_AFFINITY"]) or None
+        if environ.get("OMP_PLACES", "").startswith("{"):
+            cpus: set[int] = set()
+            for place in re.findall(r"\{([^}]*)\}", environ["OMP_PLACES"]):
+                for item in place.split(","):
+                    start, _, count = item.strip().partition(":")
+                    cpus.update(range(int(start), int(start) + int(count or 1)))
+            return frozenset(cpus) or None
+        found = re.search(r"proclist=\[([^\]]*)\]", environ.get("KMP_AFFINITY", ""))
+        if found:
+            return parse_cpu_list(found.group(1))
+    except ValueError:
+        return None
+    return None
+
+
 @dataclass(frozen=True)
 class HelperPlacement:
     """Where the helper threads run: ``cpus`` (empty: where they are started)."""
 
     cpus: frozenset[int]
-    forward: frozenset[int]
+    team: frozenset[int]  # the forward pass's CPUs (its OpenMP team)
     why: str
 
     @property
     def shares_forward(self) -> bool:
-        return not self.cpus or bool(self.cpus & self.forward)
+        return not self.cpus or bool(self.cpus & self.team)
 
 
-def place_helpers(setting: str, forward: frozenset[int], omp_bind: str | None,
-                  online: frozenset[int],
+def place_helpers(setting: str, master: frozenset[int], team: frozenset[int] | None,
+                  omp_bind: str | None, online: frozenset[int],
                   node_cpus: Mapping[int, frozenset[int]]) -> HelperPlacement:
+    forward = master | (team or frozenset())
     if setting == "inherit":
         return HelperPlacement(frozenset(), forward, "hicache_helper_cpus is 'inherit'")
     if setting != "auto":
@@ -112,8 +152,6 @@ def place_helpers(setting: str, forward: frozenset[int], omp_bind: str | None,
     bind = (omp_bind or "auto").strip()
     if bind == "nobind":
         return HelperPlacement(frozenset(), forward, "vLLM binds no forward thread (nobind)")
-    if not forward or forward >= online:
-        return HelperPlacement(frozenset(), forward, "the forward pass may run on every CPU")
     bound = set(forward)
     if bind != "auto":
         for ranks_cpus in bind.split("|"):
@@ -127,10 +165,13 @@ def place_helpers(setting: str, forward: frozenset[int], omp_bind: str | None,
     if nodes:
         near = set().union(*nodes) & online
     spare = frozenset(near - bound)
-    if not spare:
-        return HelperPlacement(frozenset(), forward,
-                               "every CPU near the forward pass runs a forward pass")
-    return HelperPlacement(spare, forward, "the CPUs vLLM left beside its forward pass")
+    if spare:
+        return HelperPlacement(spare, forward, "cores no forward pass uses")
+    others = frozenset(forward - master)
+    if others:
+        return HelperPlacement(others, forward, "the forward pass's other cores: they "
+                               "idle between passes, when backups run")
+    return HelperPlacement(frozenset(), forward, "no core beside the forward thread's")
 
 
 def _read_cpus(path: Path) -> frozenset[int] | None:
@@ -141,9 +182,9 @@ def _read_cpus(path: Path) -> frozenset[int] | None:
 
 
 def host_placement(setting: str, on_cpu: bool) -> HelperPlacement:
-    forward = frozenset(os.sched_getaffinity(0))
+    master = frozenset(os.sched_getaffinity(0))
     if setting == "auto" and not on_cpu:
-        return HelperPlacement(frozenset(), forward, "the forward pass runs on a GPU")
+        return HelperPlacement(frozenset(), master, "the forward pass runs on a GPU")
     sys_cpu = Path("/sys/devices/system")
     online = _read_cpus(sys_cpu / "cpu" / "online") or frozenset(range(os.cpu_count() or 1))
     nodes: dict[int, frozenset[int]] = {}
@@ -151,8 +192,8 @@ def host_placement(setting: str, on_cpu: bool) -> HelperPlacement:
         cpus = _read_cpus(node / "cpulist")
         if cpus:
             nodes[int(node.name[4:])] = cpus
-    return place_helpers(setting, forward, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                         online, nodes)
+    return place_helpers(setting, master, omp_team(os.environ),
+                         os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), online, nodes)
 
 
 def pin_current_thread(cpus: frozenset[int]) -> bool:

@@ -19,6 +19,8 @@ Cases (``--cases``, in this order within a round; ``--rounds`` alternates them):
 - ``hicache-reused``: ``hicache`` with ``hicache_l3_admission: reused`` (a page
   goes to L3 once a second request uses it).
 - ``hicache-l2``: the same without L3.
+- ``hicache-inherit``: ``hicache`` with ``hicache_helper_cpus: inherit`` (its L3
+  threads on the core of vLLM's forward thread, tiers/worker/helper_cpus.py).
 - ``floor``: the do-nothing connector with an L1 that holds every page of
   the slice (nothing is ever evicted): what a perfect cache gives.
 
@@ -92,6 +94,8 @@ CASES = (
     Case("hicache-reused", "hicache",
          extra_config={"l3": "file", "hicache_l3_admission": "reused"}),
     Case("hicache-l2", "hicache"),
+    Case("hicache-inherit", "hicache",
+         extra_config={"l3": "file", "hicache_helper_cpus": "inherit"}),
     Case("floor", "null", l1="all"),
 )
 

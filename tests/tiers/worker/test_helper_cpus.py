@@ -21,6 +21,7 @@ from hicache.tiers.l3.guard import guarded
 from hicache.tiers.worker.core import HiCacheWorker
 from hicache.tiers.worker.helper_cpus import (
     format_cpus,
+    omp_team,
     parse_cpu_list,
     pin_current_thread,
     place_helpers,
@@ -50,32 +51,50 @@ def test_the_setting_is_checked_naming_the_key_and_what_it_allows():
         HiCacheConfig.from_extra_config({"hicache_helper_cpus": "two"})
 
 
-def test_auto_takes_the_cores_vllm_left_beside_this_ranks_forward_pass():
-    # This VM: vLLM binds the forward to CPU 0 and leaves CPU 1 to the other processes.
-    p = place_helpers("auto", frozenset({0}), None, frozenset({0, 1}), {0: frozenset({0, 1})})
-    assert p.cpus == {1} and not p.shares_forward
-    # "auto" on two NUMA nodes, TP=2: rank 0 on node 0 less the core reserved there.
-    p = place_helpers("auto", frozenset(range(7)), "auto", CPUS16, NODES)
-    assert p.cpus == {7}  # not node 1's cores: rank 1 computes there
+def test_the_openmp_team_is_read_as_vllm_writes_it_for_each_runtime():
+    assert omp_team({"GOMP_CPU_AFFINITY": "0 1"}) == {0, 1}  # libgomp (this VM)
+    assert omp_team({"GOMP_CPU_AFFINITY": "0-6:2 9"}) == {0, 2, 4, 6, 9}
+    assert omp_team({"OMP_PLACES": "{4,5,6}", "OMP_PROC_BIND": "true"}) == {4, 5, 6}
+    assert omp_team({"OMP_PLACES": "{0:2},{8}"}) == {0, 1, 8}
+    assert omp_team({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3,7-8]"}) \
+        == {2, 3, 7, 8}  # Intel's OpenMP
+    assert omp_team({}) is None
+    assert omp_team({"OMP_PLACES": "cores"}) is None  # abstract places: not a CPU list
+    assert omp_team({"GOMP_CPU_AFFINITY": "zero"}) is None
+
+
+def test_auto_takes_cores_no_forward_pass_uses_and_then_drops_the_gate():
+    # A rank on 0-6 of a 16-CPU, two-node host, with one core of its node reserved.
+    p = place_helpers("auto", frozenset({0}), frozenset(range(7)), "auto", CPUS16, NODES)
+    assert p.cpus == {7} and not p.shares_forward  # not node 1's: rank 1 computes there
     # An explicit bind: no rank's cores, whichever node.
-    p = place_helpers("auto", frozenset(range(6)), "0-5|8-13", CPUS16, {})
+    p = place_helpers("auto", frozenset({0}), frozenset(range(6)), "0-5|8-13", CPUS16, {})
     assert p.cpus == {6, 7, 14, 15} and not p.shares_forward
+    # No team in the environment: the forward thread's own CPUs are the pass's.
+    p = place_helpers("auto", frozenset({0}), None, None, frozenset({0, 1}), {})
+    assert p.cpus == {1} and not p.shares_forward
 
 
-def test_auto_pins_nothing_where_no_core_is_left_or_vllm_binds_none():
-    tp2_on_two_cores = place_helpers("auto", frozenset({0}), "0|1", frozenset({0, 1}), {})
-    unbound = place_helpers("auto", frozenset({0, 1}), "nobind", frozenset({0, 1}), {})
-    everywhere = place_helpers("auto", CPUS16, None, CPUS16, NODES)
-    for p in (tp2_on_two_cores, unbound, everywhere):
-        assert p.cpus == frozenset() and p.shares_forward  # backups wait for the gaps
+def test_auto_takes_the_teams_other_cores_where_none_is_spare_and_keeps_the_gate():
+    # This VM: vLLM's team on both cores ("auto", GOMP_CPU_AFFINITY="0 1"), the forward
+    # thread on CPU 0: the other core idles between passes.
+    p = place_helpers("auto", frozenset({0}), frozenset({0, 1}), None, frozenset({0, 1}),
+                      {0: frozenset({0, 1})})
+    assert p.cpus == {1} and p.shares_forward  # backups wait for the gaps
+    # TP=2 over two cores, one thread each: nothing beside the forward thread.
+    tp2 = place_helpers("auto", frozenset({0}), frozenset({0}), "0|1", frozenset({0, 1}), {})
+    unbound = place_helpers("auto", frozenset({0, 1}), None, "nobind", frozenset({0, 1}), {})
+    for p in (tp2, unbound):
+        assert p.cpus == frozenset() and p.shares_forward
     assert "nobind" in unbound.why
 
 
 def test_a_list_is_taken_as_given_and_inherit_pins_nothing():
-    p = place_helpers("12-13", frozenset(range(8)), None, CPUS16, NODES)
+    team = frozenset(range(8))
+    p = place_helpers("12-13", frozenset({0}), team, None, CPUS16, NODES)
     assert p.cpus == {12, 13} and not p.shares_forward
-    assert place_helpers("6-9", frozenset(range(8)), None, CPUS16, NODES).shares_forward
-    p = place_helpers("inherit", frozenset({0}), None, frozenset({0, 1}), {})
+    assert place_helpers("6-9", frozenset({0}), team, None, CPUS16, NODES).shares_forward
+    p = place_helpers("inherit", frozenset({0}), None, None, frozenset({0, 1}), {})
     assert p.cpus == frozenset() and p.shares_forward
 
 
@@ -131,22 +150,40 @@ def _l3_thread_cpus(w: HiCacheWorker) -> set[int]:
     return os.sched_getaffinity(tid)
 
 
+def _no_team(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "GOMP_CPU_AFFINITY", "OMP_PLACES",
+                 "KMP_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to leave one "
                     "to the forward pass")
-def test_a_cpu_worker_runs_its_l3_threads_off_the_forward_core_without_the_gate(
+def test_a_cpu_worker_runs_its_l3_threads_off_the_forward_thread_s_core(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # vLLM's default: auto
+    """vLLM pins the forward thread and writes its team into the environment; the L3
+    threads and the backend's construction go elsewhere, with the gate where that is
+    still the team's."""
+    _no_team(monkeypatch)
     cpus = sorted(os.sched_getaffinity(0))
     forward = frozenset(cpus[:1])
     built_on: list[set[int]] = []
-    w = _worker(tmp_path, "auto", built_on)
+    w = _worker(tmp_path, "auto", built_on)  # a team of one: the rest is spare
     try:
         _register_on_a_pinned_forward_thread(w, forward)
-        assert w.placement is not None and w.placement.forward == forward
+        assert w.placement is not None and w.placement.team == forward
         assert _l3_thread_cpus(w) == set(cpus[1:])
         assert built_on == [set(cpus[1:])]  # a client's own threads would run there too
         io = w.storage_io
-        assert io is not None and not io.gate.enabled  # nothing to yield: its own cores
+        assert io is not None and not io.gate.enabled  # nothing to yield: no team there
+    finally:
+        w.shutdown()
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, cpus)))  # a team on all
+    w = _worker(tmp_path, "auto")
+    try:
+        _register_on_a_pinned_forward_thread(w, forward)
+        assert _l3_thread_cpus(w) == set(cpus[1:])
+        io = w.storage_io
+        assert io is not None and io.gate.enabled  # the team's cores: between passes
     finally:
         w.shutdown()
     w = _worker(tmp_path, "inherit")
@@ -175,7 +212,7 @@ def test_a_block_runs_on_the_cpus_then_the_thread_gets_its_own_back():
                     "to the forward pass")
 def test_the_copy_thread_of_async_stores_runs_off_the_forward_core_too(
         monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    _no_team(monkeypatch)
     cpus = sorted(os.sched_getaffinity(0))
     (key,) = page_keys(NS.seed(), list(range(9)), 8)
     w = HiCacheWorker(GEOM, 8, layout="page_first", group_layer_names=[[LAYER]],
