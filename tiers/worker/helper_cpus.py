@@ -24,14 +24,18 @@ Contract:
   list; ``master`` the forward thread's CPUs; ``team`` its OpenMP team's
   (None: the master's); ``omp_bind`` vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
   (None: unset, i.e. "auto"); ``online`` the host's CPUs; ``node_cpus`` each
-  NUMA node's CPUs (empty: unknown). Returns a ``HelperPlacement``:
+  NUMA node's CPUs (empty: unknown); ``siblings`` each CPU's hyperthread
+  siblings, itself included (empty: unknown). Returns a ``HelperPlacement``:
   "inherit" pins nothing; a list pins there; "auto" pins to the CPUs of the
   team's NUMA nodes that no rank's team is bound to (every list of an
   explicit bind; this rank's own under "auto", the others being on other
-  nodes), else to the team's CPUs other than the master's, else nothing;
-  nothing either when vLLM binds no thread ("nobind").
+  nodes) and share no physical core with it, else to such CPUs that do
+  (hyperthread siblings of the team's), else to the team's CPUs other than
+  the master's, else nothing; nothing either when vLLM binds no thread
+  ("nobind").
 - ``HelperPlacement.shares_forward``: whether the helper threads may run on a
-  CPU of the forward pass (nothing pinned, or CPUs of its team).
+  core of the forward pass (nothing pinned, CPUs of its team or their
+  hyperthread siblings): then backups wait for the gaps between passes.
 - ``host_placement(setting, on_cpu)``: ``place_helpers`` for this process, read
   from the calling thread (vLLM's forward thread), the environment and /sys; a
   GPU engine ("auto", ``on_cpu`` False) pins nothing: its forward pass is on the
@@ -135,15 +139,17 @@ class HelperPlacement:
     cpus: frozenset[int]
     team: frozenset[int]  # the forward pass's CPUs (its OpenMP team)
     why: str
+    sibling_cpus: bool = False  # ``cpus`` are hyperthreads of the team's cores
 
     @property
     def shares_forward(self) -> bool:
-        return not self.cpus or bool(self.cpus & self.team)
+        return not self.cpus or self.sibling_cpus or bool(self.cpus & self.team)
 
 
 def place_helpers(setting: str, master: frozenset[int], team: frozenset[int] | None,
                   omp_bind: str | None, online: frozenset[int],
-                  node_cpus: Mapping[int, frozenset[int]]) -> HelperPlacement:
+                  node_cpus: Mapping[int, frozenset[int]],
+                  siblings: Mapping[int, frozenset[int]] | None = None) -> HelperPlacement:
     forward = master | (team or frozenset())
     if setting == "inherit":
         return HelperPlacement(frozenset(), forward, "hicache_helper_cpus is 'inherit'")
@@ -165,8 +171,12 @@ def place_helpers(setting: str, master: frozenset[int], team: frozenset[int] | N
     if nodes:
         near = set().union(*nodes) & online
     spare = frozenset(near - bound)
+    shared = set().union(*(siblings.get(cpu, {cpu}) for cpu in bound)) if siblings else bound
+    if spare - shared:
+        return HelperPlacement(frozenset(spare - shared), forward, "cores no forward pass uses")
     if spare:
-        return HelperPlacement(spare, forward, "cores no forward pass uses")
+        return HelperPlacement(spare, forward, "hyperthreads of the forward pass's cores: "
+                               "backups between passes", sibling_cpus=True)
     others = frozenset(forward - master)
     if others:
         return HelperPlacement(others, forward, "the forward pass's other cores: they "
@@ -192,8 +202,13 @@ def host_placement(setting: str, on_cpu: bool) -> HelperPlacement:
         cpus = _read_cpus(node / "cpulist")
         if cpus:
             nodes[int(node.name[4:])] = cpus
+    siblings: dict[int, frozenset[int]] = {}
+    for cpu in online:
+        found = _read_cpus(sys_cpu / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list")
+        if found:
+            siblings[cpu] = found
     return place_helpers(setting, master, omp_team(os.environ),
-                         os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), online, nodes)
+                         os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), online, nodes, siblings)
 
 
 def pin_current_thread(cpus: frozenset[int]) -> bool:

@@ -75,6 +75,19 @@ def test_auto_takes_cores_no_forward_pass_uses_and_then_drops_the_gate():
     assert p.cpus == {1} and not p.shares_forward
 
 
+def test_hyperthreads_of_the_teams_cores_come_after_free_cores_and_keep_the_gate():
+    # 8 cores x 2 hyperthreads (CPU n and n + 8 share a core); vLLM's team takes one
+    # thread of cores 0-5, leaving cores 6-7 whole and the siblings 8-13.
+    online = frozenset(range(16))
+    siblings = {cpu: frozenset({cpu % 8, cpu % 8 + 8}) for cpu in online}
+    team = frozenset(range(6))
+    p = place_helpers("auto", frozenset({0}), team, None, online, {}, siblings)
+    assert p.cpus == {6, 7, 14, 15} and not p.shares_forward
+    # Every core in the team: only its hyperthreads are left, and they share its cores.
+    p = place_helpers("auto", frozenset({0}), frozenset(range(8)), None, online, {}, siblings)
+    assert p.cpus == set(range(8, 16)) and p.shares_forward
+
+
 def test_auto_takes_the_teams_other_cores_where_none_is_spare_and_keeps_the_gate():
     # This VM: vLLM's team on both cores ("auto", GOMP_CPU_AFFINITY="0 1"), the forward
     # thread on CPU 0: the other core idles between passes.
