@@ -36,7 +36,7 @@ queued copies in order; ``wait_layer`` blocks the caller until the layer's
 copy returned. Copies release the GIL (torch ``copy_``, the numba kernel), so
 the thread runs while the forward pass computes (stores that finish across
 steps, ``hicache_async_stores``, need it). ``thread_init`` runs first in that
-thread (the worker pins it to cores the forward pass does not use).
+thread (the worker pins it off the forward thread's core).
 
 CUDA mode (``LayerPipeline(device)`` with a CUDA device): copies are enqueued
 on a dedicated side stream from the calling thread, and ordering is kept by
