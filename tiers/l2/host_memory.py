@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from hicache.tiers.host_cpus import parse_cpu_list, read_cpus, running_on
+
 logger = logging.getLogger(__name__)
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped
@@ -143,34 +145,14 @@ def _online_nodes() -> list[int]:
 
 
 def _parse_cpulist(text: str) -> list[int]:
-    """Linux list format ("0-3,8,10-11") as a list of ints."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
+    """Linux list format ("0-3,8,10-11") as a sorted list of ints ("" -> none)."""
+    return sorted(parse_cpu_list(text)) if text.strip() else []
 
 
 @contextlib.contextmanager
 def _bound_to_node(node: int | None) -> Iterator[None]:
     """Run the block on ``node``'s CPUs (this thread only), then restore affinity."""
-    if node is None:
+    cpus = None if node is None else read_cpus(
+        Path(f"/sys/devices/system/node/node{node}/cpulist"))
+    with running_on((cpus or frozenset()) & os.sched_getaffinity(0)):
         yield
-        return
-    try:
-        cpus = set(_parse_cpulist(
-            Path(f"/sys/devices/system/node/node{node}/cpulist").read_text()))
-        before = os.sched_getaffinity(0)
-        allowed = cpus & before
-    except OSError:
-        allowed, before = set(), set()
-    if not allowed:
-        yield
-        return
-    os.sched_setaffinity(0, allowed)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)

@@ -31,9 +31,9 @@ import torch
 from hicache.kernels import block_copy, io_backend
 from hicache.kernels.io_backend import CopyPath
 from hicache.kernels.layer_pipeline import LayerPipeline
+from hicache.tiers.host_cpus import pin_current_thread
 from hicache.tiers.index.plans import PagePlan
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
-from hicache.tiers.worker.helper_cpus import pin_current_thread
 from hicache.tiers.worker.kv_layers import KVLayers
 from hicache.tiers.worker.stats import CopyClock
 from hicache.tiers.worker.transfers import GroupTransfer, group_transfer

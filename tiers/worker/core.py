@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from hicache.tiers.host_cpus import format_cpus
 from hicache.tiers.index.commands import L3_CHANGES
 from hicache.tiers.index.plans import StepPlan, WorkerReport
 from hicache.tiers.l2.host_pool import HostPagePool, PoolGeometry
@@ -52,7 +53,7 @@ from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.metrics import WorkerKey as K
 from hicache.tiers.worker.copies import KVCopies
 from hicache.tiers.worker.fetch_endings import FetchEndings
-from hicache.tiers.worker.helper_cpus import HelperPlacement, format_cpus, host_placement
+from hicache.tiers.worker.helper_cpus import HelperPlacement, host_placement
 from hicache.tiers.worker.l3_io import StorageIO
 from hicache.tiers.worker.l3_link import L3Link, StorageBuilder
 from hicache.tiers.worker.loads import L2Loads

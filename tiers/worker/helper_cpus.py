@@ -14,8 +14,6 @@ any; else on the team's other cores, which idle between passes (and then
 their backups wait for those gaps, forward_gate.py).
 
 Contract:
-- ``parse_cpu_list("0-3,8")`` -> frozenset of ints; ``ValueError`` naming the
-  bad part. ``format_cpus`` writes a set back in that form ("" when empty).
 - ``omp_team(environ)``: the CPUs of this rank's OpenMP team as vLLM wrote
   them into the worker's environment (``GOMP_CPU_AFFINITY``, ``OMP_PLACES``
   or ``KMP_AFFINITY``'s proclist); None when none is set or readable.
@@ -40,52 +38,20 @@ Contract:
   from the calling thread (vLLM's forward thread), the environment and /sys; a
   GPU engine ("auto", ``on_cpu`` False) pins nothing: its forward pass is on the
   device, and vLLM does not pin its host threads.
-- ``pin_current_thread(cpus)``: restricts the calling thread to ``cpus`` (the
-  kernel keeps those the process's cpuset allows); False, and nothing changed,
-  when none of them is allowed or ``cpus`` is empty. ``running_on(cpus)``: the
-  same for a block, the thread's own affinity restored after it.
+- CPU lists and the calling thread's pinning: tiers/host_cpus.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from hicache.tiers.host_cpus import parse_cpu_list, read_cpus
 
 HELPER_CPU_MODES = ("auto", "inherit")
-
-
-def parse_cpu_list(text: str) -> frozenset[int]:
-    """``"0-3,8"`` -> {0, 1, 2, 3, 8} (Linux's cpulist format)."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi if sep else lo)
-        except ValueError:
-            raise ValueError(f"{part!r} is not a CPU number or range (like 2 or 4-7)") from None
-        if first < 0 or last < first:
-            raise ValueError(f"{part!r} is not a CPU number or range (like 2 or 4-7)")
-        cpus.update(range(first, last + 1))
-    return frozenset(cpus)
-
-
-def format_cpus(cpus: frozenset[int] | set[int]) -> str:
-    """{0, 1, 2, 3, 8} -> ``"0-3,8"``."""
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def check_setting(value: str) -> str:
@@ -184,51 +150,21 @@ def place_helpers(setting: str, master: frozenset[int], team: frozenset[int] | N
     return HelperPlacement(frozenset(), forward, "no core beside the forward thread's")
 
 
-def _read_cpus(path: Path) -> frozenset[int] | None:
-    try:
-        return parse_cpu_list(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def host_placement(setting: str, on_cpu: bool) -> HelperPlacement:
     master = frozenset(os.sched_getaffinity(0))
     if setting == "auto" and not on_cpu:
         return HelperPlacement(frozenset(), master, "the forward pass runs on a GPU")
     sys_cpu = Path("/sys/devices/system")
-    online = _read_cpus(sys_cpu / "cpu" / "online") or frozenset(range(os.cpu_count() or 1))
+    online = read_cpus(sys_cpu / "cpu" / "online") or frozenset(range(os.cpu_count() or 1))
     nodes: dict[int, frozenset[int]] = {}
     for node in sorted(sys_cpu.glob("node/node[0-9]*")):
-        cpus = _read_cpus(node / "cpulist")
+        cpus = read_cpus(node / "cpulist")
         if cpus:
             nodes[int(node.name[4:])] = cpus
     siblings: dict[int, frozenset[int]] = {}
     for cpu in online:
-        found = _read_cpus(sys_cpu / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list")
+        found = read_cpus(sys_cpu / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list")
         if found:
             siblings[cpu] = found
     return place_helpers(setting, master, omp_team(os.environ),
                          os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), online, nodes, siblings)
-
-
-def pin_current_thread(cpus: frozenset[int]) -> bool:
-    if not cpus:
-        return False
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as exc:  # none of them in this process's cpuset
-        logger.warning("HiCache: cannot run a helper thread on CPUs %s (%s); it stays on %s",
-                       sorted(cpus), exc, sorted(os.sched_getaffinity(0)))
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def running_on(cpus: frozenset[int]) -> Iterator[None]:
-    before = os.sched_getaffinity(0)
-    pinned = pin_current_thread(cpus)
-    try:
-        yield
-    finally:
-        if pinned:
-            os.sched_setaffinity(0, before)

@@ -81,12 +81,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
+from hicache.tiers.host_cpus import pin_current_thread
 from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import ReadBatch, StorageBackend, WriteBatch
 from hicache.tiers.worker.forward_gate import MAX_DEFER_S, ForwardGate
-from hicache.tiers.worker.helper_cpus import pin_current_thread
 from hicache.tiers.worker.l3_jobs import Backup, FetchResult, Job, Retention, StorageIOStats
 
 logger = logging.getLogger(__name__)

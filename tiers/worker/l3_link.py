@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hicache.tiers.host_cpus import running_on
 from hicache.tiers.index.commands import (
     L3_CHANGES,
     AttachStore,
@@ -45,7 +46,6 @@ from hicache.tiers.l3.base import StorageBackend
 from hicache.tiers.l3.guard import GuardedBackend, guarded
 from hicache.tiers.metrics import WorkerGauge as G
 from hicache.tiers.metrics import WorkerKey as K
-from hicache.tiers.worker.helper_cpus import running_on
 from hicache.tiers.worker.l3_io import StorageIO
 from hicache.tiers.worker.l3_jobs import FetchResult
 

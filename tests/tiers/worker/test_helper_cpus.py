@@ -19,27 +19,10 @@ from hicache.tiers.l3.base import StorageConfig
 from hicache.tiers.l3.file.backend import FileBackend
 from hicache.tiers.l3.guard import guarded
 from hicache.tiers.worker.core import HiCacheWorker
-from hicache.tiers.worker.helper_cpus import (
-    format_cpus,
-    omp_team,
-    parse_cpu_list,
-    pin_current_thread,
-    place_helpers,
-    running_on,
-)
+from hicache.tiers.worker.helper_cpus import omp_team, place_helpers
 
 CPUS16 = frozenset(range(16))
 NODES = {0: frozenset(range(8)), 1: frozenset(range(8, 16))}
-
-
-def test_cpu_lists_read_and_write_linux_cpulist_form():
-    assert parse_cpu_list("0-3,8") == {0, 1, 2, 3, 8}
-    assert parse_cpu_list(" 5 \n") == {5}
-    assert format_cpus({8, 0, 1, 2, 3, 10, 11}) == "0-3,8,10-11"
-    assert format_cpus(set()) == ""
-    for bad in ("x", "3-1", "-2", "1,,2"):
-        with pytest.raises(ValueError, match="not a CPU number or range"):
-            parse_cpu_list(bad)
 
 
 def test_the_setting_is_checked_naming_the_key_and_what_it_allows():
@@ -120,16 +103,6 @@ def _in_thread(fn):
     return out[0]
 
 
-def test_a_thread_is_pinned_where_the_cpuset_allows_and_left_alone_elsewhere():
-    mine = frozenset(os.sched_getaffinity(0))
-    one = frozenset({max(mine)})
-    assert _in_thread(lambda: (pin_current_thread(one), os.sched_getaffinity(0))) == (True, one)
-    absent = frozenset({max(range(os.cpu_count() or 1)) + 1})  # no such CPU here
-    assert _in_thread(lambda: (pin_current_thread(absent), os.sched_getaffinity(0))) \
-        == (False, mine)
-    assert _in_thread(lambda: pin_current_thread(frozenset())) is False
-
-
 GEOM = PoolGeometry(num_slots=4, num_layers=1, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("tiny", "float32", "cpu", 8, 1)
 LAYER = "model.layers.0.self_attn.attn"
@@ -207,18 +180,6 @@ def test_a_cpu_worker_runs_its_l3_threads_off_the_forward_thread_s_core(
         assert io is not None and io.gate.enabled  # it shares the core: backups wait
     finally:
         w.shutdown()
-
-
-def test_a_block_runs_on_the_cpus_then_the_thread_gets_its_own_back():
-    mine = frozenset(os.sched_getaffinity(0))
-    one = frozenset({min(mine)})
-
-    def inside_and_after() -> tuple[set[int], set[int]]:
-        with running_on(one):
-            inside = os.sched_getaffinity(0)
-        return inside, os.sched_getaffinity(0)
-
-    assert _in_thread(inside_and_after) == (one, mine)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to leave one "
