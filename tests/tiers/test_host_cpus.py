@@ -4,9 +4,9 @@ given its own affinity back."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
+from support.threads import in_thread
 
 from hicache.tiers.host_cpus import format_cpus, parse_cpu_list, pin_current_thread, running_on
 
@@ -21,23 +21,14 @@ def test_cpu_lists_read_and_write_linux_cpulist_form():
             parse_cpu_list(bad)
 
 
-def _in_thread(fn):
-    """Run ``fn`` in a fresh thread (its affinity changes die with it); its result."""
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()))
-    t.start()
-    t.join()
-    return out[0]
-
-
 def test_a_thread_is_pinned_where_the_cpuset_allows_and_left_alone_elsewhere():
     mine = frozenset(os.sched_getaffinity(0))
     one = frozenset({max(mine)})
-    assert _in_thread(lambda: (pin_current_thread(one), os.sched_getaffinity(0))) == (True, one)
+    assert in_thread(lambda: (pin_current_thread(one), os.sched_getaffinity(0))) == (True, one)
     absent = frozenset({max(range(os.cpu_count() or 1)) + 1})  # no such CPU here
-    assert _in_thread(lambda: (pin_current_thread(absent), os.sched_getaffinity(0))) \
+    assert in_thread(lambda: (pin_current_thread(absent), os.sched_getaffinity(0))) \
         == (False, mine)
-    assert _in_thread(lambda: pin_current_thread(frozenset())) is False
+    assert in_thread(lambda: pin_current_thread(frozenset())) is False
 
 
 def test_a_block_runs_on_the_cpus_then_the_thread_gets_its_own_back():
@@ -49,4 +40,4 @@ def test_a_block_runs_on_the_cpus_then_the_thread_gets_its_own_back():
             inside = os.sched_getaffinity(0)
         return inside, os.sched_getaffinity(0)
 
-    assert _in_thread(inside_and_after) == (one, mine)
+    assert in_thread(inside_and_after) == (one, mine)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.threads import in_thread
 
 from hicache.tiers.config import HiCacheConfig, HiCacheConfigError
 from hicache.tiers.index.page_keys import KeyNamespace, page_keys
@@ -94,15 +95,6 @@ def test_a_list_is_taken_as_given_and_inherit_pins_nothing():
     assert p.cpus == frozenset() and p.shares_forward
 
 
-def _in_thread(fn):
-    """Run ``fn`` in a fresh thread (its affinity changes die with it); its result."""
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()))
-    t.start()
-    t.join()
-    return out[0]
-
-
 GEOM = PoolGeometry(num_slots=4, num_layers=1, blocks_per_page=2, block_bytes=64)
 NS = KeyNamespace("tiny", "float32", "cpu", 8, 1)
 LAYER = "model.layers.0.self_attn.attn"
@@ -125,7 +117,7 @@ def _register_on_a_pinned_forward_thread(w: HiCacheWorker, forward: frozenset[in
         os.sched_setaffinity(0, forward)  # as vLLM's CPU worker pins its forward thread
         w.register_kv_caches({LAYER: torch.zeros(8, 16)})  # CPU tensors: a CPU engine
 
-    _in_thread(register)
+    in_thread(register)
 
 
 def _l3_thread_cpus(w: HiCacheWorker) -> set[int]:
@@ -194,7 +186,7 @@ def test_the_copy_thread_of_async_stores_runs_off_the_forward_core_too(
     try:
         _register_on_a_pinned_forward_thread(w, frozenset(cpus[:1]))
         # The copy thread starts with the first copy queued on it.
-        _in_thread(lambda: w.finish_step(StepPlan(stores=[PagePlan(0, key, 0, (2, 3))],
+        in_thread(lambda: w.finish_step(StepPlan(stores=[PagePlan(0, key, 0, (2, 3))],
                                                   seq=1)))
         (copy_thread,) = [t for t in threading.enumerate() if t.name.startswith("hicache-copy")]
         assert copy_thread.native_id is not None
