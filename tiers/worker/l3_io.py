@@ -47,7 +47,10 @@ Contract:
   barrier for one taken away), no backup starts between ``forward_started()`` and
   ``forward_ended()`` (the worker's step hooks; tiers/worker/forward_gate.py)
   unless the pass has run for ``max_defer_s``: backups run in the gaps
-  between forward passes, a job already running finishes (it may hold slots
+  between forward passes. A step's backup is written ``GATED_BACKUP_PAGES``
+  pages at a time (whole span objects, l3_jobs.py ``split_backup``) and the
+  gate is asked again before each part, so a slow store overruns into a pass
+  by one part at most; the part already running finishes (it may hold slots
   ``release_slots`` waits for). Fetches and removals never wait for the gate.
   With a backend that allows concurrent reads
   (``capabilities.concurrent_io``), up to ``FETCH_THREADS`` fetches run at once (helper
@@ -87,7 +90,14 @@ from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import ReadBatch, StorageBackend, WriteBatch
 from hicache.tiers.worker.forward_gate import MAX_DEFER_S, ForwardGate
-from hicache.tiers.worker.l3_jobs import Backup, FetchResult, Job, Retention, StorageIOStats
+from hicache.tiers.worker.l3_jobs import (
+    Backup,
+    FetchResult,
+    Job,
+    Retention,
+    StorageIOStats,
+    split_backup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +113,10 @@ FETCH_THREADS = 4
 # Longest an idle engine step waits for a fetch: bounds how late the engine
 # notices a new request arriving meanwhile.
 IDLE_WAIT_S = 0.005
+# Pages of a backup written between two looks at the forward gate (``yield_to_forward``):
+# a file store on this VM writes a page in 40-150 us, so a part overruns into a pass
+# by about a millisecond at most (docs/benchmarks-trace.md).
+GATED_BACKUP_PAGES = 8
 
 
 class StorageIO:
@@ -310,6 +324,10 @@ class StorageIO:
                                            if wanted is not None and k not in wanted]
                 elif self._backup_q:  # the wait above let it through the gate
                     job, backup = None, self._backup_q.popleft()
+                    if self.gate.enabled:  # the rest waits for the gate again
+                        backup, rest = split_backup(backup, GATED_BACKUP_PAGES)
+                        if rest:
+                            self._backup_q.appendleft(rest)
                     self._running_backup = {b[1] for b in backup}
                 else:
                     return  # stopping, nothing left

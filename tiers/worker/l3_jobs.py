@@ -4,6 +4,10 @@ Contract: ``FetchResult`` (a finished fetch: the L3 pages that arrived, a
 prefix, and the blocks vLLM must recompute), ``StorageIOStats`` (the
 thread's counters), and the queue entries ``Backup``, ``Retention`` and
 ``Job`` (a submitted fetch with its cancel flag and result). Plain data.
+
+``split_backup(batch, limit)``: the first ``limit`` pages of a queued backup
+and the rest, never parting the pages of one span object (the head takes
+every page of a span it starts), so each part still stores whole spans.
 """
 
 from __future__ import annotations
@@ -41,6 +45,26 @@ class StorageIOStats:
 
 # A queued backup: (page key, slot, L3 key, its span object or None).
 Backup = tuple[bytes, int, bytes, SpanRef | None]
+
+
+def split_backup(batch: list[Backup], limit: int) -> tuple[list[Backup], list[Backup]]:
+    """(head, rest): see the module docstring."""
+    if len(batch) <= limit:
+        return batch, []
+    head: list[Backup] = []
+    rest: list[Backup] = []
+    head_spans: set[bytes] = set()
+    for page in batch:
+        span = page[3]
+        if span is not None and span.key in head_spans:
+            head.append(page)
+        elif len(head) < limit:
+            head.append(page)
+            if span is not None:
+                head_spans.add(span.key)
+        else:
+            rest.append(page)
+    return head, rest
 
 
 @dataclass(frozen=True)

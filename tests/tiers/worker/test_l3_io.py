@@ -494,3 +494,46 @@ def test_without_yield_to_forward_the_step_hooks_change_nothing(tmp_path):
     io.submit_backup([(KEYS[i], i, KEYS[i]) for i in range(2)])
     assert io.wait_backups(60)  # a GPU engine's host is free while the pass runs
     io.shutdown()
+
+
+class HeldWrites(FaultyFileBackend):
+    """Each write waits for ``release`` and records whether a forward pass ran when
+    it started (``in_pass``, set by the test around its pass)."""
+
+    release = threading.Event()
+    started = threading.Event()
+    in_pass = False
+    writes: list[tuple[int, bool]] = []  # (pages, a pass ran at its start)
+
+    def write(self, batch):
+        self.writes.append((len(batch.keys), HeldWrites.in_pass))
+        self.started.set()
+        assert self.release.wait(30)
+        return super().write(batch)
+
+
+def test_a_long_backup_yields_to_a_pass_that_starts_while_it_runs(tmp_path):
+    """A step's backup of 20 pages starts between passes; a pass begins during its
+    first part: the part finishes, the other 12 pages wait for the pass's end
+    (before: the whole backup ran on into the pass)."""
+    HeldWrites.release.clear()
+    HeldWrites.started.clear()
+    HeldWrites.in_pass = False
+    HeldWrites.writes.clear()
+    io, pool, backend, _ = make(tmp_path, backend_class=HeldWrites, io_options={
+        "yield_to_forward": True, "max_defer_s": 3600.0})
+    for i in range(20):
+        pool.set_key(i, KEYS[10 + i])
+    io.submit_backup([(KEYS[10 + i], i, KEYS[10 + i]) for i in range(20)])
+    assert HeldWrites.started.wait(30)  # the first part runs, between passes
+    HeldWrites.in_pass = True
+    io.forward_started()
+    HeldWrites.release.set()
+    assert not io.wait_backups(0.3)  # the rest waits for the pass to end
+    assert io.stats.backup_pages == 8 and io.queue_depths()[1] == 12
+    HeldWrites.in_pass = False
+    io.forward_ended()
+    assert io.wait_backups(60)
+    assert HeldWrites.writes == [(8, False), (8, False), (4, False)]
+    assert backend.exists_prefix([KEYS[10 + i].hex() for i in range(20)]) == 20
+    io.shutdown()
