@@ -29,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -97,7 +98,9 @@ class GuardedBackend(StorageBackend):
     def stats(self) -> StorageStats:
         """This backend's counters so far (a copy)."""
         with self._lock:
-            return StorageStats(**self._stats.as_dict())
+            # Every field is a number: a shallow copy is the whole copy (``asdict``
+            # deep-copies field by field, ~10 us; the worker reads this every step).
+            return copy.copy(self._stats)
 
     def _call(self, what: str, call: Callable[[], T], failed: T) -> tuple[T, BatchTally, float]:
         """``call()`` with this thread's tally; ``failed`` when the breaker is open or it

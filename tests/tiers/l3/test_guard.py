@@ -119,6 +119,9 @@ def test_counters_come_from_results_and_reports():
     assert st.bytes_written == 2 * PAGE
     assert (st.get_pages, st.get_hits, st.get_misses, st.bytes_read) == (2, 1, 1, PAGE)
     assert st.exists_queries == 3 and st.errors == 0 and st.refused_calls == 0
+    # stats() is a snapshot: later calls move the guard's counters, not this copy.
+    assert b.read(ReadBatch(["a"], [3])) == [True]
+    assert (st.get_pages, b.stats().get_pages) == (2, 3)
 
 
 def test_a_raising_backend_never_raises_and_is_counted():
