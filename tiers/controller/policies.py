@@ -280,7 +280,9 @@ class TailFirstLRU(EvictionPolicy):
         return left if left > 0 else len(node.keys)
 
     def evict(self, tree: HiRadixTree, num_pages: int) -> list[int]:
-        return tree.evict(num_pages, rank=self._rank, take=self._take)
+        # Its rank reads the node's own fields; tail_lost changes only while the node
+        # has an L2 child (not a leaf), so the tree may keep its heap.
+        return tree.evict(num_pages, rank=self._rank, take=self._take, rank_rises=True)
 
 
 def make_eviction_policy(name: str = "lru", *, tail_pages: int = 64) -> EvictionPolicy:

@@ -35,6 +35,13 @@ Contract:
   recompute; the ``tlru`` policy ranks by it). A node
   whose pages L3 holds stays in the tree as L3-only; from its first page
   that L3 does not hold on, it leaves the tree with its subtree.
+- Eviction keeps its heap of L2 leaves between calls when the rank only
+  rises while a node stays an L2 leaf (the default rank, or a caller's with
+  ``rank_rises``): a node enters it when it becomes a leaf, and a popped
+  entry whose rank rose since is pushed again with the new one, so a call
+  costs O(pages freed + stale entries) log n instead of a scan of every leaf
+  (``demote``, the one way a rank falls, drops the heap; it is rebuilt once
+  stale entries outnumber the leaves).
 - The L3-only part of the index is bounded (``max_l3_only_pages``): beyond
   it, least recently used L3-only leaves are forgotten (the store still
   holds them; a lookup finds them again).
@@ -163,6 +170,10 @@ class Dropped:
 class HiRadixTree:
     """Page-granular radix tree of L2- and L3-resident prefixes; see the module docstring."""
 
+    # evict's kept heap of (rank, id, node) and its rank (see the module docstring)
+    _heap: list[tuple[tuple[float, ...], int, TreeNode]] | None
+    _heap_rank: Callable[[TreeNode], tuple[float, ...]] | None
+
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  max_l3_only_pages: int = DEFAULT_MAX_L3_ONLY_PAGES) -> None:
         self._clock = clock
@@ -228,7 +239,7 @@ class HiRadixTree:
     def match_prefix(self, keys: Sequence[PageKey]) -> MatchResult:
         """Longest prefix of ``keys`` resident in L2 (split so ``node`` ends at it),
         and how many pages after it the tree knows L3 holds."""
-        now = self._clock()
+        now = self._now()
         node, end = self.root, 0
         node.last_access = now
         slots: list[int] = []
@@ -288,7 +299,7 @@ class HiRadixTree:
         get ``priority``; pages on the path are raised to at least it."""
         if len(keys) != len(host_slots):
             raise ValueError(f"{len(keys)} keys but {len(host_slots)} host slots")
-        now = self._clock()
+        now = self._now()
         node, end = self.root, 0
         node.last_access = now
         unused: list[int] = []
@@ -342,6 +353,8 @@ class HiRadixTree:
             if node.priority > priority:
                 node.priority = priority
                 lowered += len(node.keys)
+        if lowered:
+            self._heap = None  # ranks fell: the kept eviction heap is out of order
         return lowered
 
     # ------------------------------------------------------------------ L3 residency
@@ -438,7 +451,8 @@ class HiRadixTree:
 
     def evict(self, num_pages: int,
               rank: Callable[[TreeNode], tuple[float, ...]] | None = None,
-              take: Callable[[TreeNode], int] | None = None) -> list[int]:
+              take: Callable[[TreeNode], int] | None = None,
+              rank_rises: bool = False) -> list[int]:
         """Free exactly ``num_pages`` L2 pages if possible: unlocked L2 leaves, lowest
         ``rank`` first (default: priority, then access time).
 
@@ -446,16 +460,36 @@ class HiRadixTree:
         the reusable head of a long history survives. Pages L3 holds stay in
         the tree, L3-only. Fewer are freed only when nothing unlocked is left.
         A ``rank`` given must never put a node below one of its children (the
-        default does not: see Priorities and Access times). ``take``: at most
-        how many pages to take from a leaf before ranking what is left of it
-        again (default: as many as still needed). Returns the freed host slots.
+        default does not: see Priorities and Access times). ``rank_rises``: the
+        given rank reads only the node's own fields and falls only through
+        ``demote`` while the node stays an L2 leaf (as the default), so the
+        heap is kept between calls; otherwise every leaf is ranked anew.
+        ``take``: at most how many pages to take from a leaf before ranking
+        what is left of it again (default: as many as still needed). Returns
+        the freed host slots.
         """
-        rank = rank or _default_rank
-        heap = [(rank(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
+        if rank is None:
+            rank, rank_rises = _default_rank, True
+        if rank_rises:
+            heap = self._eviction_heap(rank)
+        else:
+            self._heap = None  # pushes below would go to a heap of another rank
+            heap = [(rank(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
+            heapq.heapify(heap)
         freed: list[int] = []
+        held: list[TreeNode] = []  # locked leaves popped: back in the heap afterwards
         while len(freed) < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            ranked, _, leaf = heapq.heappop(heap)
+            if rank_rises:
+                if leaf not in self._leaves:
+                    continue  # gone, or no longer a leaf: a newer entry stands for it
+                if leaf.lock_ref:
+                    held.append(leaf)
+                    continue
+                now = rank(leaf)
+                if now != ranked:  # used since it was pushed: its rank rose
+                    heapq.heappush(heap, (now, leaf.id, leaf))
+                    continue
             still_needed = num_pages - len(freed)
             if take is not None:
                 still_needed = max(1, min(still_needed, take(leaf)))
@@ -466,11 +500,25 @@ class HiRadixTree:
             parent.tail_lost = max(parent.tail_lost, leaf.tail_lost + len(leaf.keys))
             freed.extend(self._drop_l2(leaf))
             # A parent never ranks below its children, so pushing one keeps the
-            # popped sequence in order.
-            if parent in self._leaves and parent.lock_ref == 0:
+            # popped sequence in order (a kept heap got it from _refresh_leaf).
+            if not rank_rises and parent in self._leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (rank(parent), parent.id, parent))
+        for leaf in held:
+            heapq.heappush(heap, (rank(leaf), leaf.id, leaf))
         self._trim_l3_index()
         return freed
+
+    def _eviction_heap(self, rank: Callable[[TreeNode], tuple[float, ...]],
+                       ) -> list[tuple[tuple[float, ...], int, TreeNode]]:
+        """The kept heap for ``rank``: every L2 leaf has an entry whose rank is at most
+        its own (equal when pushed; ranks only rise since), built anew when missing,
+        made for another rank, or mostly stale."""
+        if (self._heap is None or self._heap_rank != rank
+                or len(self._heap) > 2 * len(self._leaves) + 1024):
+            self._heap = [(rank(n), n.id, n) for n in self._leaves]
+            heapq.heapify(self._heap)
+            self._heap_rank = rank
+        return self._heap
 
     def remove_slots(self, slots: Iterable[int]) -> tuple[list[int], set[int]]:
         """Forget the pages held in ``slots`` and every page below them, in both tiers.
@@ -537,8 +585,11 @@ class HiRadixTree:
         return slots
 
     def _clear(self) -> None:
-        self.root = TreeNode([], None, [], self._clock(), priority=_ROOT_PRIORITY)
+        self._latest = self._clock()
+        self.root = TreeNode([], None, [], self._latest, priority=_ROOT_PRIORITY)
         self._leaves: set[TreeNode] = set()  # L2 nodes without an L2 child (root excluded)
+        self._heap = None
+        self._heap_rank = None
         self._nodes: dict[PageKey, TreeNode] = {}
         self._total_pages = 0
         self._evictable_pages = 0
@@ -590,6 +641,15 @@ class HiRadixTree:
         if node.parent is not None:
             self._refresh_leaf(node.parent)
 
+    def _now(self) -> float:
+        """The clock for access times; one that went back (a test's) drops the kept
+        eviction heap, whose order assumes access times only rise."""
+        now = self._clock()
+        if now < self._latest:
+            self._heap = None
+        self._latest = now
+        return now
+
     def _set_l3(self, node: TreeNode, j: int, value: bool) -> None:
         if node.in_l3[j] != value:
             node.in_l3[j] = value
@@ -599,7 +659,12 @@ class HiRadixTree:
         """Keep ``_leaves`` (L2 nodes without an L2 child) right for ``node``."""
         if (node is not self.root and node.parent is not None and node.host_slots is not None
                 and node.l2_children == 0):
-            self._leaves.add(node)
+            if node not in self._leaves:
+                self._leaves.add(node)
+                if self._heap is not None:
+                    rank = self._heap_rank
+                    assert rank is not None  # set with the heap
+                    heapq.heappush(self._heap, (rank(node), node.id, node))
         else:
             self._leaves.discard(node)
 
