@@ -26,13 +26,17 @@ Contract:
 - ``expire()`` unlocks every pin whose deadline has passed; the scheduler calls
   it before every plan (eviction happens only while planning) and the admin
   before it reports, so an expired pin is never seen and never protects a page
-  past its deadline. ``unpin(keys)`` ends the pin of that prefix now.
+  past its deadline. It costs the pins it ends, not all pins: deadlines wait
+  in a heap (an entry whose pin has ended or moved its deadline is dropped when
+  it comes up), and ``pinned_pages`` is a running sum. ``unpin(keys)`` ends the
+  pin of that prefix now.
 - ``stats()``: pins, pinned pages, the bound, seconds to the next expiry.
 - Engine-free; the clock is injected (tests drive it).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +70,9 @@ class Pins:
         self.max_share = max_share
         self.clock = clock
         self._pins: dict[str, _Pin] = {}
+        # (deadline, name) of every pin, and stale entries of pins ended or extended
+        self._deadlines: list[tuple[float, str]] = []
+        self._pages = 0  # sum of the pins' pages
         self.yielded = 0
 
     @staticmethod
@@ -74,7 +81,25 @@ class Pins:
 
     @property
     def pinned_pages(self) -> int:
-        return sum(p.pages for p in self._pins.values())
+        return self._pages
+
+    def _add(self, name: str, pin: _Pin) -> None:
+        self._pins[name] = pin
+        self._pages += pin.pages
+        self._push(name, pin.expires)
+
+    def _push(self, name: str, expires: float) -> None:
+        heapq.heappush(self._deadlines, (expires, name))
+        if len(self._deadlines) > 2 * len(self._pins) + 64:  # mostly stale: rebuild
+            self._deadlines = [(p.expires, n) for n, p in self._pins.items()]
+            heapq.heapify(self._deadlines)
+
+    def _end(self, name: str) -> _Pin:
+        """Forget the pin ``name`` and unlock its prefix."""
+        pin = self._pins.pop(name)
+        self._pages -= pin.pages
+        self.tree.unlock(pin.node)
+        return pin
 
     def pin(self, keys: Sequence[PageKey], ttl_s: float) -> int:
         self.expire()
@@ -85,7 +110,9 @@ class Pins:
         expires = self.clock() + ttl_s
         held = self._pins.get(name)
         if held is not None:
-            held.expires = max(held.expires, expires)
+            if expires > held.expires:
+                held.expires = expires
+                self._push(name, expires)
             return held.pages
         covered = self._covered(match.node, expires)
         freed = sum(self._pins[c].pages for c in covered)
@@ -96,8 +123,8 @@ class Pins:
                 f"{self.pinned_pages} pinned now)")
         self.tree.lock(match.node)
         for c in covered:
-            self.tree.unlock(self._pins.pop(c).node)
-        self._pins[name] = _Pin(match.node, match.num_pages, expires)
+            self._end(c)
+        self._add(name, _Pin(match.node, match.num_pages, expires))
         return match.num_pages
 
     def _covered(self, node: TreeNode, expires: float) -> list[str]:
@@ -116,11 +143,10 @@ class Pins:
         """End the pin of the L2 prefix of ``keys`` now; the pages it held (0: none)."""
         self.expire()
         match = self.tree.peek(keys)
-        pin = self._pins.pop(self.name_of(keys[:match]), None) if match else None
-        if pin is None:
+        name = self.name_of(keys[:match]) if match else None
+        if name is None or name not in self._pins:
             return 0
-        self.tree.unlock(pin.node)
-        return pin.pages
+        return self._end(name).pages
 
     def yield_to(self, pages: int, room: Callable[[], int]) -> int:
         """End pins, soonest deadline first, until ``room() >= pages``; how many."""
@@ -129,7 +155,7 @@ class Pins:
         for name in sorted(self._pins, key=lambda n: self._pins[n].expires):
             if room() >= pages:
                 break
-            self.tree.unlock(self._pins.pop(name).node)
+            self._end(name)
             ended += 1
         self.yielded += ended
         return ended
@@ -137,16 +163,21 @@ class Pins:
     def expire(self) -> int:
         """Unlock the pins whose deadline has passed; how many."""
         now = self.clock()
-        done = [name for name, pin in self._pins.items() if pin.expires <= now]
-        for name in done:
-            self.tree.unlock(self._pins.pop(name).node)
-        return len(done)
+        ended = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            expires, name = heapq.heappop(self._deadlines)
+            pin = self._pins.get(name)
+            if pin is not None and pin.expires == expires:  # else ended, or extended
+                self._end(name)
+                ended += 1
+        return ended
 
     def release_all(self) -> int:
         """End every pin now (L2 is being emptied); how many."""
-        for pin in self._pins.values():
-            self.tree.unlock(pin.node)
-        count, self._pins = len(self._pins), {}
+        count = len(self._pins)
+        for name in list(self._pins):
+            self._end(name)
+        self._deadlines = []
         return count
 
     def release_under(self, tops: Sequence[TreeNode]) -> int:
@@ -163,7 +194,7 @@ class Pins:
             if node is not None:
                 done.append(name)
         for name in done:
-            self.tree.unlock(self._pins.pop(name).node)
+            self._end(name)
         return len(done)
 
     def stats(self) -> dict[str, Any]:

@@ -89,15 +89,9 @@ from hicache.tiers.index.plans import PagePlan, RequestFetch
 from hicache.tiers.index.spans import SpanRef
 from hicache.tiers.l2.host_pool import HostPagePool
 from hicache.tiers.l3.base import ReadBatch, StorageBackend, WriteBatch
+from hicache.tiers.worker import l3_jobs
 from hicache.tiers.worker.forward_gate import MAX_DEFER_S, ForwardGate
-from hicache.tiers.worker.l3_jobs import (
-    Backup,
-    FetchResult,
-    Job,
-    Retention,
-    StorageIOStats,
-    split_backup,
-)
+from hicache.tiers.worker.l3_jobs import Backup, FetchResult, Job, Retention, StorageIOStats
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +108,7 @@ FETCH_THREADS = 4
 # notices a new request arriving meanwhile.
 IDLE_WAIT_S = 0.005
 # Pages of a backup written between two looks at the forward gate (``yield_to_forward``):
-# a file store on this VM writes a page in 40-150 us, so a part overruns into a pass
-# by about a millisecond at most (docs/benchmarks-trace.md).
+# a part overruns into a pass by about a millisecond at most (docs/benchmarks-trace.md).
 GATED_BACKUP_PAGES = 8
 
 
@@ -325,7 +318,7 @@ class StorageIO:
                 elif self._backup_q:  # the wait above let it through the gate
                     job, backup = None, self._backup_q.popleft()
                     if self.gate.enabled:  # the rest waits for the gate again
-                        backup, rest = split_backup(backup, GATED_BACKUP_PAGES)
+                        backup, rest = l3_jobs.split_backup(backup, GATED_BACKUP_PAGES)
                         if rest:
                             self._backup_q.appendleft(rest)
                     self._running_backup = {b[1] for b in backup}
@@ -387,26 +380,12 @@ class StorageIO:
         # A slot may have been reused since (dropped backups cover queued ones; this
         # covers a key the worker invalidated meanwhile).
         pages = [b for b in pages if self.pool.holds(b[1], b[0])]
-        spans = self._whole(pages) if self.backend.capabilities.spans else []
+        spans = l3_jobs.whole_spans(pages) if self.backend.capabilities.spans else []
         if spans:  # span objects first; what they did not store goes page by page
             done = self._set(spans, [b[3] for b in spans])  # type: ignore[misc]
             pages = [b for b in pages if b[3] is None or b[2] not in done]
         for i in range(0, len(pages), per):
             self._set(pages[i : i + per], None)
-
-    @staticmethod
-    def _whole(pages: list[Backup]) -> list[Backup]:
-        """The pages of every span all of whose pages are here, each span in order."""
-        by_key: dict[bytes, dict[int, Backup]] = {}
-        for b in pages:
-            if b[3] is not None:
-                by_key.setdefault(b[3].key, {})[b[3].index] = b
-        out: list[Backup] = []
-        for members in by_key.values():
-            count = next(iter(members.values()))[3].count  # type: ignore[union-attr]
-            if len(members) == count:
-                out.extend(members[i] for i in range(count))
-        return out
 
     def _set(self, batch: list[Backup], spans: list[SpanRef] | None) -> set[bytes]:
         """Store ``batch`` (as span objects where ``spans``); the L3 keys stored."""

@@ -8,6 +8,8 @@ thread's counters), and the queue entries ``Backup``, ``Retention`` and
 ``split_backup(batch, limit)``: the first ``limit`` pages of a queued backup
 and the rest, never parting the pages of one span object (the head takes
 every page of a span it starts), so each part still stores whole spans.
+``whole_spans(pages)``: the pages of every span all of whose pages are there,
+each span in order (what is written as span objects).
 """
 
 from __future__ import annotations
@@ -81,3 +83,17 @@ class Job:
     cancel: bool = False
     result: FetchResult | None = None
     slots: set[int] = field(default_factory=set)
+
+
+def whole_spans(pages: list[Backup]) -> list[Backup]:
+    """See the module docstring."""
+    by_key: dict[bytes, dict[int, Backup]] = {}
+    for b in pages:
+        if b[3] is not None:
+            by_key.setdefault(b[3].key, {})[b[3].index] = b
+    out: list[Backup] = []
+    for members in by_key.values():
+        count = next(iter(members.values()))[3].count  # type: ignore[union-attr]
+        if len(members) == count:
+            out.extend(members[i] for i in range(count))
+    return out

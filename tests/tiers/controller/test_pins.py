@@ -9,11 +9,12 @@ import pytest
 from support.fakes import file_store, keys_of, request, scheduler_args, write_prompt_pages
 from support.fakes import serve as serve_request
 
-from hicache.tiers.controller.pins import PinRefused
+from hicache.tiers.controller.pins import PinRefused, Pins
 from hicache.tiers.controller.scheduler import HiCacheScheduler
 from hicache.tiers.index.commands import RetainPages
 from hicache.tiers.index.page_keys import KeyNamespace
 from hicache.tiers.index.plans import WorkerReport
+from hicache.tiers.index.radix_tree import HiRadixTree
 from hicache.tiers.l2.geometry import PoolGeometry
 
 BS, PAGE, SLOTS = 4, 8, 16
@@ -268,3 +269,27 @@ def test_a_prompt_longer_than_the_room_pins_leave_stores_its_head(clock, tmp_pat
     assert serve_request(sched, request("again", long + [1])) == 4 * PAGE
     assert in_l2(sched, long) == 6
     sched.tree.check_invariants()
+
+
+def test_deadlines_end_pins_in_order_and_an_extended_pin_keeps_its_new_one(clock):
+    """Pins on a bare tree: ``expire`` ends what is due (an extension moves the
+    deadline, the old one ends nothing), the pinned pages follow every end, and
+    renewing one pin again and again keeps the deadline heap small."""
+    tree = HiRadixTree(clock)
+    a, b = keys_of(NS.seed(), list(range(16)), PAGE), keys_of(NS.seed(), list(range(50, 66)), PAGE)
+    tree.insert(a, [0, 1])
+    tree.insert(b, [2, 3])
+    pins = Pins(tree, capacity_pages=8, clock=clock)
+    assert pins.pin(a, 10) == 2 and pins.pin(b, 5) == 2 and pins.pinned_pages == 4
+    clock.now += 1
+    assert pins.pin(b, 20) == 2  # now due 20 s from here
+    clock.now += 5
+    assert pins.expire() == 0 and pins.pinned_pages == 4  # b's old deadline ends nothing
+    clock.now += 5
+    assert pins.expire() == 1 and pins.pinned_pages == 2 and tree.evictable_pages() == 2
+    for _ in range(1000):
+        clock.now += 0.001
+        pins.pin(b, 20)
+    assert len(pins._deadlines) <= 2 * 1 + 64 + 1
+    clock.now += 21
+    assert pins.expire() == 1 and pins.pinned_pages == 0 and tree.evictable_pages() == 4

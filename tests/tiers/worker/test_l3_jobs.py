@@ -1,7 +1,8 @@
-"""Plain data of the L3 I/O thread: how a queued backup is cut into parts."""
+"""Plain data of the L3 I/O thread: how a queued backup is cut into parts, and which of
+its pages make whole span objects."""
 
 from hicache.tiers.index.spans import SpanRef
-from hicache.tiers.worker.l3_jobs import split_backup
+from hicache.tiers.worker.l3_jobs import split_backup, whole_spans
 
 
 def page(n: int, span: bytes | None = None, index: int = 0, count: int = 4):
@@ -31,3 +32,10 @@ def test_a_span_the_head_starts_stays_whole_in_it():
     assert [p[1] for p in head] == [0, 1, 8, 2, 3]
     assert [p[1] for p in rest] == [9, 4, 5, 6, 7]
     assert {p[3].key for p in rest if p[3]} == {b"B" * 32}
+
+
+def test_only_spans_with_every_page_here_are_whole_each_in_order():
+    a = [page(i, b"A" * 32, i) for i in range(4)]
+    b = [page(4 + i, b"B" * 32, i) for i in range(4)]
+    got = whole_spans([a[2], page(9), a[0], b[0], a[3], a[1], b[1]])
+    assert [p[1] for p in got] == [0, 1, 2, 3]  # B lacks two pages; loose pages never
