@@ -28,8 +28,7 @@ Contract:
   before it reports, so an expired pin is never seen and never protects a page
   past its deadline. It costs the pins it ends, not all pins: deadlines wait
   in a heap (an entry whose pin has ended or moved its deadline is dropped when
-  it comes up), and ``pinned_pages`` is a running sum. ``unpin(keys)`` ends the
-  pin of that prefix now.
+  it comes up). ``unpin(keys)`` ends the pin of that prefix now.
 - ``stats()``: pins, pinned pages, the bound, seconds to the next expiry.
 - Engine-free; the clock is injected (tests drive it).
 """
@@ -72,7 +71,6 @@ class Pins:
         self._pins: dict[str, _Pin] = {}
         # (deadline, name) of every pin, and stale entries of pins ended or extended
         self._deadlines: list[tuple[float, str]] = []
-        self._pages = 0  # sum of the pins' pages
         self.yielded = 0
 
     @staticmethod
@@ -81,11 +79,10 @@ class Pins:
 
     @property
     def pinned_pages(self) -> int:
-        return self._pages
+        return sum(p.pages for p in self._pins.values())
 
     def _add(self, name: str, pin: _Pin) -> None:
         self._pins[name] = pin
-        self._pages += pin.pages
         self._push(name, pin.expires)
 
     def _push(self, name: str, expires: float) -> None:
@@ -97,7 +94,6 @@ class Pins:
     def _end(self, name: str) -> _Pin:
         """Forget the pin ``name`` and unlock its prefix."""
         pin = self._pins.pop(name)
-        self._pages -= pin.pages
         self.tree.unlock(pin.node)
         return pin
 

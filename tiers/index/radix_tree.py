@@ -473,7 +473,7 @@ class HiRadixTree:
         if rank_rises:
             heap = self._eviction_heap(rank)
         else:
-            self._heap = None  # pushes below would go to a heap of another rank
+            self._heap = None  # no kept heap to keep up while another rank evicts
             heap = [(rank(n), n.id, n) for n in self._leaves if n.lock_ref == 0]
             heapq.heapify(heap)
         freed: list[int] = []

@@ -108,7 +108,7 @@ FETCH_THREADS = 4
 # notices a new request arriving meanwhile.
 IDLE_WAIT_S = 0.005
 # Pages of a backup written between two looks at the forward gate (``yield_to_forward``):
-# a part overruns into a pass by about a millisecond at most (docs/benchmarks-trace.md).
+# at most one such part runs on into a pass (docs/benchmarks-trace.md).
 GATED_BACKUP_PAGES = 8
 
 

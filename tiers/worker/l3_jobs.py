@@ -69,6 +69,20 @@ def split_backup(batch: list[Backup], limit: int) -> tuple[list[Backup], list[Ba
     return head, rest
 
 
+def whole_spans(pages: list[Backup]) -> list[Backup]:
+    """See the module docstring."""
+    by_key: dict[bytes, dict[int, Backup]] = {}
+    for b in pages:
+        if b[3] is not None:
+            by_key.setdefault(b[3].key, {})[b[3].index] = b
+    out: list[Backup] = []
+    for members in by_key.values():
+        count = next(iter(members.values()))[3].count  # type: ignore[union-attr]
+        if len(members) == count:
+            out.extend(members[i] for i in range(count))
+    return out
+
+
 @dataclass(frozen=True)
 class Retention:
     keys: list[bytes]
@@ -84,16 +98,3 @@ class Job:
     result: FetchResult | None = None
     slots: set[int] = field(default_factory=set)
 
-
-def whole_spans(pages: list[Backup]) -> list[Backup]:
-    """See the module docstring."""
-    by_key: dict[bytes, dict[int, Backup]] = {}
-    for b in pages:
-        if b[3] is not None:
-            by_key.setdefault(b[3].key, {})[b[3].index] = b
-    out: list[Backup] = []
-    for members in by_key.values():
-        count = next(iter(members.values()))[3].count  # type: ignore[union-attr]
-        if len(members) == count:
-            out.extend(members[i] for i in range(count))
-    return out

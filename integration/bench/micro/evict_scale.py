@@ -11,8 +11,8 @@ tree state:
 - ``kept``: ``HiRadixTree.evict`` with its default rank (the heap kept between
   calls; what the server runs);
 - ``scan``: the same rank passed as a function without ``rank_rises``, so every
-  unlocked leaf is ranked and heapified on each call (what the server ran
-  before 2026-11-30, and what a rank that may fall still gets).
+  unlocked leaf is ranked and heapified on each call (what a rank that may
+  fall gets).
 
 Both must evict the same pages (checked); it prints microseconds per store and
 ``scan / kept`` for each L2 size. The first store of each run is not timed: it
