@@ -6,6 +6,7 @@ forgotten. The scheduler half without an engine."""
 import time
 
 import pytest
+from support.clock import ManualClock
 from support.fakes import file_store, keys_of, request, scheduler_args, write_prompt_pages
 from support.fakes import serve as serve_request
 
@@ -22,20 +23,12 @@ NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
 GEOM = PoolGeometry(num_slots=SLOTS, num_layers=2, blocks_per_page=2, block_bytes=64)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock(1000)
 
 
-def scheduler(clock: Clock, **kw) -> HiCacheScheduler:
+def scheduler(clock: ManualClock, **kw) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
     s = HiCacheScheduler(**scheduler_args(
         geometry=GEOM,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from concurrent.futures import wait
 
 import pytest
+from support.clock import ManualClock
 from support.fakes import (
     GatedStore,
     file_store,
@@ -32,14 +33,6 @@ TOKENS = list(range(100, 133))  # 4 full pages + 1 token
 PID = prefetch_id("r")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def in_l3(tmp_path, tokens: list[int]) -> None:
     """Every full page of ``tokens`` in the file L3, as another engine stored them."""
     write_prompt_pages(tmp_path, NS, GEOM, tokens, PAGE)
@@ -50,7 +43,7 @@ def make(tmp_path, policy="wait_complete", store=None, clock=None,
     in_l3(tmp_path, TOKENS)
     sched = HiCacheScheduler(**scheduler_args(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS, block_ids_of=lambda rid: [[]],
-        storage=store or file_store(tmp_path, NS, GEOM), clock=clock or Clock(), **kw,
+        storage=store or file_store(tmp_path, NS, GEOM), clock=clock or ManualClock(100), **kw,
         policy=SchedulerPolicy(background_lookups=True, prefetch_at_arrival=True, prefetch_policy=policy, prefetch={"prefetch_threshold": 0, "prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.0, "prefetch_timeout_max": 30.0})))
     return sched
 
@@ -109,7 +102,7 @@ def test_prefetch_waits_for_every_tp_rank(tmp_path):
 
 @pytest.mark.parametrize("policy", ["timeout", "best_effort"])
 def test_a_request_that_stops_waiting_takes_its_l2_match_only(tmp_path, policy):
-    clock = Clock()
+    clock = ManualClock(100)
     sched = make(tmp_path, policy=policy, clock=clock)
     req = request("r", TOKENS)
     arrive(sched, req)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+from support.clock import ManualClock
 from support.fakes import file_store, keys_of, request, scheduler_args, write_prompt_pages
 
 from hicache.tiers.controller.admin import SchedulerAdmin
@@ -23,16 +24,8 @@ TOKENS = list(range(100, 133))  # 4 full pages + 1 token
 KEYS = [PageKey(bytes([i]) * 32) for i in range(3)]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_bookings_start_when_due_oldest_first_and_can_be_replaced_or_cancelled():
-    clock, started = Clock(), []
+    clock, started = ManualClock(100), []
     returns = ReturnPrefetches(lambda op, keys: started.append((op, list(keys))), clock=clock)
     assert returns.book("a", KEYS, 5.0) == "return-a"
     assert returns.book("b", KEYS[:1], 0.5) == "return-b"  # due at once (0.5 < lead)
@@ -53,7 +46,7 @@ def test_bookings_start_when_due_oldest_first_and_can_be_replaced_or_cancelled()
 
 
 def test_a_start_that_raises_is_counted_and_the_others_still_start():
-    clock, started = Clock(), []
+    clock, started = ManualClock(100), []
 
     def start(op_id, keys):
         if op_id == "return-bad":
@@ -77,7 +70,7 @@ def test_a_booking_being_started_is_queued_and_a_cancel_waits_for_its_start():
     L3 what it holds first) an id is ``queued``, never unknown (an engine test's poll
     once found it unknown there); a cancel meanwhile waits, then leaves it to the
     operations."""
-    clock, entered, release = Clock(), threading.Event(), threading.Event()
+    clock, entered, release = ManualClock(100), threading.Event(), threading.Event()
 
     def start(op_id, keys):
         entered.set()
@@ -141,7 +134,7 @@ class Config:
 
 
 def test_return_in_s_reads_the_conversation_back_into_l2_before_it_returns(tmp_path):
-    sched, clock = scheduler(tmp_path), Clock()
+    sched, clock = scheduler(tmp_path), ManualClock(100)
     woken = []
     admin = SchedulerAdmin(sched, Config(), engine={}, build_storage=None, l1_pages=0,
                            wake=lambda: woken.append(1))

@@ -10,6 +10,7 @@ system prompt another session shares. The clock is injected.
 from __future__ import annotations
 
 import pytest
+from support.clock import ManualClock
 from support.fakes import keys_of, request, scheduler_args
 from support.fakes import serve as serve_request
 
@@ -26,15 +27,7 @@ GEOM = PoolGeometry(num_slots=SLOTS, num_layers=2, blocks_per_page=2, block_byte
 SYSTEM = list(range(100, 116))  # 2 pages every conversation shares
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def scheduler(clock: Clock, **kw) -> HiCacheScheduler:
+def scheduler(clock: ManualClock, **kw) -> HiCacheScheduler:
     tables: dict[str, list[int]] = {}
     s = HiCacheScheduler(**scheduler_args(
         geometry=GEOM, namespace=NS, page_size=PAGE, block_size=BS,
@@ -62,7 +55,7 @@ def in_l2(sched, tokens) -> int:
 
 
 def test_retention_and_priority_carry_from_turn_to_turn():
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = scheduler(clock)
     first = serve(sched, "t1", conversation(1), session_id="s", retain_s=30, priority="high")
     assert (first.retain_s, first.priority) == (30, "high")
@@ -79,7 +72,7 @@ def test_retention_and_priority_carry_from_turn_to_turn():
 
 
 def test_a_closed_session_is_evicted_first_and_its_pins_end():
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = scheduler(clock)
     serve(sched, "b", conversation(2), session_id="open")
     clock.now += 1
@@ -102,7 +95,7 @@ def test_a_closed_session_is_evicted_first_and_its_pins_end():
 
 
 def test_close_with_forget_removes_its_own_pages_from_every_tier():
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = scheduler(clock)
     serve(sched, "a1", conversation(1), session_id="s")
     serve(sched, "a2", conversation(1, 3), session_id="s")  # extends its first turn
@@ -117,7 +110,7 @@ def test_close_with_forget_removes_its_own_pages_from_every_tier():
 
 
 def test_unknown_sessions_reopening_and_the_bound():
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = scheduler(clock)
     with pytest.raises(KeyError):
         sched.close_session("nobody")

@@ -9,6 +9,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from support.clock import ManualClock
 
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY, HiRadixTree, TreeNode
@@ -19,14 +20,6 @@ def K(c: str) -> PageKey:
 
 
 A, B, C, D, X = (K(c) for c in "ABCDX")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def path_keys(node: TreeNode) -> list[PageKey]:
@@ -111,13 +104,13 @@ def test_unlock_below_zero_raises():
 
 
 def test_leaf_first_lru_order():
-    clock = FakeClock()
+    clock = ManualClock()
     tree = HiRadixTree(clock)
-    clock.t = 1
+    clock.now = 1
     tree.insert([A, B], [0, 1])
-    clock.t = 2
+    clock.now = 2
     tree.insert([C], [2])
-    clock.t = 3
+    clock.now = 3
     tree.insert([A, D], [3, 4])  # touches A, so A outlives B and C
     order = [tree.evict(1) for _ in range(5)]
     assert order == [[1], [2], [4], [0], []]
@@ -125,13 +118,13 @@ def test_leaf_first_lru_order():
 
 
 def test_lower_priority_goes_first_lru_within_a_priority():
-    clock = FakeClock()
+    clock = ManualClock()
     tree = HiRadixTree(clock)
-    clock.t = 1
+    clock.now = 1
     tree.insert([A, B], [0, 1], priority=2)  # a system prompt and its first turn
-    clock.t = 2
+    clock.now = 2
     tree.insert([C], [2], priority=0)  # a one-off, newer than everything above
-    clock.t = 3
+    clock.now = 3
     tree.insert([A, D], [3, 4], priority=1)  # a session below the system prompt
     tree.check_invariants()
     assert [tree.evict(1) for _ in range(6)] == [[2], [4], [1], [0], [], []]
@@ -154,12 +147,12 @@ def test_raise_priority_splits_at_the_prefix_end_and_lifts_the_path():
 
 
 def test_match_refreshes_lru():
-    clock = FakeClock()
+    clock = ManualClock()
     tree = HiRadixTree(clock)
     tree.insert([A], [0])
-    clock.t = 1
+    clock.now = 1
     tree.insert([B], [1])
-    clock.t = 2
+    clock.now = 2
     tree.match_prefix([A])
     assert tree.evict(1) == [1]
 
@@ -237,7 +230,7 @@ class TreeVsReference(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
+        self.clock = ManualClock()
         self.tree = HiRadixTree(self.clock)
         self.ref: dict[tuple[PageKey, ...], int] = {}  # L2 prefix -> its last page's slot
         self.l3: set[tuple[PageKey, ...]] = set()  # prefixes in the tree and known in L3
@@ -275,11 +268,11 @@ class TreeVsReference(RuleBasedStateMachine):
 
     def _touch(self, seq: list[PageKey], n: int) -> None:
         for i in range(1, n + 1):
-            self.atime[tuple(seq[:i])] = self.clock.t
+            self.atime[tuple(seq[:i])] = self.clock.now
 
     @rule(dt=st.sampled_from([0, 1, 1, 2]))
     def tick(self, dt):
-        self.clock.t += dt
+        self.clock.now += dt
 
     @rule(seq=sequences, priority=st.integers(0, 2))
     def insert(self, seq, priority):

@@ -7,18 +7,11 @@ import hashlib
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from support.clock import ManualClock
 
 from hicache.tiers.controller.policies import TailFirstLRU
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def chain(letters: str) -> list[PageKey]:
@@ -42,7 +35,7 @@ class Run:
     """One tree driven by the ops; ``evict`` is how it evicts."""
 
     def __init__(self, evict) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.tree = HiRadixTree(self.clock)
         self.evict = evict
         self.next_slot = 0
@@ -59,7 +52,7 @@ class Run:
 
     def apply(self, op: tuple) -> object:
         kind = op[0]
-        self.clock.t += 1  # every use at its own time: stale ranks differ from fresh ones
+        self.clock.now += 1  # every use at its own time: stale ranks differ from fresh ones
         if kind == "insert":
             keys = chain(op[1])
             slots = self.slots(len(keys))
@@ -120,13 +113,13 @@ def test_tlru_keeps_its_heap_and_evicts_the_same(seq):
 def test_an_eviction_ranks_a_few_nodes_not_every_leaf():
     """1,000 conversations hang off one prefix; each eviction of one page ranks the
     leaf it takes and the few stale entries above it (before: all 1,000 leaves)."""
-    clock = Clock()
+    clock = ManualClock()
     tree = HiRadixTree(clock)
     prefix = chain("p" * 8)
     tree.insert(prefix, list(range(8)))
     slot = 8
     for i in range(1000):
-        clock.t += 1
+        clock.now += 1
         tail = [PageKey(hashlib.sha256(f"{i}-{j}".encode()).digest()) for j in range(2)]
         tree.insert(prefix + tail, list(range(8)) + [slot, slot + 1])
         slot += 2
@@ -141,7 +134,7 @@ def test_an_eviction_ranks_a_few_nodes_not_every_leaf():
     assert calls <= 1000 + 3  # and the popped leaf, the head a split leaves
     calls = 0
     for _ in range(50):
-        clock.t += 1
+        clock.now += 1
         tree.match_prefix(prefix)  # the shared prefix is used between evictions
         assert len(tree.evict(1, rank=rank, rank_rises=True)) == 1
     assert calls <= 3 * 50
