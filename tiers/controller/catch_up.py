@@ -22,17 +22,21 @@ Contract:
   ``retry_s`` passes (a failed or dropped backup); then the page is a
   candidate again, at most ``MAX_TRIES`` times until L3 changes (``reset``:
   an attach, a detach or a flush of L3).
-- Cost: a scan walks the L2 part of the tree. It runs when L2 holds more
-  pages that L3 lacks than are in flight or were found unfit at the last
-  scan, and then only when the last scan left pages behind, a backup in
-  flight expired, or ``rescan_s`` has passed since it. ``has_work`` (an idle
-  engine steps while it holds) stays true while backups are in flight and
-  L2 holds lacking pages that are not known unfit, so an expiry is seen, and
-  while such pages wait for a scan the next plan would run (after an L3
-  change: before, an engine that went idle as L3 was flushed or attached
-  never backed L2 up).
-- ``backlog``: pages still to back up as of the last scan, plus those in
-  flight (``/stats`` ``tiers.l3.backlog_pages``).
+- Cost: a scan walks the L2 part of the tree and queues what it found, in
+  order; later plans take from that queue, checking each page again (still
+  in L2, not in L3 nor in flight, still fit), so a large backlog costs one
+  walk, not one per plan. A scan runs when L2 holds more pages that L3 lacks
+  than are in flight or were found unfit, and then only after an L3 change
+  (or a forget), or once the queue is empty and ``rescan_s`` has passed
+  since the last one (pages admitted or stored since then). A backup in
+  flight that expired goes back to the queue's head. ``has_work`` (an idle engine steps while it holds) stays true while
+  the queue or the catch-up's backups in flight are not empty, or L2 holds
+  lacking pages that are not known unfit and either backups are in flight
+  (so an expiry is seen) or the next plan would scan (after an L3 change:
+  before, an engine that went idle as L3 was flushed or attached never
+  backed L2 up).
+- ``backlog``: pages queued by the last scan and not yet taken, plus the
+  catch-up's in flight (``/stats`` ``tiers.l3.backlog_pages``).
 - Not for models with Mamba state groups: the tree does not index their L3
   pages (``L2Manager.l3_index``), so there is nothing to compare.
 """
@@ -40,7 +44,7 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -81,9 +85,11 @@ class L3CatchUp:
         # The catch-up's own pages among them.
         self._mine: set[PageKey] = set()
         self._tries: dict[PageKey, int] = {}
-        # What the last scan saw: candidates it left for later, pages it found unfit
-        # (not admitted, no L3 keys, given up), and when it ran.
-        self._left = 0
+        # Pages to back up next, hottest first: the last scan's candidates not yet
+        # taken and expired backups (checked again when taken).
+        self._queue: deque[PageKey] = deque()
+        # Pages found unfit since the last scan (not admitted, no L3 keys, given
+        # up), and when that scan ran.
         self._unfit = 0
         self._last_scan = float("-inf")
 
@@ -93,19 +99,19 @@ class L3CatchUp:
 
     @property
     def backlog(self) -> int:
-        """Pages to back up as of the last scan, those in flight included."""
-        return self._left + len(self._mine)
+        """Pages queued and not yet taken, plus the catch-up's in flight."""
+        return len(self._queue) + len(self._mine)
 
     def has_work(self) -> bool:
-        """Catch-up backups are in flight or waiting for room; or L2 holds pages L3
-        lacks beyond those found unfit, and either backups are in flight (one may
-        never report: dropped with its slot, failed, reported before an L3 change;
-        only a later plan, after ``retry_s``, can tell) or the next plan would scan
-        for them (after an L3 change, an expiry, or ``rescan_s``). An idle engine
-        steps while this holds."""
+        """Catch-up backups are in flight or queued; or L2 holds pages L3 lacks beyond
+        those found unfit, and either backups are in flight (one may never report:
+        dropped with its slot, failed, reported before an L3 change; only a later
+        plan, after ``retry_s``, can tell) or the next plan would scan for them
+        (after an L3 change, or ``rescan_s``). An idle engine steps while this
+        holds."""
         if not self.enabled:
             return False
-        if self._mine or self._left:
+        if self._mine or self._queue:
             return True
         lacking = self._lacking()
         if lacking <= self._unfit:
@@ -154,7 +160,8 @@ class L3CatchUp:
         self._in_flight.clear()
         self._mine.clear()
         self._tries.clear()
-        self._left = self._unfit = 0
+        self._queue.clear()
+        self._unfit = 0
         self._last_scan = float("-inf")
 
     def plan(self, *, io_idle: bool) -> list[tuple[PageKey, int]]:
@@ -168,12 +175,13 @@ class L3CatchUp:
         if not io_idle or room <= 0:
             return []
         if self._lacking() <= len(self._in_flight) + self._unfit:
-            self._left = 0
+            self._queue.clear()  # what it holds is in L3 or in flight by now
             return []
-        if not self._left and now - self._last_scan < self.rescan_s:
-            return []
-        self._last_scan = now
-        picked = self._scan(room)
+        if self._last_scan == float("-inf") or (
+                not self._queue and now - self._last_scan >= self.rescan_s):
+            self._last_scan = now
+            self._scan()
+        picked = self._take(room)
         for key, _ in picked:
             self._in_flight[key] = now
             self._in_flight.move_to_end(key)
@@ -183,33 +191,64 @@ class L3CatchUp:
         return picked
 
     def _expire(self, now: float) -> None:
+        """Backups in flight for ``retry_s`` never reported: back to the queue's head,
+        in the order they were planned (parents first)."""
+        expired: list[PageKey] = []
         while self._in_flight:
             key, since = next(iter(self._in_flight.items()))
             if now - since < self.retry_s:
                 break
             del self._in_flight[key]
             self._mine.discard(key)
-            self._last_scan = float("-inf")  # a backup that never reported: look again
+            expired.append(key)
+        self._queue.extendleft(reversed(expired))
 
-    def _scan(self, room: int) -> list[tuple[PageKey, int]]:
-        """Up to ``room`` candidates, hottest first; sets ``_left`` and ``_unfit``."""
+    def _fit(self, key: PageKey, slot: int) -> bool:
+        """Whether the catch-up may back this L2 page up (tries left, admitted, has
+        L3 keys)."""
+        return (self._tries.get(key, 0) < MAX_TRIES and self.admission.wants(key)
+                and bool(self.l2.groups.l3_keys(key, self.l2.missing_of(slot))))
+
+    def _scan(self) -> None:
+        """Queue every fit page L2 holds and L3 lacks, not in flight, hottest first;
+        count the unfit ones."""
         nodes = sorted(self._lacking_nodes(), key=lambda n: (n.priority, n.last_access),
                        reverse=True)  # stable: parents stay before their children
-        picked: list[tuple[PageKey, int]] = []
-        left = unfit = 0
+        queue: deque[PageKey] = deque()
+        unfit = 0
         for node in nodes:
             assert node.host_slots is not None
             for key, slot, in_l3 in zip(node.keys, node.host_slots, node.in_l3, strict=True):
                 if in_l3 or key in self._in_flight:
                     continue
-                if (self._tries.get(key, 0) >= MAX_TRIES or not self.admission.wants(key)
-                        or not self.l2.groups.l3_keys(key, self.l2.missing_of(slot))):
-                    unfit += 1
-                elif len(picked) < room:
-                    picked.append((key, slot))
+                if self._fit(key, slot):
+                    queue.append(key)
                 else:
-                    left += 1
-        self._left, self._unfit = left, unfit
+                    unfit += 1
+        self._queue, self._unfit = queue, unfit
+
+    def _take(self, room: int) -> list[tuple[PageKey, int]]:
+        """Up to ``room`` pages off the queue's head that still need a backup: in L2,
+        not in L3 nor in flight, fit (an unfit one counts as such)."""
+        tree = self.l2.tree
+        positions: dict[TreeNode, dict[PageKey, int]] = {}
+        picked: list[tuple[PageKey, int]] = []
+        while self._queue and len(picked) < room:
+            key = self._queue.popleft()
+            node = tree.node_of(key)
+            if node is None or node.host_slots is None or key in self._in_flight:
+                continue
+            at = positions.get(node)
+            if at is None:
+                at = positions[node] = {k: j for j, k in enumerate(node.keys)}
+            j = at[key]
+            if node.in_l3[j]:
+                continue
+            slot = node.host_slots[j]
+            if self._fit(key, slot):
+                picked.append((key, slot))
+            else:
+                self._unfit += 1
         return picked
 
     def _lacking_nodes(self) -> list[TreeNode]:

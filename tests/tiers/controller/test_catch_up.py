@@ -13,6 +13,7 @@ workers are the helpers below: they apply every command of the plans built
 from __future__ import annotations
 
 import pytest
+from support.clock import ManualClock
 from support.fakes import file_store, prefill, request, scheduler_args
 
 from hicache.tiers.config import HiCacheConfig
@@ -29,15 +30,7 @@ BS, PAGE = 4, 8
 NS = KeyNamespace("m", "f32", "cpu", PAGE, 1)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(tmp_path, clock: Clock, slots: int = 16, **kw) -> HiCacheScheduler:
+def make(tmp_path, clock: ManualClock, slots: int = 16, **kw) -> HiCacheScheduler:
     geometry = PoolGeometry(num_slots=slots, num_layers=2, blocks_per_page=2, block_bytes=64)
     tables: dict[str, list[int]] = {}
     sched = HiCacheScheduler(**scheduler_args(
@@ -91,7 +84,7 @@ def attached(sched: HiCacheScheduler) -> None:
 
 
 def test_after_an_l3_flush_l2_is_backed_up_again_in_bounded_batches(tmp_path):
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock, catch_up_pages=3)
     keys = compute(sched, "a", tokens_of(100, 5))
     report(sched, keys)
@@ -110,8 +103,43 @@ def test_after_an_l3_flush_l2_is_backed_up_again_in_bounded_batches(tmp_path):
     assert sched.stats.l3_catch_up_pages == 5
 
 
+def test_a_backlog_is_walked_once_and_taken_in_order_by_later_plans(tmp_path, monkeypatch):
+    """The tree's L2 part is walked by one scan; the plans that follow take its
+    queue (a walk per plan cost O(L2 pages) each step while L3 lagged)."""
+    clock = ManualClock(1000)
+    sched = make(tmp_path, clock, catch_up_pages=2)
+    keys = compute(sched, "a", tokens_of(100, 6))
+    report(sched, keys)
+    flushed_l3(sched)
+    walks = []
+    walk = sched.catch_up._lacking_nodes
+    monkeypatch.setattr(sched.catch_up, "_lacking_nodes", lambda: walks.append(1) or walk())
+    taken = []
+    for _ in range(3):
+        got = backups(sched)
+        assert len(got) == 2
+        taken += got
+        report(sched, got)
+    assert taken == keys and len(walks) == 1
+    assert backups(sched) == [] and not sched.has_worker_work()
+
+
+def test_an_expired_backup_goes_back_to_the_head_of_the_queue(tmp_path):
+    clock = ManualClock(1000)
+    sched = make(tmp_path, clock, catch_up_pages=2)
+    keys = compute(sched, "a", tokens_of(100, 4))
+    report(sched, keys)
+    flushed_l3(sched)
+    first = backups(sched)
+    assert first == keys[:2]
+    report(sched, first[1:])  # the first page's backup is lost
+    clock.now += sched.catch_up.retry_s
+    assert backups(sched) == [keys[0], keys[2]]  # before the rest of the queue
+    assert sched.catch_up.backlog == 3  # keys[3] queued, two in flight
+
+
 def test_hottest_conversation_first(tmp_path):
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock, catch_up_pages=2)
     old = compute(sched, "old", tokens_of(100, 2))
     clock.now += 5
@@ -123,7 +151,7 @@ def test_hottest_conversation_first(tmp_path):
 
 
 def test_waits_for_idle_io_and_never_doubles_a_backup_in_flight(tmp_path):
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock)
     keys = compute(sched, "a", tokens_of(100, 3))
     # The stores' own backups are in flight: not queued again.
@@ -143,7 +171,7 @@ def test_waits_for_idle_io_and_never_doubles_a_backup_in_flight(tmp_path):
 def test_a_backup_reported_from_before_an_l3_flush_counts_for_nothing(tmp_path):
     """The rank took these keys before it applied the flush (the report crossed the
     admin's flush): the flush deleted them, so the tree must not mark them in L3."""
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock)
     keys = compute(sched, "a", tokens_of(100, 3))
     op = flushed_l3(sched, queue=False)  # the admin still clears its own instance
@@ -161,7 +189,7 @@ def test_a_backup_reported_from_before_an_l3_flush_counts_for_nothing(tmp_path):
 def test_a_report_from_before_a_partial_flush_keeps_the_pages_it_did_not_remove(tmp_path):
     """A prefix flush of L3 (or a forget) removes one conversation's pages: a report
     taken before it still counts for the other's, not for the removed ones."""
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock)
     a_tokens = tokens_of(100, 3)
     a = compute(sched, "a", a_tokens)
@@ -180,7 +208,7 @@ def test_a_report_from_before_a_partial_flush_keeps_the_pages_it_did_not_remove(
 def test_a_refused_l3_removal_leaves_reports_counting(tmp_path):
     """A flush whose store refused the removal (the admin's 400) queues no command:
     the workers' L3 did not change, and their reports still count."""
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock)
     keys = compute(sched, "a", tokens_of(100, 2))
     flushed_l3(sched, queue=False)
@@ -190,7 +218,7 @@ def test_a_refused_l3_removal_leaves_reports_counting(tmp_path):
 
 
 def test_a_failed_backup_is_retried_a_bounded_number_of_times(tmp_path):
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock)
     keys = compute(sched, "a", tokens_of(100, 2))  # their backups never report
     assert backups(sched) == []
@@ -207,7 +235,7 @@ def test_a_failed_backup_is_retried_a_bounded_number_of_times(tmp_path):
 
 
 def test_attaching_another_store_forgets_what_the_tree_knew_of_l3(tmp_path):
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock, slots=2)
     first = compute(sched, "a", tokens_of(100, 2))
     report(sched, first)
@@ -219,7 +247,7 @@ def test_attaching_another_store_forgets_what_the_tree_knew_of_l3(tmp_path):
 
 
 def test_reused_admission_catches_up_only_pages_it_admitted(tmp_path):
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock, l3_admission="reused")
     once = compute(sched, "once", tokens_of(100, 2))
     assert backups(sched) == []
@@ -233,7 +261,7 @@ def test_reused_admission_catches_up_only_pages_it_admitted(tmp_path):
 
 
 def test_off_with_zero_pages_and_bad_values_name_the_key(tmp_path):
-    clock = Clock()
+    clock = ManualClock(1000)
     sched = make(tmp_path, clock, catch_up_pages=0)
     compute(sched, "a", tokens_of(100, 2))
     flushed_l3(sched)
