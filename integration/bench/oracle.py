@@ -28,7 +28,8 @@ from collections.abc import Iterable, Sequence
 
 from hicache.tiers.controller.policies import EvictionPolicy
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.tree_node import TreeNode
 
 
 class FutureUses:

@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from hicache.tiers.controller.scheduler import HiCacheScheduler
     from hicache.tiers.index.page_keys import PageKey
     from hicache.tiers.index.plans import WorkerReport
-    from hicache.tiers.index.radix_tree import TreeNode
+    from hicache.tiers.index.tree_node import TreeNode
 
 TIERS = ("l2", "l3", "all")
 RATE_WINDOW_S = 10.0

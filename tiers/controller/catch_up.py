@@ -52,7 +52,7 @@ from hicache.tiers.controller.policies import L3Admission
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan
-from hicache.tiers.index.radix_tree import TreeNode
+from hicache.tiers.index.tree_node import TreeNode
 
 if TYPE_CHECKING:
     from hicache.tiers.controller.l2_manager import L2Manager

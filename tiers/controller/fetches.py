@@ -57,8 +57,8 @@ from hicache.tiers.controller.probes import L3Probes
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey, body_key
 from hicache.tiers.index.plans import PagePlan, RequestFetch
-from hicache.tiers.index.radix_tree import MatchResult, TreeNode
 from hicache.tiers.index.spans import SpanLayout
+from hicache.tiers.index.tree_node import MatchResult, TreeNode
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from hicache.tiers.index.page_keys import (
     block_page_keys,
     token_block_hashes,
 )
-from hicache.tiers.index.radix_tree import Dropped, TreeNode
+from hicache.tiers.index.tree_node import Dropped, TreeNode
 
 # Called with the subtrees a flush or forget is about to drop from L2 (pins.py
 # release_under: their pins end, so pinned pages go too).

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, ValidationError, field_validator
 
-from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY
+from hicache.tiers.index.tree_node import DEFAULT_PRIORITY
 from hicache.tiers.settings import Settings, explain
 
 HINTS_KEY = "hicache"

@@ -44,15 +44,10 @@ from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.kv_groups import Checkpoints, GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan
-from hicache.tiers.index.radix_tree import (
-    DEFAULT_PRIORITY,
-    Dropped,
-    HiRadixTree,
-    MatchResult,
-    TreeNode,
-)
+from hicache.tiers.index.radix_tree import HiRadixTree
 from hicache.tiers.index.slot_allocator import SlotAllocator
 from hicache.tiers.index.spans import SpanLayout, SpanRef
+from hicache.tiers.index.tree_node import DEFAULT_PRIORITY, Dropped, MatchResult, TreeNode
 
 
 class L2Manager:

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from hicache.tiers.index.kv_groups import GroupBlockIds, KVGroups
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import PagePlan, RequestLoad
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.tree_node import TreeNode
 
 
 def hit_pages(keys: Sequence[PageKey], slots: Sequence[int], start: int, end: int,

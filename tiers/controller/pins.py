@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.tree_node import TreeNode
 
 # Share of L2 that pins may hold (hicache_retain_max_share's default).
 MAX_SHARE = 0.5

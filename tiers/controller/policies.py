@@ -47,7 +47,8 @@ from typing import ClassVar, Literal, TypeVar, get_args
 from pydantic import Field, NonNegativeFloat
 
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.tree_node import TreeNode
 from hicache.tiers.settings import Settings
 
 WritePolicyName = Literal["write_through", "write_through_selective", "write_back"]

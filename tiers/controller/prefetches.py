@@ -53,7 +53,7 @@ from hicache.tiers.controller.requests import RequestTable, SchedulerRequest
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey
 from hicache.tiers.index.plans import prefetch_id
-from hicache.tiers.index.radix_tree import TreeNode
+from hicache.tiers.index.tree_node import TreeNode
 
 # Share of the L2 pool that prefetches may hold, in flight or kept for their request.
 MAX_SHARE = 0.5

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from hicache.tiers.controller.hints import DEFAULT_HINTS, RequestHints, parse_hints
 from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import KeyMemo, PageKey, PageKeyChain
-from hicache.tiers.index.radix_tree import MatchResult
+from hicache.tiers.index.tree_node import MatchResult
 
 
 class SchedulerRequest(Protocol):

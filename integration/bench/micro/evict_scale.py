@@ -29,7 +29,8 @@ import hashlib
 import time
 
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.tree_node import TreeNode
 
 
 def _key(*parts: object) -> PageKey:

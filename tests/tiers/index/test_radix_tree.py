@@ -12,7 +12,8 @@ from hypothesis.stateful import (
 from support.clock import ManualClock
 
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import DEFAULT_PRIORITY, HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.tree_node import DEFAULT_PRIORITY, TreeNode
 
 
 def K(c: str) -> PageKey:

@@ -11,7 +11,8 @@ from support.clock import ManualClock
 
 from hicache.tiers.controller.policies import TailFirstLRU
 from hicache.tiers.index.page_keys import PageKey
-from hicache.tiers.index.radix_tree import HiRadixTree, TreeNode
+from hicache.tiers.index.radix_tree import HiRadixTree
+from hicache.tiers.index.tree_node import TreeNode
 
 
 def chain(letters: str) -> list[PageKey]:
