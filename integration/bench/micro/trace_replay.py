@@ -21,6 +21,10 @@ Cases (``--cases``, in this order within a round; ``--rounds`` alternates them):
 - ``hicache-l2``: the same without L3.
 - ``hicache-inherit``: ``hicache`` with ``hicache_helper_cpus: inherit`` (its L3
   threads on the core of vLLM's forward thread, tiers/worker/helper_cpus.py).
+- ``hicache-l1-all``: HiCache on the floor's L1 (below), its L2 the size of
+  ``hicache``'s and a file L3: every hit is L1's, as the floor's, and
+  HiCache still stores every new page to L2 and L3; what that costs the
+  floor's steps.
 - ``floor``: the do-nothing connector with an L1 that holds every page of
   the slice (nothing is ever evicted): what a perfect cache gives.
 
@@ -96,6 +100,7 @@ CASES = (
     Case("hicache-l2", "hicache"),
     Case("hicache-inherit", "hicache",
          extra_config={"l3": "file", "hicache_helper_cpus": "inherit"}),
+    Case("hicache-l1-all", "hicache", l1="all", extra_config={"l3": "file"}),
     Case("floor", "null", l1="all"),
 )
 
@@ -136,6 +141,15 @@ def config(args: argparse.Namespace, l1_blocks: int) -> CompareConfig:
         env={"VLLM_CPU_KVCACHE_SPACE": "2"})
 
 
+def hicache_extra(case: Case, args: argparse.Namespace, l1_blocks: int) -> dict[str, Any]:
+    """A HiCache case's connector keys: its own, then an L2 of ``--l2-ratio`` x the
+    small L1 (``--l1-blocks``) whichever L1 the case has, then ``--extra``."""
+    extra = {k: v for k, v in case.extra_config.items() if k != "l3"}
+    extra.update({"hicache_ratio": args.l2_ratio * args.l1_blocks / l1_blocks,
+                  "hicache_size": 0, **json.loads(args.extra)})
+    return extra
+
+
 def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTrace,
              out: Path, all_blocks: int) -> dict[str, Any]:
     from hicache.integration.vllm.engine import note_engine_start
@@ -153,11 +167,8 @@ def run_case(case: Case, round_: int, args: argparse.Namespace, trace: LoadedTra
         spec = SystemSpec(name=case.name, kind="vllm", env=env, extra_args=(
             "--kv-transfer-config", json.dumps(TRANSFER_CONFIG, separators=(",", ":"))))
     else:
-        extra = {k: v for k, v in case.extra_config.items() if k != "l3"}
-        extra.update({"hicache_ratio": args.l2_ratio, "hicache_size": 0,
-                      **json.loads(args.extra)})
         spec = SystemSpec(name=case.name, kind="hicache", l3=case.extra_config.get("l3"),
-                          extra_config=extra, env=env)
+                          extra_config=hicache_extra(case, args, l1), env=env)
     admin_port = free_port() if case.kind == "hicache" else 0
     lp = plan(cfg, spec, port=free_port(), admin_port=admin_port, workdir=out / "work")
     log = out / f"{tag}.log"

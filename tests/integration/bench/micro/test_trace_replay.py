@@ -1,6 +1,7 @@
 """integration/bench/micro/trace_replay.py's /metrics scraper (integration/bench/
 metrics_poll.py's poller) against real HTTP servers: answered scrapes are counted,
-a server that answers 503 is polled on and counted nothing."""
+a server that answers 503 is polled on and counted nothing. The HiCache cases'
+connector keys: the same L2 whichever L1 a case runs on."""
 
 from __future__ import annotations
 
@@ -53,3 +54,18 @@ def test_a_scrape_that_fails_is_skipped_not_counted():
     finally:
         server.shutdown()
         thread.join()
+
+
+def test_hicache_cases_get_the_same_l2_on_either_l1():
+    """``hicache-l1-all`` runs on the floor's L1 with the L2 pages ``hicache`` gets."""
+    import argparse
+
+    from hicache.integration.bench.micro.trace_replay import CASES, hicache_extra
+
+    args = argparse.Namespace(l2_ratio=4.0, l1_blocks=400, extra='{"hicache_l3_admission": "all"}')
+    cases = {c.name: c for c in CASES}
+    small = hicache_extra(cases["hicache"], args, 400)
+    big = hicache_extra(cases["hicache-l1-all"], args, 30_000)
+    assert small["hicache_ratio"] * 400 == pytest.approx(big["hicache_ratio"] * 30_000) == 1600
+    assert small["hicache_l3_admission"] == big["hicache_l3_admission"] == "all"
+    assert "l3" not in big and cases["hicache-l1-all"].l1 == "all"
