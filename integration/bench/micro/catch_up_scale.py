@@ -3,9 +3,10 @@
 After an L3 is attached or flushed, every page L2 holds is missing from L3, and
 the catch-up (tiers/controller/catch_up.py) backs them up a few at a time
 (``--in-flight`` pages per plan, hottest first) in the plans of the steps that
-follow. This builds the L2 part of the tree of a busy server (``--prefixes``
-shared prefixes of ``--prefix-pages`` pages, conversations of ``--tail-pages``
-pages hanging off them, until L2 holds ``--slots`` pages, none known in L3),
+follow. This builds the L2 part of the tree of a busy server (evict_scale.py's
+``fill``: ``--prefixes`` shared prefixes of ``--prefix-pages`` pages,
+conversations of ``--tail-pages`` pages hanging off them, until L2 holds
+``--slots`` pages, none known in L3),
 then runs plans until L3 holds every page: each plan's ``L3CatchUp.plan``
 timed, its pages reported backed up before the next (the fastest an L3 can
 go, so every plan has room). ``--touch`` pages of a random conversation are
@@ -21,10 +22,10 @@ critical path of the step it plans. Checks every page was backed up once.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
 import time
 
+from hicache.integration.bench.micro.evict_scale import fill
 from hicache.tiers.controller.catch_up import L3CatchUp
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.policies import AdmitAll
@@ -32,28 +33,9 @@ from hicache.tiers.controller.stats import SchedulerStats
 from hicache.tiers.index.page_keys import PageKey
 
 
-def _key(*parts: object) -> PageKey:
-    return PageKey(hashlib.sha256(repr(parts).encode()).digest())
-
-
 def _fill(args: argparse.Namespace, slots: int) -> tuple[L2Manager, list[list[PageKey]]]:
     l2 = L2Manager(slots, 1, SchedulerStats())
-    tree = l2.tree
-    prefixes = [[_key("p", p, i) for i in range(args.prefix_pages)] for p in range(args.prefixes)]
-    paths: list[list[PageKey]] = []
-    used = 0
-    for keys in prefixes:
-        tree.insert(keys, list(range(used, used + len(keys))))
-        used += len(keys)
-    n = 0
-    while used + args.tail_pages <= slots:
-        prefix = prefixes[n % len(prefixes)]
-        tail = [_key("t", n, j) for j in range(args.tail_pages)]
-        hit = tree.match_prefix(prefix).host_slots
-        tree.insert(prefix + tail, hit + list(range(used, used + args.tail_pages)))
-        paths.append(prefix + tail)
-        used += args.tail_pages
-        n += 1
+    _, paths = fill(l2.tree, args, slots)
     return l2, paths
 
 

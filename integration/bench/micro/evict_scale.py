@@ -46,22 +46,32 @@ class _Clock:
         return self.t
 
 
-def _fill(args: argparse.Namespace, slots: int) -> tuple[HiRadixTree, list[list[PageKey]], int]:
-    tree = HiRadixTree(_Clock())
+def fill(tree: HiRadixTree, args: argparse.Namespace, slots: int,
+         ) -> tuple[list[list[PageKey]], list[list[PageKey]]]:
+    """A busy server's L2 in ``tree``: ``args.prefixes`` prefixes of ``args.prefix_pages``
+    pages, then conversations of ``args.tail_pages`` pages hanging off them in turn
+    until ``slots`` pages are used. Returns the prefixes and each conversation's keys."""
     prefixes = [[_key("p", p, i) for i in range(args.prefix_pages)] for p in range(args.prefixes)]
+    paths: list[list[PageKey]] = []
     used = 0
     for keys in prefixes:
         tree.insert(keys, list(range(used, used + len(keys))))
         used += len(keys)
-    n = 0
     while used + args.tail_pages <= slots:
+        n = len(paths)
         prefix = prefixes[n % len(prefixes)]
         tail = [_key("t", n, j) for j in range(args.tail_pages)]
         hit = tree.match_prefix(prefix).host_slots
         tree.insert(prefix + tail, hit + list(range(used, used + args.tail_pages)))
+        paths.append(prefix + tail)
         used += args.tail_pages
-        n += 1
-    return tree, prefixes, n
+    return prefixes, paths
+
+
+def _fill(args: argparse.Namespace, slots: int) -> tuple[HiRadixTree, list[list[PageKey]], int]:
+    tree = HiRadixTree(_Clock())
+    prefixes, paths = fill(tree, args, slots)
+    return tree, prefixes, len(paths)
 
 
 def _stores(args: argparse.Namespace, slots: int, scan: bool) -> tuple[float, list[int], int]:
