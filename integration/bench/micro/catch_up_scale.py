@@ -25,7 +25,7 @@ import argparse
 import random
 import time
 
-from hicache.integration.bench.micro.evict_scale import fill
+from hicache.integration.bench.micro.evict_scale import fill, tree_args
 from hicache.tiers.controller.catch_up import L3CatchUp
 from hicache.tiers.controller.l2_manager import L2Manager
 from hicache.tiers.controller.policies import AdmitAll
@@ -68,11 +68,7 @@ def _catch_up(args: argparse.Namespace, slots: int) -> tuple[int, float, float, 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--slots", default="1000,4000,16000,64000",
-                   help="L2 sizes in pages, comma-separated")
-    p.add_argument("--prefixes", type=int, default=8)
-    p.add_argument("--prefix-pages", type=int, default=48)
-    p.add_argument("--tail-pages", type=int, default=2)
+    tree_args(p)
     p.add_argument("--in-flight", type=int, default=64,
                    help="catch-up pages per plan (the scheduler's default)")
     p.add_argument("--touch", type=int, default=1,

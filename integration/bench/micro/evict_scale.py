@@ -68,6 +68,15 @@ def fill(tree: HiRadixTree, args: argparse.Namespace, slots: int,
     return prefixes, paths
 
 
+def tree_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``fill``'s tree: L2 sizes and the shape of what fills them."""
+    p.add_argument("--slots", default="1000,4000,16000,64000",
+                   help="L2 sizes in pages, comma-separated")
+    p.add_argument("--prefixes", type=int, default=8)
+    p.add_argument("--prefix-pages", type=int, default=48)
+    p.add_argument("--tail-pages", type=int, default=2)
+
+
 def _fill(args: argparse.Namespace, slots: int) -> tuple[HiRadixTree, list[list[PageKey]], int]:
     tree = HiRadixTree(_Clock())
     prefixes, paths = fill(tree, args, slots)
@@ -101,11 +110,7 @@ def _stores(args: argparse.Namespace, slots: int, scan: bool) -> tuple[float, li
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--slots", default="1000,4000,16000,64000",
-                   help="L2 sizes in pages, comma-separated")
-    p.add_argument("--prefixes", type=int, default=8)
-    p.add_argument("--prefix-pages", type=int, default=48)
-    p.add_argument("--tail-pages", type=int, default=2)
+    tree_args(p)
     p.add_argument("--stores", type=int, default=400)
     args = p.parse_args(argv)
     print("| L2 pages | leaves | kept heap, us per store | every leaf ranked, us | scan / kept |")
