@@ -29,12 +29,12 @@ Contract:
   than are in flight or were found unfit, and then only after an L3 change
   (or a forget), or once the queue is empty and ``rescan_s`` has passed
   since the last one (pages admitted or stored since then). A backup in
-  flight that expired goes back to the queue's head. ``has_work`` (an idle engine steps while it holds) stays true while
-  the queue or the catch-up's backups in flight are not empty, or L2 holds
-  lacking pages that are not known unfit and either backups are in flight
-  (so an expiry is seen) or the next plan would scan (after an L3 change:
-  before, an engine that went idle as L3 was flushed or attached never
-  backed L2 up).
+  flight that expired goes back to the queue's head.
+- ``has_work`` (an idle engine steps while it holds) is true while the queue
+  or the catch-up's backups in flight are not empty, or while L2 holds
+  lacking pages not known unfit and either backups are in flight (so an
+  expiry is seen) or the next plan would scan: an engine that goes idle as
+  L3 is flushed or attached still backs L2 up.
 - ``backlog``: pages queued by the last scan and not yet taken, plus the
   catch-up's in flight (``/stats`` ``tiers.l3.backlog_pages``).
 - Not for models with Mamba state groups: the tree does not index their L3

@@ -105,7 +105,7 @@ def test_after_an_l3_flush_l2_is_backed_up_again_in_bounded_batches(tmp_path):
 
 def test_a_backlog_is_walked_once_and_taken_in_order_by_later_plans(tmp_path, monkeypatch):
     """The tree's L2 part is walked by one scan; the plans that follow take its
-    queue (a walk per plan cost O(L2 pages) each step while L3 lagged)."""
+    queue, in order, without walking it again."""
     clock = ManualClock(1000)
     sched = make(tmp_path, clock, catch_up_pages=2)
     keys = compute(sched, "a", tokens_of(100, 6))
