@@ -97,4 +97,3 @@ class Job:
     cancel: bool = False
     result: FetchResult | None = None
     slots: set[int] = field(default_factory=set)
-

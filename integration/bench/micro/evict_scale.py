@@ -46,6 +46,12 @@ class _Clock:
         return self.t
 
 
+def tail_keys(n: int, pages: int) -> list[PageKey]:
+    """The keys of conversation ``n``'s own pages (``fill`` makes conversations
+    0, 1, ...; a later store continues the numbering)."""
+    return [_key("t", n, j) for j in range(pages)]
+
+
 def fill(tree: HiRadixTree, args: argparse.Namespace, slots: int,
          ) -> tuple[list[list[PageKey]], list[list[PageKey]]]:
     """A busy server's L2 in ``tree``: ``args.prefixes`` prefixes of ``args.prefix_pages``
@@ -60,7 +66,7 @@ def fill(tree: HiRadixTree, args: argparse.Namespace, slots: int,
     while used + args.tail_pages <= slots:
         n = len(paths)
         prefix = prefixes[n % len(prefixes)]
-        tail = [_key("t", n, j) for j in range(args.tail_pages)]
+        tail = tail_keys(n, args.tail_pages)
         hit = tree.match_prefix(prefix).host_slots
         tree.insert(prefix + tail, hit + list(range(used, used + args.tail_pages)))
         paths.append(prefix + tail)
@@ -94,7 +100,7 @@ def _stores(args: argparse.Namespace, slots: int, scan: bool) -> tuple[float, li
     seconds = 0.0
     for i in range(-1, args.stores):  # store -1 (untimed): the kept heap is built once
         prefix = prefixes[(n + i) % len(prefixes)]
-        tail = [_key("t", n + i, j) for j in range(args.tail_pages)]
+        tail = tail_keys(n + i, args.tail_pages)
         t0 = time.perf_counter()
         hit = tree.match_prefix(prefix)
         tree.lock(hit.node)  # the prefix a store extends survives its eviction
